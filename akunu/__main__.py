@@ -1,0 +1,3 @@
+from akunu.cli.app import main
+
+main()
