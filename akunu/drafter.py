@@ -1,0 +1,52 @@
+"""What the speculative loop asks of a draft source.
+
+A drafter proposes tokens; verification and rollback stay in one shared path. A drafter
+that samples from a distribution returns it as `probs`, and sampled verification then
+uses the general min(1, p/q) rule; a deterministic drafter leaves it None (one-hot q).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+
+from akunu.ngram import NGramPredictor
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: mx.array | None = None  # (len(tokens), V) proposal distribution, or None for one-hot
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class Drafter(Protocol):
+    def start(self, context: Sequence[int]) -> None:
+        """Learn from the prompt (the whole conversation so far)."""
+
+    def update(self, tokens: Sequence[int]) -> None:
+        """Tokens just committed to the sequence, in order."""
+
+    def draft(self, n: int) -> Draft:
+        """Propose up to `n` tokens to follow the committed sequence."""
+
+
+class NGramDrafter:
+    """The default drafter: akunu's n-gram predictor."""
+
+    def __init__(self, max_order: int = 4, window: int = 512) -> None:
+        self.predictor = NGramPredictor(max_order=max_order, window=window)
+
+    def start(self, context: Sequence[int]) -> None:
+        self.predictor.update_batch(context)
+
+    def update(self, tokens: Sequence[int]) -> None:
+        self.predictor.update_batch(tokens)
+
+    def draft(self, n: int) -> Draft:
+        return Draft(self.predictor.predict(n))

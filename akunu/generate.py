@@ -1,0 +1,173 @@
+"""Streaming generation: prompt in, text segments and live statistics out.
+
+`stream_generate` picks the decode loop (plain or speculative), applies the stopping rules
+(EOS ids, stop strings, max tokens, context length) and keeps the timing honest: prefill
+ends when the first token is known, decode tok/s counts the tokens after it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from akunu.decode import plain_decode, prefill, speculative_decode
+from akunu.draft_length import DraftLength
+from akunu.drafter import Drafter, NGramDrafter
+from akunu.errors import OptionsError, PromptError
+from akunu.kv_cache import PromptCache, why_not_trimmable
+from akunu.sampling import SamplingParams
+from akunu.stats import GenerationStats
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    enabled: bool = True
+    draft_tokens: int = 4  # the most tokens drafted per round
+    adaptive: bool = True  # pick the length per round from acceptance and pass cost
+    ngram_order: int = 4
+    window: int = 512
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    stop: tuple[str, ...] = ()
+    prefill_step: int = 512
+
+
+@dataclass
+class GenerationResponse:
+    text: str  # the new text segment; may be empty while a character or stop string is pending
+    token: int | None  # None on a final response that only flushes text
+    from_draft: bool
+    stats: GenerationStats  # the live statistics of this generation (the same object throughout)
+    finish_reason: str | None = None  # "stop" (EOS or stop string) or "length" on the last response
+
+
+class _StopStrings:
+    """Holds back text that may be the start of a stop string until it is decided."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        hold = max(
+            (k for s in self.stops for k in range(1, min(len(s), len(self.pending)) + 1) if self.pending.endswith(s[:k])),
+            default=0,
+        )
+        out = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(out) :]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def _check_prompt(prompt: Sequence[int], config: GenerationConfig, context_length: int | None) -> None:
+    if not prompt:
+        raise PromptError("the prompt is empty")
+    if context_length and len(prompt) >= context_length:
+        raise PromptError(f"the prompt has {len(prompt)} tokens but the model's context is {context_length}")
+    if config.max_tokens < 1:
+        raise OptionsError(f"--max-tokens must be at least 1 (got {config.max_tokens})")
+    if config.spec.draft_tokens < 1:
+        raise OptionsError(f"--draft-tokens must be at least 1 (got {config.spec.draft_tokens})")
+
+
+def stream_generate(
+    model: nn.Module,
+    tokenizer,
+    prompt: Sequence[int],
+    config: GenerationConfig = GenerationConfig(),
+    *,
+    prompt_cache: PromptCache | None = None,
+    context_length: int | None = None,
+    drafter: Drafter | None = None,
+    costs: Sequence[float] | None = None,
+) -> Iterator[GenerationResponse]:
+    """Generate from token ids, yielding a response per token (and a final flush).
+
+    `tokenizer` needs `eos_ids` and `detokenizer()`. `prompt_cache` carries the KV cache
+    across calls (chat); `costs` is the relative pass-cost curve for adaptive drafting.
+    """
+    _check_prompt(prompt, config, context_length)
+    params = config.sampling
+    if params.seed is not None:
+        mx.random.seed(params.seed)
+    prompt_cache = prompt_cache or PromptCache(model)
+    budget = config.max_tokens
+    if context_length:
+        budget = min(budget, context_length - len(prompt))
+    stats = GenerationStats(prompt_tokens=len(prompt))
+    mx.reset_peak_memory()
+
+    start = time.perf_counter()
+    to_feed = prompt_cache.reuse(prompt)
+    stats.prefilled_tokens = len(to_feed)
+    logits = prefill(model, prompt_cache.cache, to_feed, config.prefill_step)
+    tokens = _decode_loop(model, prompt_cache.cache, logits, prompt, config, stats, drafter, costs, budget)
+
+    detokenizer, stops = tokenizer.detokenizer(), _StopStrings(config.stop)
+    decode_start, hit_stop_string = None, False
+    for token, from_draft in tokens:
+        now = time.perf_counter()
+        if decode_start is None:
+            stats.prefill_seconds, decode_start = now - start, now
+        stats.decode_seconds = now - decode_start
+        stats.peak_memory_mb = mx.get_peak_memory() / 1e6
+        prompt_cache.tokens.append(token)
+        if token in tokenizer.eos_ids:
+            stats.finish_reason = "stop"
+            break
+        stats.generated_tokens += 1
+        text, stopped = stops.feed(detokenizer.add(token))
+        if stopped:
+            stats.finish_reason, hit_stop_string = "stop", True
+            yield GenerationResponse(text, token, from_draft, stats)
+            break
+        if stats.generated_tokens >= budget:
+            stats.finish_reason = "length"
+            yield GenerationResponse(text, token, from_draft, stats)
+            break
+        yield GenerationResponse(text, token, from_draft, stats)
+    tail = ""
+    if not hit_stop_string:  # text after a stop string is dropped; anything else still pending is emitted
+        tail = stops.feed(detokenizer.flush())[0] + stops.flush()
+    yield GenerationResponse(tail, None, False, stats, stats.finish_reason)
+
+
+def _decode_loop(model, cache, logits, prompt, config, stats, drafter, costs, budget):
+    spec, params = config.spec, config.sampling
+    if not spec.enabled:
+        return plain_decode(model, cache, logits, params, stats)
+    reason = why_not_trimmable(cache)
+    if reason:
+        raise OptionsError(f"{reason}; run with --no-spec")
+    drafter = drafter or NGramDrafter(max_order=spec.ngram_order, window=spec.window)
+    drafter.start(prompt)
+    lengths = DraftLength(spec.draft_tokens, costs, adaptive=spec.adaptive)
+    return speculative_decode(model, cache, logits, params, stats, drafter, lengths, budget)
+
+
+def generate(model: nn.Module, tokenizer, prompt: Sequence[int], config: GenerationConfig = GenerationConfig(), **kwargs):
+    """Run `stream_generate` to the end; return (text, token ids, stats)."""
+    text, ids, stats = [], [], None
+    for response in stream_generate(model, tokenizer, prompt, config, **kwargs):
+        text.append(response.text)
+        if response.token is not None:
+            ids.append(response.token)
+        stats = response.stats
+    return "".join(text), ids, stats

@@ -1,0 +1,61 @@
+"""The target distribution: temperature and top-k / top-p / min-p filters over the logits.
+
+Plain sampling and speculative verification both draw from `target_logprobs`, so the
+speculative rule preserves exactly the distribution plain decoding samples from. The
+filters are mlx-lm's, applied in the order its `make_sampler` uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temp: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0
+
+    def validate(self, vocab_size: int) -> None:
+        from akunu.errors import OptionsError
+
+        if self.temp < 0:
+            raise OptionsError(f"--temp must be >= 0 (got {self.temp})")
+        if not 0 <= self.top_k < vocab_size:
+            raise OptionsError(f"--top-k must be in [0, {vocab_size}) (got {self.top_k})")
+        if not 0 < self.top_p <= 1:
+            raise OptionsError(f"--top-p must be in (0, 1] (got {self.top_p})")
+        if not 0 <= self.min_p <= 1:
+            raise OptionsError(f"--min-p must be in [0, 1] (got {self.min_p})")
+
+
+def target_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Normalised log-probabilities to sample from. logits: (..., V) -> (..., V) float32."""
+    logprobs = logits.astype(mx.float32)
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    if params.greedy:
+        return logprobs
+    if 0 < params.top_p < 1:
+        logprobs = apply_top_p(logprobs, params.top_p)
+    if params.min_p > 0:
+        logprobs = apply_min_p(logprobs, params.min_p)
+    if params.top_k > 0:
+        logprobs = apply_top_k(logprobs, params.top_k)
+    scaled = logprobs * (1.0 / params.temp)
+    return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+
+
+def sample(logprobs: mx.array, params: SamplingParams) -> mx.array:
+    """One token per row of `logprobs` (..., V) -> (...,) uint32."""
+    if params.greedy:
+        return mx.argmax(logprobs, axis=-1).astype(mx.uint32)
+    return mx.random.categorical(logprobs, axis=-1).astype(mx.uint32)

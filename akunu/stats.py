@@ -1,0 +1,66 @@
+"""Per-generation statistics, updated in place as tokens stream."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    prefilled_tokens: int = 0  # fewer than prompt_tokens when a prompt cache was reused
+    generated_tokens: int = 0
+    forward_passes: int = 0  # decode passes: single steps and verifications
+    drafted: int = 0
+    accepted: int = 0
+    accepted_lengths: Counter = field(default_factory=Counter)  # accepted drafts per verification
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    peak_memory_mb: float = 0.0
+    finish_reason: str | None = None
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        self.forward_passes += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if drafted:
+            self.accepted_lengths[accepted] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Tokens each decode pass produced; the first token comes from prefill."""
+        decoded = max(self.generated_tokens - 1, 0)
+        return decoded / self.forward_passes if self.forward_passes else 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefilled_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        decoded = max(self.generated_tokens - 1, 0)
+        return decoded / self.decode_seconds if self.decode_seconds else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "prefilled_tokens": self.prefilled_tokens,
+            "generated_tokens": self.generated_tokens,
+            "prefill_tps": round(self.prefill_tps, 2),
+            "decode_tps": round(self.decode_tps, 2),
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "decode_seconds": round(self.decode_seconds, 4),
+            "peak_memory_mb": round(self.peak_memory_mb, 1),
+            "forward_passes": self.forward_passes,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "tokens_per_pass": round(self.tokens_per_pass, 4),
+            "accepted_lengths": {str(k): v for k, v in sorted(self.accepted_lengths.items())},
+            "finish_reason": self.finish_reason,
+        }

@@ -1,0 +1,90 @@
+"""Greedy speculative decoding must equal plain greedy decoding token for token."""
+
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from akunu.generate import GenerationConfig, SpecConfig, generate
+from akunu.kv_cache import PromptCache, cache_length, make_cache
+from tests.tiny import FakeTokenizer, tiny_gemma3, tiny_llama
+
+TOKENIZER = FakeTokenizer()
+
+
+def run(model, prompt, spec: SpecConfig, max_tokens=40, **kwargs):
+    config = GenerationConfig(max_tokens=max_tokens, spec=spec)
+    return generate(model, TOKENIZER, prompt, config, **kwargs)
+
+
+def random_prompt(rng, vocab, repetitive):
+    if repetitive:  # a motif repeated with noise, so n-gram drafts get accepted
+        motif = [rng.randrange(vocab) for _ in range(rng.randint(3, 12))]
+        return (motif * rng.randint(2, 6))[: rng.randint(8, 60)] + motif[:2]
+    return [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+
+
+@pytest.mark.parametrize("model_fn", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-sliding"])
+def test_speculative_equals_plain_over_many_prompts(model_fn):
+    model = model_fn(seed=1)
+    rng = random.Random(0)
+    drafted = 0
+    for i in range(40):
+        prompt = random_prompt(rng, 64, repetitive=i % 2 == 0)
+        _, plain, _ = run(model, prompt, SpecConfig(enabled=False))
+        for spec in (SpecConfig(draft_tokens=4), SpecConfig(draft_tokens=7, adaptive=False)):
+            _, fast, stats = run(model, prompt, spec)
+            assert fast == plain, f"prompt {i} {spec}"
+            drafted += stats.accepted
+    assert drafted > 100  # the comparison exercised accepted drafts, not only plain steps
+
+
+def test_repetitive_generation_yields_several_tokens_per_pass():
+    # Without attention the model is a bigram model: greedy output cycles; n-grams then predict it.
+    model = tiny_llama(seed=3, sharpness=4.0, attention=0.0)
+    prompt = [5, 6, 7, 8] * 4
+    _, plain, _ = run(model, prompt, SpecConfig(enabled=False), max_tokens=120)
+    _, fast, stats = run(model, prompt, SpecConfig(draft_tokens=6, adaptive=False), max_tokens=120)
+    assert fast == plain
+    assert stats.tokens_per_pass > 2
+    assert stats.forward_passes < len(fast) / 2
+
+
+def test_sliding_window_model_matches_mlx_lm_rotating_cache_past_the_window():
+    # Our full cache + window mask must agree with mlx-lm's own rotating cache.
+    model = tiny_gemma3(seed=2, window=8)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    ours, theirs = make_cache(model), make_prompt_cache(model)
+    assert any(type(c).__name__ == "RotatingKVCache" for c in theirs)
+    for cache in (ours, theirs):
+        model(mx.array([prompt]), cache=cache)
+    for t in range(20):
+        a = model(mx.array([[t]]), cache=ours)
+        b = model(mx.array([[t]]), cache=theirs)
+        assert mx.allclose(a, b, atol=1e-4).item(), f"step {t}"
+
+
+def test_rollback_leaves_the_cache_exactly_at_the_generated_sequence():
+    model = tiny_llama(seed=4, sharpness=3.0)
+    cache = PromptCache(model)
+    prompt = [1, 2, 3, 4] * 5
+    _, tokens, stats = run(model, prompt, SpecConfig(draft_tokens=5, adaptive=False), prompt_cache=cache)
+    assert stats.drafted > stats.accepted > 0  # some drafts were rejected and rolled back
+    # Everything fed is the prompt plus generated tokens; the last one is not fed yet.
+    assert cache_length(cache.cache) in (len(prompt) + len(tokens) - 1, len(prompt) + len(tokens))
+    assert cache.tokens == prompt + tokens
+
+
+def test_max_tokens_and_eos_stop_speculative_rounds_mid_way():
+    model = tiny_llama(seed=5, sharpness=4.0)
+    prompt = [9, 8, 7] * 6
+    _, plain, _ = run(model, prompt, SpecConfig(enabled=False), max_tokens=50)
+    for n in (1, 2, 7, 13):
+        _, fast, stats = run(model, prompt, SpecConfig(draft_tokens=8, adaptive=False), max_tokens=n)
+        assert fast == plain[:n] and stats.finish_reason == "length"
+    eos = plain[10]
+    tokenizer = FakeTokenizer(eos_ids=frozenset({eos}))
+    config = GenerationConfig(max_tokens=50, spec=SpecConfig(draft_tokens=8, adaptive=False))
+    text, fast, stats = generate(model, tokenizer, prompt, config)
+    assert fast == plain[: plain.index(eos)] and stats.finish_reason == "stop"

@@ -1,0 +1,78 @@
+"""Tiny random-weight models and a stand-in tokenizer for engine tests."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx.utils import tree_map
+from mlx_lm.models import gemma3_text, llama
+
+
+def tiny_llama(
+    vocab: int = 64, layers: int = 2, hidden: int = 32, seed: int = 0, sharpness: float = 1.0, attention: float = 1.0
+):
+    """A random llama; `sharpness` scales the output head so distributions are peaked, and a
+    small `attention` makes it nearly a bigram model, whose greedy output soon cycles."""
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=hidden * 2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab,
+        tie_word_embeddings=False,
+    )
+    model = llama.Model(args)
+    model.update(tree_map(lambda p: p * 2.0, model.parameters()))  # livelier than the default init
+    model.lm_head.weight = model.lm_head.weight * sharpness
+    for layer in model.layers:
+        layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * attention
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_gemma3(vocab: int = 64, layers: int = 4, window: int = 8, seed: int = 0):
+    """A random Gemma-3 with a short sliding window, so tests cross it quickly."""
+    mx.random.seed(seed)
+    args = gemma3_text.ModelArgs(
+        model_type="gemma3_text",
+        hidden_size=32,
+        num_hidden_layers=layers,
+        intermediate_size=64,
+        num_attention_heads=2,
+        head_dim=16,
+        num_key_value_heads=1,
+        vocab_size=vocab,
+        sliding_window=window,
+        sliding_window_pattern=2,
+        query_pre_attn_scalar=16,
+    )
+    model = gemma3_text.Model(args)
+    model.update(tree_map(lambda p: p * 2.0, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+class _Detokenizer:
+    def __init__(self) -> None:
+        self.text = ""
+
+    def add(self, token: int) -> str:
+        piece = f"<{token}>"
+        self.text += piece
+        return piece
+
+    def flush(self) -> str:
+        return ""
+
+
+class FakeTokenizer:
+    """Token i reads as "<i>"; `eos_ids` is configurable."""
+
+    def __init__(self, eos_ids: frozenset[int] = frozenset()) -> None:
+        self.eos_ids = eos_ids
+
+    def detokenizer(self) -> _Detokenizer:
+        return _Detokenizer()
