@@ -7,7 +7,10 @@ using this backend's cost curve; n = 0 (a plain step) wins when drafts rarely la
 
 from __future__ import annotations
 
+import json
+import re
 import time
+from pathlib import Path
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -84,3 +87,24 @@ class DraftLength:
         # back to the prior and drafting is tried again.
         self.hits = self.hits * self.decay + accepted
         self.misses = self.misses * self.decay + (1 if accepted < drafted else 0)
+
+
+def cached_cost_curve(model: nn.Module, key: str, directory: Path, max_width: int = 16) -> list[float]:
+    """Relative pass costs for this model and backend, measured once and kept in `directory`.
+
+    `key` names the model, dtype and backend (e.g. "smollm2-135m-float32-cpu-openblas"): the
+    curve is a property of all three. Measuring takes a few seconds the first time.
+    """
+    path = directory / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', key)}.json"
+    try:
+        saved = json.loads(path.read_text())
+        if len(saved["seconds"]) >= max_width:
+            return relative_costs(saved["seconds"])
+    except (OSError, ValueError, KeyError):
+        pass
+    seconds = measure_cost_curve(model, max_width)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "seconds": seconds}))
+    tmp.replace(path)
+    return relative_costs(seconds)
