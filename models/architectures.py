@@ -1,0 +1,173 @@
+"""Map GGUF architectures onto mlx-lm model configs and parameter names.
+
+The model code is mlx-lm's; this only translates llama.cpp's metadata keys and tensor
+names (`blk.N.attn_q`, ...) into an mlx-lm `config.json`-style dict and module paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from akunu.errors import ModelError
+from akunu.models.gguf_file import GGUFFile
+
+# GGUF tensor stems shared by the llama-like families -> mlx-lm module paths.
+_TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_PROJECTIONS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Tensors llama.cpp stores that mlx-lm recomputes (e.g. llama3 rope frequency factors).
+_IGNORED = {"rope_freqs"}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    gguf_name: str
+    layer_names: dict[str, str]
+    build_config: Callable[[GGUFFile], dict[str, Any]]
+    adjust: Callable[[str, mx.array], mx.array] = lambda name, array: array
+
+    def mlx_name(self, gguf_name: str) -> str | None:
+        """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None to drop."""
+        stem, suffix = gguf_name.rsplit(".", 1)
+        if stem.startswith("blk."):
+            _, index, rest = stem.split(".", 2)
+            if rest not in self.layer_names:
+                raise ModelError(f"unexpected tensor {gguf_name} in a {self.gguf_name} GGUF file")
+            return f"model.layers.{index}.{self.layer_names[rest]}.{suffix}"
+        if stem in _IGNORED:
+            return None
+        if stem not in _TOP_LEVEL:
+            raise ModelError(f"unexpected tensor {gguf_name} in a {self.gguf_name} GGUF file")
+        return f"{_TOP_LEVEL[stem]}.{suffix}"
+
+    def map_weights(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        mapped = {}
+        for name, array in weights.items():
+            target = self.mlx_name(name)
+            if target is not None:
+                mapped[target] = self.adjust(target, array)
+        return mapped
+
+
+def _required(gguf_file: GGUFFile, key: str) -> Any:
+    value = gguf_file.arch_value(key)
+    if value is None:
+        raise ModelError(f"{gguf_file.path.name} lacks metadata key {gguf_file.architecture}.{key}")
+    return value
+
+
+def _int(gguf_file: GGUFFile, key: str, default: int | None = None) -> int:
+    value = gguf_file.arch_value(key, default) if default is not None else _required(gguf_file, key)
+    if not isinstance(value, (int, float)):
+        raise ModelError(f"{gguf_file.path.name}: per-layer values for {gguf_file.architecture}.{key} are not supported")
+    return int(value)
+
+
+def _vocab_size(gguf_file: GGUFFile) -> int:
+    embedding = gguf_file.tensors.get("token_embd.weight")
+    if embedding is None:
+        raise ModelError(f"{gguf_file.path.name} has no token_embd.weight tensor")
+    return embedding.shape[0]
+
+
+def _rope_scaling(gguf_file: GGUFFile) -> dict[str, Any] | None:
+    kind = gguf_file.arch_value("rope.scaling.type")
+    factor = gguf_file.arch_value("rope.scaling.factor")
+    if kind in (None, "none") or not factor or float(factor) == 1.0:
+        return None
+    if kind != "linear":
+        raise ModelError(f"{gguf_file.path.name} uses rope scaling '{kind}', which akunu does not support yet")
+    return {"rope_type": "linear", "factor": float(factor)}
+
+
+def _common_config(gguf_file: GGUFFile) -> dict[str, Any]:
+    heads = _int(gguf_file, "attention.head_count")
+    hidden = _int(gguf_file, "embedding_length")
+    return {
+        "hidden_size": hidden,
+        "num_hidden_layers": _int(gguf_file, "block_count"),
+        "intermediate_size": _int(gguf_file, "feed_forward_length"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _int(gguf_file, "attention.head_count_kv", heads),
+        "head_dim": _int(gguf_file, "attention.key_length", hidden // heads),
+        "rms_norm_eps": float(_required(gguf_file, "attention.layer_norm_rms_epsilon")),
+        "vocab_size": _vocab_size(gguf_file),
+        "max_position_embeddings": _int(gguf_file, "context_length", 4096),
+        "rope_scaling": _rope_scaling(gguf_file),
+    }
+
+
+def _llama_config(gguf_file: GGUFFile) -> dict[str, Any]:
+    return {
+        "model_type": "llama",
+        **_common_config(gguf_file),
+        "rope_theta": float(gguf_file.arch_value("rope.freq_base", 10000.0)),
+        # llama.cpp's converter permutes Q/K rows into the interleaved (GPT-J) rope layout.
+        "rope_traditional": True,
+        "tie_word_embeddings": "output.weight" not in gguf_file.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in gguf_file.tensors,
+        "mlp_bias": "blk.0.ffn_up.bias" in gguf_file.tensors,
+    }
+
+
+def _gemma3_config(gguf_file: GGUFFile) -> dict[str, Any]:
+    common = _common_config(gguf_file)
+    return {
+        "model_type": "gemma3_text",
+        **common,
+        "rope_theta": float(gguf_file.arch_value("rope.freq_base", 1_000_000.0)),
+        "rope_local_base_freq": 10_000.0,
+        "query_pre_attn_scalar": common["head_dim"],
+        "sliding_window": _int(gguf_file, "attention.sliding_window", 512),
+        "sliding_window_pattern": 6,
+    }
+
+
+def _gemma_norm_adjust(name: str, array: mx.array) -> mx.array:
+    # llama.cpp stores Gemma's RMSNorm weight as (1 + w); mlx-lm adds the 1 itself.
+    return array - 1.0 if name.endswith("norm.weight") else array
+
+
+LLAMA = Architecture(
+    gguf_name="llama",
+    layer_names={**_PROJECTIONS, "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
+    build_config=_llama_config,
+)
+
+GEMMA3 = Architecture(
+    gguf_name="gemma3",
+    layer_names={
+        **_PROJECTIONS,
+        "attn_norm": "input_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+    },
+    build_config=_gemma3_config,
+    adjust=_gemma_norm_adjust,
+)
+
+SUPPORTED = {arch.gguf_name: arch for arch in (LLAMA, GEMMA3)}
+
+
+def architecture_of(gguf_file: GGUFFile) -> Architecture:
+    name = gguf_file.architecture
+    if name not in SUPPORTED:
+        shown = name or "(none)"
+        raise ModelError(
+            f"{gguf_file.path.name} is a '{shown}' model; akunu supports the GGUF architectures: "
+            + ", ".join(sorted(SUPPORTED))
+        )
+    return SUPPORTED[name]

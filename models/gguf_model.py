@@ -1,0 +1,57 @@
+"""Build an mlx-lm model from a GGUF file: config from metadata, weights mapped and loaded strictly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.utils import _get_classes
+
+from akunu.errors import ModelError
+from akunu.models.architectures import architecture_of
+from akunu.models.gguf_file import GGUFFile, read_gguf
+from akunu.models.gguf_weights import GROUP_SIZE, Progress, quantized_stems, read_weights
+
+
+def load_gguf_model(path: Path, *, quantized: bool, progress: Progress | None = None) -> tuple[nn.Module, dict[str, Any], GGUFFile]:
+    """The mlx-lm model for a GGUF file, its mlx-lm config, and the parsed file."""
+    gguf_file = read_gguf(path)
+    architecture = architecture_of(gguf_file)
+    config = architecture.build_config(gguf_file)
+    weights = architecture.map_weights(read_weights(gguf_file, keep_quantized=quantized, progress=progress))
+    model = _instantiate(config)
+    weights = model.sanitize(weights) if hasattr(model, "sanitize") else weights
+    _quantize_like(model, weights)
+    model.eval()
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as error:
+        raise ModelError(f"{path.name}: weights do not match the {gguf_file.architecture} layout ({_first_line(error)})") from None
+    mx.eval(model.parameters())
+    return model, config, gguf_file
+
+
+def _instantiate(config: dict[str, Any]) -> nn.Module:
+    model_class, args_class = _get_classes(config)
+    return model_class(args_class.from_dict(config))
+
+
+def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
+    """Swap each Linear/Embedding whose weight arrives quantized for its quantized twin, bits per layer."""
+    bits_by_path = quantized_stems(weights)
+    if not bits_by_path:
+        return
+
+    def predicate(path: str, module: nn.Module) -> bool | dict[str, int]:
+        if path not in bits_by_path or not hasattr(module, "to_quantized"):
+            return False
+        return {"group_size": GROUP_SIZE, "bits": bits_by_path[path]}
+
+    nn.quantize(model, group_size=GROUP_SIZE, bits=4, class_predicate=predicate)
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:200] if text else type(error).__name__

@@ -1,0 +1,149 @@
+"""Turn the tensors of a GGUF file into MLX arrays, quantized or float32.
+
+Weight policy (the README quotes this):
+
+* Files holding only F32, F16, Q4_0, Q4_1 and Q8_0 tensors are read by `mx.load`, which maps
+  each quantized block exactly onto an MLX affine-quantized triple (weight, scales, biases;
+  group size 32, 4 or 8 bits read from the packed shapes). Nothing is approximated.
+* Files with other types (the K-quants Q2_K..Q6_K, Q5_0/Q5_1, IQ*) are dequantized to
+  float32 with the `gguf` package. In "quantized" mode every dequantized matrix is then
+  re-quantized to MLX affine with group size 32: types of at most 5 bits per weight
+  (Q2_K, Q3_K, Q4_K, Q4_0, Q4_1, IQ4_*) become 4-bit, richer ones (Q5_*, Q6_K, Q8_0)
+  become 8-bit, so precision is never below the source's bit width class.
+* In "float32" mode every quantized weight is dequantized to float32 at load time.
+* Non-matrix tensors (norms, biases) are always float32.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from akunu.errors import ModelError
+from akunu.models.gguf_file import GGUFFile, TensorInfo
+
+Progress = Callable[[str, int, int], None]
+
+GROUP_SIZE = 32
+FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+# Types MLX's own GGUF reader turns into exact MLX-quantized (or float) arrays.
+MX_LOAD_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                 GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
+
+
+def requantize_bits(ggml_type: GGMLQuantizationType) -> int:
+    """MLX bit width for a dequantized GGUF matrix: 4 up to 5 bits/weight, else 8."""
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    return 4 if type_size * 8 / block_size <= 5.0 else 8
+
+
+def check_supported_types(gguf_file: GGUFFile) -> None:
+    """Raise ModelError naming any tensor type we cannot decode, before reading anything."""
+    for ggml_type in sorted({t.ggml_type for t in gguf_file.tensors.values()}, key=int):
+        if ggml_type not in FLOAT_TYPES and not _can_dequantize(ggml_type):
+            raise ModelError(
+                f"{gguf_file.path.name} uses quantization type {ggml_type.name}, which akunu "
+                "cannot decode (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K)"
+            )
+
+
+def _can_dequantize(ggml_type: GGMLQuantizationType) -> bool:
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    try:
+        dequantize(np.zeros((1, type_size), dtype=np.uint8), ggml_type)
+    except (NotImplementedError, ValueError, KeyError):
+        return False
+    return True
+
+
+def read_weights(gguf_file: GGUFFile, *, keep_quantized: bool, progress: Progress | None = None) -> dict[str, mx.array]:
+    """All tensors, keyed like `mx.load` keys them: `x.weight` plus `x.scales`/`x.biases` if quantized."""
+    check_supported_types(gguf_file)
+    if all(t.ggml_type in MX_LOAD_TYPES for t in gguf_file.tensors.values()):
+        weights = _read_with_mx_load(gguf_file)
+        if progress:
+            progress("load", len(gguf_file.tensors), len(gguf_file.tensors))
+    else:
+        weights = _read_with_dequantize(gguf_file, keep_quantized, progress)
+    return to_float32(weights) if not keep_quantized else _float_tensors_to_f32(weights)
+
+
+def _read_with_mx_load(gguf_file: GGUFFile) -> dict[str, mx.array]:
+    try:
+        return mx.load(str(gguf_file.path))
+    except (RuntimeError, ValueError) as error:
+        raise ModelError(f"{gguf_file.path} could not be read by MLX: {error}") from None
+
+
+def _read_with_dequantize(gguf_file: GGUFFile, keep_quantized: bool, progress: Progress | None) -> dict[str, mx.array]:
+    weights: dict[str, mx.array] = {}
+    infos = list(gguf_file.tensors.values())
+    for done, info in enumerate(infos, 1):
+        weights.update(_decode_tensor(gguf_file, info, keep_quantized))
+        if progress:
+            progress("load", done, len(infos))
+    return weights
+
+
+def _decode_tensor(gguf_file: GGUFFile, info: TensorInfo, keep_quantized: bool) -> dict[str, mx.array]:
+    raw = gguf_file.tensor_bytes(info)
+    if info.ggml_type == GGMLQuantizationType.F32:
+        values = raw.view(np.float32).reshape(info.shape)
+    elif info.ggml_type == GGMLQuantizationType.F16:
+        values = raw.view(np.float16).reshape(info.shape).astype(np.float32)
+    else:
+        rows = int(np.prod(info.shape[:-1], dtype=np.int64)) if len(info.shape) > 1 else 1
+        values = dequantize(raw.reshape(rows, -1), info.ggml_type).reshape(info.shape)
+    array = mx.array(values, dtype=mx.float32)
+    requantize = (keep_quantized and info.ggml_type not in FLOAT_TYPES
+                  and array.ndim == 2 and array.shape[-1] % GROUP_SIZE == 0)
+    if not requantize:
+        return {info.name: array}
+    packed, scales, biases = mx.quantize(array, group_size=GROUP_SIZE, bits=requantize_bits(info.ggml_type))
+    mx.eval(packed, scales, biases)  # drop the float copy now, not at the end of the load
+    stem = info.name.removesuffix(".weight")
+    return {info.name: packed, f"{stem}.scales": scales, f"{stem}.biases": biases}
+
+
+def quantized_stems(weights: dict[str, mx.array]) -> dict[str, int]:
+    """Module paths holding MLX-quantized weights -> bits (read from packed vs scales widths)."""
+    bits = {}
+    for name, scales in weights.items():
+        if name.endswith(".scales"):
+            stem = name.removesuffix(".scales")
+            packed = weights[f"{stem}.weight"]
+            bits[stem] = packed.shape[-1] * 32 // (scales.shape[-1] * GROUP_SIZE)
+    return bits
+
+
+def to_float32(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Dequantize every quantized triple and cast every float tensor to float32."""
+    out = {}
+    for stem, bits in quantized_stems(weights).items():
+        out[f"{stem}.weight"] = mx.dequantize(
+            weights[f"{stem}.weight"], weights[f"{stem}.scales"], weights[f"{stem}.biases"],
+            group_size=GROUP_SIZE, bits=bits,
+        ).astype(mx.float32)
+    for name, array in weights.items():
+        if name not in out and not name.endswith((".scales", ".biases")) or _is_plain_bias(name, weights):
+            out[name] = array.astype(mx.float32)
+    return out
+
+
+def _float_tensors_to_f32(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Keep quantized triples, and cast plain float tensors (norms, biases, F16 matrices) to float32."""
+    stems = quantized_stems(weights)
+    out = {}
+    for name, array in weights.items():
+        stem = name.rsplit(".", 1)[0]
+        out[name] = array if stem in stems else array.astype(mx.float32)
+    return out
+
+
+def _is_plain_bias(name: str, weights: dict[str, mx.array]) -> bool:
+    """`x.biases` is a quantization offset only when `x.scales` exists beside it."""
+    return name.endswith(".biases") and f"{name.removesuffix('.biases')}.scales" not in weights
