@@ -49,7 +49,8 @@ def test_smollm2_chatml_keeps_a_given_system_prompt_and_can_omit_generation_prom
 def test_gemma_like_template_uses_bos_token_and_whitespace_control():
     rendered = ChatTemplate(GEMMA_LIKE_TEMPLATE).render(CONVERSATION, bos_token="<bos>")
     assert rendered == (
-        "<bos><start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n4.<end_of_turn>\n<start_of_turn>model\n"
+        "<bos><start_of_turn>user\nWhat is 2+2?<end_of_turn>\n"
+        "<start_of_turn>model\n4.<end_of_turn>\n<start_of_turn>model\n"
     )
 
 
@@ -76,7 +77,9 @@ def test_hf_helpers_tojson_strftime_generation_and_loop_controls():
 
 
 def test_tojson_accepts_hf_keyword_arguments():
-    rendered = ChatTemplate("{{ messages | tojson(indent=2, sort_keys=True) }}").render([{"role": "user", "content": "x"}])
+    rendered = ChatTemplate("{{ messages | tojson(indent=2, sort_keys=True) }}").render(
+        [{"role": "user", "content": "x"}]
+    )
     assert rendered == '[\n  {\n    "content": "x",\n    "role": "user"\n  }\n]'
 
 
