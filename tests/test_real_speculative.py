@@ -1,0 +1,84 @@
+"""Speculative decoding on the real models: identical greedy output, and real gains on copy-heavy text."""
+
+import pytest
+
+from akunu.generate import GenerationConfig, SpecConfig, generate
+
+pytestmark = pytest.mark.real_model
+
+CODE = '''def merge_intervals(intervals):
+    """Merge overlapping [start, end] intervals and return them sorted."""
+    if not intervals:
+        return []
+    ordered = sorted(intervals, key=lambda pair: pair[0])
+    merged = [list(ordered[0])]
+    for start, end in ordered[1:]:
+        last = merged[-1]
+        if start <= last[1]:
+            last[1] = max(last[1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def total_covered(intervals):
+    """Length of the union of the intervals."""
+    return sum(end - start for start, end in merge_intervals(intervals))
+
+
+def gaps(intervals, lower, upper):
+    """The uncovered stretches between lower and upper."""
+    result = []
+    cursor = lower
+    for start, end in merge_intervals(intervals):
+        if start > cursor:
+            result.append([cursor, min(start, upper)])
+        cursor = max(cursor, end)
+        if cursor >= upper:
+            break
+    if cursor < upper:
+        result.append([cursor, upper])
+    return result
+'''
+COPY_PROMPT = f"Repeat this code exactly, with the function merge_intervals renamed to combine_ranges:\n\n{CODE}"
+
+
+@pytest.fixture(scope="module", params=["float32", "quantized"])
+def smollm2(request):
+    from akunu.models import load_model
+
+    return load_model("smollm2-135m", dtype=request.param)
+
+
+def chat_ids(loaded, text):
+    tokenizer = loaded.tokenizer
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+
+
+def test_copy_heavy_prompt_is_identical_and_takes_two_tokens_per_pass(smollm2):
+    ids = chat_ids(smollm2, COPY_PROMPT)
+    run = lambda spec: generate(smollm2.model, smollm2.tokenizer, ids, GenerationConfig(max_tokens=128, spec=spec))
+    _, plain, _ = run(SpecConfig(enabled=False))
+    _, fast, stats = run(SpecConfig())
+    assert fast == plain
+    assert stats.tokens_per_pass >= 2, stats.to_dict()
+
+
+def test_open_ended_prompt_is_identical(smollm2):
+    ids = chat_ids(smollm2, "Tell me about the history of tea in three sentences.")
+    run = lambda spec: generate(smollm2.model, smollm2.tokenizer, ids, GenerationConfig(max_tokens=48, spec=spec))
+    assert run(SpecConfig(adaptive=False, draft_tokens=6))[1] == run(SpecConfig(enabled=False))[1]
+
+
+def test_gemma3_sliding_window_layers_roll_back_exactly_past_the_window():
+    from akunu.models import load_model
+
+    gemma = load_model("gemma3-270m")
+    text = ("The river rose in the spring and the village moved its market to the hill. " * 60).strip()
+    ids = gemma.tokenizer.encode(text)
+    assert len(ids) > 600  # longer than the 512-token sliding window
+    run = lambda spec: generate(gemma.model, gemma.tokenizer, ids, GenerationConfig(max_tokens=32, spec=spec))
+    _, plain, _ = run(SpecConfig(enabled=False))
+    _, fast, stats = run(SpecConfig(adaptive=False, draft_tokens=6))
+    assert fast == plain
+    assert stats.accepted > 0
