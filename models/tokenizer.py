@@ -96,6 +96,8 @@ _LLAMA3_PRE = (
     "dbrx",
     "smaug-bpe",
 )
+# Qwen's tokenizer.json composes text to NFC before splitting it.
+_NFC_PRE = ("qwen2", "deepseek-r1-qwen")
 _SPLIT_REGEX_BY_PRE = {
     **{pre: _LLAMA3_REGEX for pre in _LLAMA3_PRE},
     **{pre: _QWEN2_REGEX for pre in ("qwen2", "stablelm2", "deepseek-r1-qwen", "megrez", "hunyuan")},
@@ -272,6 +274,8 @@ def _byte_level_bpe_from_gguf(metadata: Mapping[str, Any], source: str) -> Token
             raise ModelError(f"{source} has an inconsistent BPE vocabulary: {error}") from None
         hf = tokenizers.Tokenizer(model)
         hf.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+        if pre in _NFC_PRE:
+            hf.normalizer = normalizers.NFC()
         hf.decoder = decoders.ByteLevel()
         hf.add_special_tokens(
             [AddedToken(tokens[i], special=True, normalized=False) for i in added if types[i] == TokenType.CONTROL]
@@ -565,7 +569,7 @@ def _from_hf_dir(path: Path) -> Tokenizer:
     eos_ids |= {i for i in added if pieces[i] in END_OF_TURN_TEXTS}
     add_bos = config.get("add_bos_token")
     if add_bos is None:  # decided by the post-processor: does it put BOS in front?
-        add_bos = bos_id is not None and hf.encode("", add_special_tokens=True).ids[:1] == [bos_id]
+        add_bos = bos_id is not None and hf.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
 
     return Tokenizer(
         encode_plain=lambda text: hf.encode(text, add_special_tokens=False).ids,

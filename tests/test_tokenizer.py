@@ -399,3 +399,76 @@ def test_ids_match_transformers_gguf_conversion(model, split_digits, request):
         if tok.encode(text, add_bos=False) != reference.encode(text, add_special_tokens=False).ids
     ]
     assert mismatches == []
+
+
+# Optional: original HF tokenizers as references ------------------------------------------------------
+# AKUNU_TEST_REFERENCE_TOKENIZERS names a folder holding <name>/tokenizer.json of original HF tokenizers
+# (llama2, llama3, qwen3, gemma3). Each is turned into the metadata llama.cpp's converter would write,
+# rebuilt by us, and must give the original's ids: this pins the pre-tokenizer table and the
+# sentencepiece path (dummy prefix, byte fallback) to real tokenizers.
+
+
+def _reference_tokenizer_file(name: str) -> Path:
+    root = os.environ.get("AKUNU_TEST_REFERENCE_TOKENIZERS")
+    path = Path(root or "") / name / "tokenizer.json"
+    if not root or not path.is_file():
+        pytest.skip(f"no reference {name}/tokenizer.json (set AKUNU_TEST_REFERENCE_TOKENIZERS)")
+    return path
+
+
+def _metadata_like_llama_cpp(spec: dict, model: str, pre: str | None) -> dict:
+    """What convert_hf_to_gguf.py writes for this tokenizer.json: each id's text and type, and merges or scores."""
+    vocab, added = spec["model"]["vocab"], {token["id"]: token for token in spec["added_tokens"]}
+    size = max([*vocab.values(), *added]) + 1
+    tokens, types = [f"[PAD{i}]" for i in range(size)], [TokenType.UNUSED] * size
+    for text, i in vocab.items():
+        byte_piece = model == "llama" and len(text) == 6 and text.startswith("<0x")
+        tokens[i], types[i] = text, TokenType.BYTE if byte_piece else TokenType.NORMAL
+    for i, token in added.items():
+        tokens[i], types[i] = token["content"], TokenType.CONTROL if token["special"] else TokenType.USER_DEFINED
+    merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in spec["model"]["merges"]]
+    metadata = {"tokenizer.ggml.model": model, "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types}
+    if model == "gpt2":
+        return metadata | {"tokenizer.ggml.pre": pre, "tokenizer.ggml.merges": merges}
+    # A sentencepiece BPE piece's score orders its merge: minus the rank of the merge that first makes it.
+    scores = [0.0 if len(text) == 1 else -1e9 for text in tokens]
+    for rank, merge in enumerate(merges):
+        merged = vocab[merge.replace(" ", "", 1)]
+        scores[merged] = max(scores[merged], -float(rank))
+    return metadata | {"tokenizer.ggml.scores": scores, "tokenizer.ggml.unknown_token_id": 0}
+
+
+@pytest.mark.parametrize(
+    ("name", "model", "pre"), [("llama2", "llama", None), ("llama3", "gpt2", "llama-bpe"), ("qwen3", "gpt2", "qwen2")]
+)
+def test_rebuilt_tokenizer_matches_original_hf_tokenizer(name, model, pre):
+    import json
+
+    import tokenizers
+
+    path = _reference_tokenizer_file(name)
+    original = tokenizers.Tokenizer.from_file(str(path))
+    rebuilt = Tokenizer.from_gguf_metadata(_metadata_like_llama_cpp(json.loads(path.read_text()), model, pre))
+    corpus = (
+        ROUND_TRIP_TEXTS
+        + ["e\u0301 composed by NFC", "I'M DON'T it's", "x\n\n1"]
+        + _fuzz_corpus(rebuilt, count=800, seed=3)
+    )
+    original_ids = [original.encode(text, add_special_tokens=False).ids for text in corpus]
+    assert [rebuilt.encode(text, add_bos=False) for text in corpus] == original_ids
+    from_dir = Tokenizer.from_hf_dir(path.parent)
+    assert [from_dir.encode(text, add_bos=False) for text in corpus] == original_ids
+
+
+@pytest.mark.real_model
+def test_gemma3_gguf_matches_original_hf_tokenizer(gemma3):
+    import tokenizers
+
+    original = tokenizers.Tokenizer.from_file(str(_reference_tokenizer_file("gemma3")))
+    corpus = ROUND_TRIP_TEXTS + _fuzz_corpus(gemma3, count=1500, seed=4)
+    mismatches = [
+        text
+        for text in corpus
+        if gemma3.encode(text, add_bos=False) != original.encode(text, add_special_tokens=False).ids
+    ]
+    assert mismatches == []
