@@ -45,7 +45,9 @@ class ChatTemplate:
                 **variables,
             )
         except SecurityError as error:
-            raise ModelError(f"the model's chat template tried an unsafe operation and was stopped: {_one_line(error)}") from None
+            raise ModelError(
+                f"the model's chat template tried an unsafe operation and was stopped: {_one_line(error)}"
+            ) from None
         except TemplateRaised as error:
             raise ModelError(f"the model's chat template rejected the conversation: {_one_line(error)}") from None
         except Exception as error:  # noqa: BLE001 - any failure inside an untrusted template is the model's fault
@@ -95,7 +97,9 @@ def _sandbox() -> ImmutableSandboxedEnvironment:
     return environment
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # HF's variant: no HTML escaping and non-ASCII kept as is, unlike Jinja's built-in filter.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
