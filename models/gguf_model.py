@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -11,14 +10,15 @@ from mlx_lm.utils import _get_classes
 
 from akunu.errors import ModelError
 from akunu.models.architectures import architecture_of
-from akunu.models.gguf_file import GGUFFile, read_gguf
-from akunu.models.gguf_weights import GROUP_SIZE, Progress, quantized_stems, read_weights
+from akunu.models.gguf_file import GGUFFile
+from akunu.models.gguf_weights import GROUP_SIZE, Progress, check_supported_types, quantized_stems, read_weights
 
 
-def load_gguf_model(path: Path, *, quantized: bool, progress: Progress | None = None) -> tuple[nn.Module, dict[str, Any], GGUFFile]:
-    """The mlx-lm model for a GGUF file, its mlx-lm config, and the parsed file."""
-    gguf_file = read_gguf(path)
+def load_gguf_model(gguf_file: GGUFFile, *, quantized: bool, progress: Progress | None = None) -> tuple[nn.Module, dict[str, Any]]:
+    """The mlx-lm model for a parsed GGUF file (see `gguf_file.read_gguf`), and its mlx-lm config."""
+    path = gguf_file.path
     architecture = architecture_of(gguf_file)
+    check_supported_types(gguf_file)
     config = architecture.build_config(gguf_file)
     weights = architecture.map_weights(read_weights(gguf_file, keep_quantized=quantized, progress=progress))
     model = _instantiate(config)
@@ -30,7 +30,7 @@ def load_gguf_model(path: Path, *, quantized: bool, progress: Progress | None = 
     except ValueError as error:
         raise ModelError(f"{path.name}: weights do not match the {gguf_file.architecture} layout ({_first_line(error)})") from None
     mx.eval(model.parameters())
-    return model, config, gguf_file
+    return model, config
 
 
 def _instantiate(config: dict[str, Any]) -> nn.Module:

@@ -1,0 +1,59 @@
+"""Choose how weights are held in memory: MLX-quantized, or dequantized to float32.
+
+Policy for dtype="auto", measured on a 2-core x86_64 Linux box with MLX's CPU backend
+(scripts/measure_dtype.py, greedy decode, ms per token; SmolLM2-135M Q4_1 / Gemma-3-270M Q4_K_M):
+
+* Metal GPU available: quantized (MLX's quantized kernels are its fast path there).
+* CPU with an optimized BLAS (OpenBLAS preloaded on Linux, Accelerate on macOS): float32.
+  Float32 matmuls go to the BLAS, which beats MLX's CPU quantized kernels
+  (SmolLM2 ~68 vs ~115 ms/token; Gemma-3 ~133 vs ~203 ms/token).
+* CPU with only the reference BLAS bundled with mlx: quantized (float32 ~200 vs ~120 ms/token).
+* Float32 weights that would take more than half of physical memory: quantized, whatever the backend.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from akunu import _blas
+from akunu.errors import OptionsError
+
+DTYPE_CHOICES = ("auto", "quantized", "float32")
+MEMORY_SHARE_FOR_FLOAT32 = 0.5
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: str  # "quantized" or "float32"
+    reason: str
+
+    def describe(self) -> str:
+        return f"weights: {self.dtype} ({self.reason})"
+
+
+def choose_dtype(requested: str = "auto", *, float32_bytes: int | None = None) -> DtypeChoice:
+    """Resolve the user's --dtype into "quantized" or "float32", with a one-line reason."""
+    if requested not in DTYPE_CHOICES:
+        raise OptionsError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, not {requested!r}")
+    if requested != "auto":
+        return DtypeChoice(requested, "requested")
+    if float32_bytes is not None and float32_bytes > MEMORY_SHARE_FOR_FLOAT32 * physical_memory_bytes():
+        return DtypeChoice("quantized", f"float32 weights ({float32_bytes / 2**30:.1f} GiB) would not fit comfortably in memory")
+    if mx.metal.is_available():
+        return DtypeChoice("quantized", "Metal GPU: MLX quantized kernels are fastest")
+    if sys.platform == "darwin":
+        return DtypeChoice("float32", "CPU backend: float32 matmuls through Accelerate beat quantized kernels")
+    if _blas.loaded_path:
+        return DtypeChoice("float32", "CPU backend with OpenBLAS: float32 decodes ~1.5x faster than 4-bit")
+    return DtypeChoice("quantized", "CPU backend without OpenBLAS: quantized kernels beat the reference BLAS")
+
+
+def physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40  # unknown: never let the memory rule fire

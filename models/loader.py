@@ -1,0 +1,178 @@
+"""`load_model(spec)`: a catalogue name, a .gguf path, an MLX model folder or a Hugging Face repo id."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from akunu.errors import ModelError
+from akunu.models import catalogue
+from akunu.models.dtype_policy import DtypeChoice, choose_dtype
+from akunu.models.gguf_file import read_gguf
+from akunu.models.gguf_weights import Progress
+
+if TYPE_CHECKING:
+    from akunu.models.tokenizer import Tokenizer
+
+HF_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module  # an mlx-lm Model: model(tokens[None], cache=...) -> logits
+    tokenizer: Tokenizer
+    name: str  # catalogue name, or the path / repo id given
+    path: Path
+    architecture: str  # "llama", "gemma3", ...
+    dtype: str  # "quantized" or "float32" ("float16"/"bfloat16" for MLX folders kept as they are)
+    context_length: int
+    dtype_reason: str = ""
+    load_seconds: float = 0.0
+
+    @property
+    def parameter_count(self) -> int:
+        from mlx_lm.utils import get_total_parameters
+
+        return int(get_total_parameters(self.model))
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.architecture}, {_human_count(self.parameter_count)} params, {self.dtype} weights"
+
+
+def load_model(spec: str, *, dtype: str = "auto", progress: Progress | None = None) -> LoadedModel:
+    """Load a model and its tokenizer; every failure a user can cause is a one-line ModelError."""
+    started = time.perf_counter()
+    if spec in catalogue.KNOWN:
+        loaded = _load_gguf(catalogue.resolve(spec, progress=progress), spec, dtype, progress)
+    else:
+        loaded = _load_local_or_hub(spec, dtype, progress)
+    loaded.load_seconds = time.perf_counter() - started
+    return loaded
+
+
+def _load_local_or_hub(spec: str, dtype: str, progress: Progress | None) -> LoadedModel:
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return _load_gguf(path, spec, dtype, progress)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{spec} is a folder without config.json (expected an MLX model folder)")
+        return _load_mlx_folder(path, spec, dtype)
+    if _looks_like_path(spec):
+        raise ModelError(f"no such model file: {spec}")
+    if HF_REPO_ID.match(spec):
+        return _load_mlx_folder(_download_from_hub(spec), spec, dtype)
+    catalogue.entry(spec)  # raises "unknown model" with suggestions
+    raise AssertionError("unreachable")
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.endswith(".gguf") or spec.startswith((".", "/", "~")) or spec.count("/") > 1
+
+
+def _load_gguf(path: Path, name: str, dtype: str, progress: Progress | None) -> LoadedModel:
+    from akunu.models.gguf_model import load_gguf_model
+    from akunu.models.tokenizer import Tokenizer
+
+    gguf_file = read_gguf(path)
+    choice = choose_dtype(dtype, float32_bytes=4 * sum(_element_count(t.shape) for t in gguf_file.tensors.values()))
+    model, config = load_gguf_model(gguf_file, quantized=choice.dtype == "quantized", progress=progress)
+    return LoadedModel(
+        model=model,
+        tokenizer=Tokenizer.from_gguf_metadata(gguf_file.metadata, source=str(path)),
+        name=name,
+        path=Path(path),
+        architecture=gguf_file.architecture,
+        dtype=choice.dtype,
+        context_length=int(config["max_position_embeddings"]),
+        dtype_reason=choice.reason,
+    )
+
+
+def _load_mlx_folder(path: Path, name: str, dtype: str) -> LoadedModel:
+    """An mlx-community style folder (config.json + safetensors), loaded by mlx-lm itself."""
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    from akunu.models.tokenizer import Tokenizer
+
+    try:
+        model, config = mlx_lm_load_model(path)
+    except (FileNotFoundError, ValueError, KeyError) as error:
+        raise ModelError(f"cannot load the MLX model in {path}: {str(error).splitlines()[0] if str(error) else error!r}") from None
+    choice = _folder_dtype(model, config, dtype)
+    return LoadedModel(
+        model=model,
+        tokenizer=Tokenizer.from_hf_dir(path),
+        name=name,
+        path=path,
+        architecture=str(config.get("model_type", "unknown")),
+        dtype=choice.dtype,
+        context_length=int(_context_length(config)),
+        dtype_reason=choice.reason,
+    )
+
+
+def _folder_dtype(model: nn.Module, config: dict[str, Any], requested: str) -> DtypeChoice:
+    """Apply the dtype policy to an mlx-lm model; "quantized" keeps a float folder as it is."""
+    from mlx_lm.utils import dequantize_model
+
+    quantized = "quantization" in config
+    choice = choose_dtype(requested)
+    if choice.dtype == "float32":
+        dequantize_model(model)
+        model.set_dtype(mx.float32)
+        mx.eval(model.parameters())
+        return choice
+    if quantized:
+        return choice
+    kept = str(config.get("torch_dtype") or config.get("dtype") or "float16")
+    return DtypeChoice(kept if kept in ("float16", "bfloat16", "float32") else "float16", "unquantized MLX weights kept as they are")
+
+
+def _context_length(config: dict[str, Any]) -> int:
+    text_config = config.get("text_config") or {}
+    for source in (config, text_config):
+        for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
+            if isinstance(source.get(key), int):
+                return source[key]
+    return 4096
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    """Fetch an MLX model repo with mlx-lm's own downloader (huggingface_hub underneath)."""
+    from mlx_lm.utils import _download
+
+    try:
+        return Path(_download(repo_id))
+    except Exception as error:  # noqa: BLE001  (hub errors come in many classes)
+        raise ModelError(_hub_failure(repo_id, error)) from None
+
+
+def _hub_failure(repo_id: str, error: Exception) -> str:
+    kind = type(error).__name__
+    text = str(error)
+    if "RepositoryNotFound" in kind or "404" in text:
+        return f"no model '{repo_id}' on the Hugging Face hub (and no catalogue name or local path by that name)"
+    if any(sign in kind + text for sign in ("Connection", "Offline", "LocalEntryNotFound", "resolve", "Timeout", "Network")):
+        return f"no network to fetch {repo_id} from the Hugging Face hub"
+    return f"cannot fetch {repo_id} from the Hugging Face hub: {text.splitlines()[0] if text else kind}"
+
+
+def _element_count(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def _human_count(count: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.0f}{unit}" if count >= 10 * scale else f"{count / scale:.1f}{unit}"
+    return str(count)

@@ -1,0 +1,357 @@
+"""GGUF -> mlx-lm loading on tiny files written with gguf.GGUFWriter (random weights, no real model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import akunu  # noqa: F401  (must precede mlx)
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGUFWriter
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from akunu.errors import ModelError, OptionsError
+from akunu.models import catalogue, load_model
+from akunu.models.dtype_policy import choose_dtype
+from akunu.models.gguf_file import read_gguf
+from akunu.models.gguf_model import load_gguf_model
+from akunu.models.gguf_weights import requantize_bits
+
+VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 300, 64, 2, 4, 2, 256  # FFN fills one K-quant block
+HEAD_DIM = HIDDEN // HEADS
+
+LLAMA_LAYER = {
+    "attn_q": (HEADS * HEAD_DIM, HIDDEN),
+    "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
+    "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN),
+    "attn_output": (HIDDEN, HEADS * HEAD_DIM),
+    "ffn_gate": (FFN, HIDDEN),
+    "ffn_up": (FFN, HIDDEN),
+    "ffn_down": (HIDDEN, FFN),
+}
+LLAMA_NORMS = ("attn_norm", "ffn_norm")
+GEMMA_NORMS = ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")
+
+
+def _encode(values: np.ndarray, ggml_type: Q, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes or floats to store, the float32 values a reader should get back)."""
+    if ggml_type == Q.F32:
+        return values, values
+    if ggml_type == Q.F16:
+        return values.astype(np.float16), values.astype(np.float16).astype(np.float32)
+    if ggml_type in (Q.Q4_K, Q.Q6_K):  # gguf cannot quantize K-quants: random blocks with sane scales
+        raw = _random_k_blocks(values.shape, ggml_type, rng)
+        return raw, dequantize(raw, ggml_type)
+    packed = quantize(values, ggml_type)
+    return packed, dequantize(packed, ggml_type)
+
+
+def _random_k_blocks(shape: tuple[int, int], ggml_type: Q, rng: np.random.Generator) -> np.ndarray:
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    rows, blocks = shape[0], shape[1] // block_size
+    raw = rng.integers(0, 256, size=(rows, blocks, type_size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
+    if ggml_type == Q.Q4_K:  # d, dmin lead the block
+        raw[..., 0:2] = scale
+        raw[..., 2:4] = scale
+    else:  # Q6_K: d trails the block
+        raw[..., -2:] = scale
+    return raw.reshape(rows, blocks * type_size)
+
+
+def write_tiny_gguf(
+    path: Path,
+    *,
+    arch: str = "llama",
+    matrix_type: Q = Q.Q8_0,
+    embedding_type: Q | None = None,
+    tie: bool = True,
+    seed: int = 0,
+    tokenizer: bool = True,
+    types_by_name: dict[str, Q] | None = None,
+) -> dict[str, np.ndarray]:
+    """Write a 2-layer model; return the float32 values each tensor should load as, by GGUF name."""
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    if arch == "gemma3":
+        writer.add_key_length(HEAD_DIM)
+        writer.add_value_length(HEAD_DIM)
+        writer.add_sliding_window(32)
+    if tokenizer:
+        _add_tokenizer(writer)
+
+    shapes = {"token_embd.weight": (VOCAB, HIDDEN), "output_norm.weight": (HIDDEN,)}
+    if not tie:
+        shapes["output.weight"] = (VOCAB, HIDDEN)
+    norms = GEMMA_NORMS + ("attn_q_norm", "attn_k_norm") if arch == "gemma3" else LLAMA_NORMS
+    for layer in range(LAYERS):
+        for stem, shape in LLAMA_LAYER.items():
+            shapes[f"blk.{layer}.{stem}.weight"] = shape
+        for stem in norms:
+            shapes[f"blk.{layer}.{stem}.weight"] = (HEAD_DIM,) if stem in ("attn_q_norm", "attn_k_norm") else (HIDDEN,)
+
+    expected = {}
+    for name, shape in shapes.items():
+        values = (rng.standard_normal(shape) * (0.05 if len(shape) == 2 else 0.1) + (len(shape) == 1)).astype(np.float32)
+        ggml_type = (types_by_name or {}).get(name) or (
+            Q.F32 if len(shape) == 1 else (embedding_type or matrix_type) if name == "token_embd.weight" else matrix_type
+        )
+        stored, expected[name] = _encode(values, ggml_type, rng)
+        writer.add_tensor(name, stored, raw_dtype=ggml_type if ggml_type not in (Q.F32, Q.F16) else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+def _gpt2_byte_alphabet() -> list[str]:
+    """GPT-2's printable stand-in character for each byte value."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def _add_tokenizer(writer: GGUFWriter) -> None:
+    extra = ["<|im_start|>", "<|im_end|>"] + [f"<|unused{i}|>" for i in range(VOCAB - 258)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(_gpt2_byte_alphabet() + extra)
+    writer.add_token_types([1] * 256 + [3] * len(extra))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(257)
+
+
+def _param(model: nn.Module, path: str) -> nn.Module:
+    module = model
+    for part in path.split("."):
+        module = module[int(part)] if part.isdigit() else getattr(module, part)
+    return module
+
+
+def _dense_weight(module: nn.Module) -> np.ndarray:
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        return np.asarray(mx.dequantize(module.weight, module.scales, module.biases, module.group_size, module.bits))
+    return np.asarray(module.weight)
+
+
+# Mapping -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("matrix_type", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_llama_weights_map_exactly_in_float32(tmp_path, matrix_type):
+    path = tmp_path / "tiny.gguf"
+    expected = write_tiny_gguf(path, matrix_type=matrix_type, tie=False)
+    model, config = load_gguf_model(read_gguf(path), quantized=False)
+    assert config["model_type"] == "llama" and config["rope_traditional"] is True
+    assert config["tie_word_embeddings"] is False and config["vocab_size"] == VOCAB
+    pairs = {
+        "blk.1.attn_q.weight": "model.layers.1.self_attn.q_proj",
+        "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj",
+        "blk.1.ffn_norm.weight": "model.layers.1.post_attention_layernorm",
+        "token_embd.weight": "model.embed_tokens",
+        "output.weight": "lm_head",
+    }
+    for gguf_name, module_path in pairs.items():
+        module = _param(model, module_path)
+        assert module.weight.dtype == mx.float32
+        np.testing.assert_allclose(_dense_weight(module), expected[gguf_name], atol=1e-6, err_msg=gguf_name)
+
+
+@pytest.mark.parametrize(("matrix_type", "bits"), [(Q.Q8_0, 8), (Q.Q4_0, 4), (Q.Q4_1, 4)])
+def test_mx_load_types_stay_quantized_exactly(tmp_path, matrix_type, bits):
+    path = tmp_path / "tiny.gguf"
+    expected = write_tiny_gguf(path, matrix_type=matrix_type, embedding_type=Q.Q8_0)
+    model, config = load_gguf_model(read_gguf(path), quantized=True)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, nn.QuantizedLinear) and q_proj.bits == bits and q_proj.group_size == 32
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding) and model.model.embed_tokens.bits == 8
+    np.testing.assert_allclose(_dense_weight(q_proj), expected["blk.0.attn_q.weight"], atol=1e-3)
+    assert config["tie_word_embeddings"] is True and not hasattr(model, "lm_head") or "lm_head" not in model
+
+
+def test_k_quants_are_requantized_per_policy(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    # K-quants need 256-wide rows: only ffn_down (in = FFN) can hold them.
+    types = {"blk.0.ffn_down.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q4_K}
+    expected = write_tiny_gguf(path, matrix_type=Q.Q5_0, embedding_type=Q.Q8_0, types_by_name=types)
+    model, _ = load_gguf_model(read_gguf(path), quantized=True)
+    layers = model.model.layers
+    bits = (layers[0].mlp.down_proj.bits, layers[1].mlp.down_proj.bits, layers[0].mlp.gate_proj.bits)
+    assert bits + (model.model.embed_tokens.bits,) == (8, 4, 8, 8)
+    # Requantized values stay within one quantization step (of their group) of the GGUF values.
+    for module, name, levels in [(layers[1].mlp.down_proj, "blk.1.ffn_down.weight", 15),
+                                 (layers[0].mlp.gate_proj, "blk.0.ffn_gate.weight", 255)]:
+        reference = expected[name].reshape(-1, 32)
+        error = np.abs(_dense_weight(module).reshape(-1, 32) - reference).max(axis=-1)
+        assert np.all(error <= np.ptp(reference, axis=-1) / levels + 1e-6), name
+    full, _ = load_gguf_model(read_gguf(path), quantized=False)
+    for name, module in [("blk.0.ffn_down.weight", full.model.layers[0].mlp.down_proj),
+                         ("blk.1.ffn_down.weight", full.model.layers[1].mlp.down_proj),
+                         ("token_embd.weight", full.model.embed_tokens)]:
+        np.testing.assert_allclose(_dense_weight(module), expected[name], atol=1e-6, err_msg=name)
+
+
+def test_gemma3_config_and_norm_offset(tmp_path):
+    path = tmp_path / "gemma.gguf"
+    expected = write_tiny_gguf(path, arch="gemma3", matrix_type=Q.Q8_0)
+    model, config = load_gguf_model(read_gguf(path), quantized=False)
+    assert config["model_type"] == "gemma3_text"
+    assert (config["head_dim"], config["query_pre_attn_scalar"], config["sliding_window"]) == (HEAD_DIM, HEAD_DIM, 32)
+    assert config["sliding_window_pattern"] == 6 and config["rope_local_base_freq"] == 10_000.0
+    layer = model.model.layers[1]
+    for module, gguf_name in [
+        (layer.pre_feedforward_layernorm, "blk.1.ffn_norm.weight"),
+        (layer.post_feedforward_layernorm, "blk.1.post_ffw_norm.weight"),
+        (layer.self_attn.k_norm, "blk.1.attn_k_norm.weight"),
+        (model.model.norm, "output_norm.weight"),
+    ]:
+        np.testing.assert_allclose(np.asarray(module.weight), expected[gguf_name] - 1.0, atol=1e-6)
+    assert model.tie_word_embeddings  # no output.weight: logits come from the embedding
+
+
+def test_quantized_and_float32_models_agree(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, matrix_type=Q.Q8_0)
+    tokens = mx.array([[1, 5, 9, 200]])
+    quantized, _ = load_gguf_model(read_gguf(path), quantized=True)
+    full, _ = load_gguf_model(read_gguf(path), quantized=False)
+    a, b = quantized(tokens), full(tokens)
+    assert a.shape == (1, 4, VOCAB)
+    np.testing.assert_allclose(np.asarray(a.astype(mx.float32)), np.asarray(b), atol=5e-2)
+
+
+def test_load_model_returns_a_described_model(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    loaded = load_model(str(path), dtype="quantized")
+    assert loaded.architecture == "llama" and loaded.dtype == "quantized" and loaded.context_length == 256
+    assert loaded.path == path and loaded.name == str(path)
+    assert loaded.tokenizer.vocab_size == VOCAB
+    assert "llama" in loaded.describe() and "quantized" in loaded.describe()
+    logits = loaded.model(mx.array([loaded.tokenizer.encode("hi")]))
+    assert logits.shape[-1] == VOCAB
+
+
+# Failures a user can cause -------------------------------------------------------------------
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ModelError, match="no such model file"):
+        load_model(str(tmp_path / "absent.gguf"))
+
+
+def test_garbage_bytes(tmp_path):
+    path = tmp_path / "garbage.gguf"
+    path.write_bytes(np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    with pytest.raises(ModelError, match="not a GGUF model file"):
+        load_model(str(path))
+
+
+def test_empty_file(tmp_path):
+    path = tmp_path / "empty.gguf"
+    path.write_bytes(b"")
+    with pytest.raises(ModelError, match="not a GGUF model file"):
+        load_model(str(path))
+
+
+@pytest.mark.parametrize("keep_fraction", [0.003, 0.05, 0.5, 0.999])
+def test_truncated_file(tmp_path, keep_fraction):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep_fraction)])
+    with pytest.raises(ModelError, match="truncated|corrupt|not a GGUF"):
+        load_model(str(path))
+
+
+def test_garbled_header(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    data = bytearray(path.read_bytes())
+    data[24:32] = b"\xff" * 8  # the first key's length becomes absurd
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelError, match="corrupt"):
+        read_gguf(path)
+
+
+def test_unknown_architecture(tmp_path):
+    path = tmp_path / "mamba.gguf"
+    write_tiny_gguf(path, arch="mamba")
+    with pytest.raises(ModelError, match="'mamba'.*supports.*gemma3, llama"):
+        load_model(str(path))
+
+
+def test_unsupported_quantization_type(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    rng = np.random.default_rng(0)
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    raw = rng.integers(0, 256, size=(64, 2 * GGML_QUANT_SIZES[Q.Q8_1][1]), dtype=np.uint8)
+    writer.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=Q.Q8_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelError, match="quantization type Q8_1"):
+        load_gguf_model(read_gguf(path), quantized=True)
+
+
+def test_unknown_catalogue_name_suggests():
+    with pytest.raises(ModelError, match="unknown model 'smollm-135m'.*smollm2-135m"):
+        load_model("smollm-135m")
+    assert catalogue.suggest("gemma-270m") == ["gemma3-270m"]
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(ModelError, match="without config.json"):
+        load_model(str(tmp_path))
+
+
+def test_hub_without_network_is_one_line(monkeypatch):
+    import mlx_lm.utils
+
+    def offline(repo, *args, **kwargs):
+        raise ConnectionError(f"Max retries exceeded with url: /api/models/{repo}")
+
+    monkeypatch.setattr(mlx_lm.utils, "_download", offline)
+    with pytest.raises(ModelError, match="^no network to fetch mlx-community/Some-Model from the Hugging Face hub$"):
+        load_model("mlx-community/Some-Model")
+
+
+# dtype policy --------------------------------------------------------------------------------
+
+
+def test_dtype_policy(monkeypatch):
+    from akunu import _blas
+
+    assert choose_dtype("float32").dtype == "float32"
+    assert choose_dtype("quantized").reason == "requested"
+    with pytest.raises(OptionsError):
+        choose_dtype("int3")
+    monkeypatch.setattr(mx.metal, "is_available", lambda: False)
+    monkeypatch.setattr("sys.platform", "linux")
+    monkeypatch.setattr(_blas, "loaded_path", "/usr/lib/libopenblas.so.0")
+    assert choose_dtype("auto").dtype == "float32"
+    assert choose_dtype("auto", float32_bytes=1 << 60).dtype == "quantized"
+    monkeypatch.setattr(_blas, "loaded_path", None)
+    assert choose_dtype("auto").dtype == "quantized"
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    assert choose_dtype("auto").dtype == "quantized"
+    assert choose_dtype("auto").describe().startswith("weights: quantized (")
+
+
+def test_requantize_bits():
+    assert [requantize_bits(t) for t in (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q3_K, Q.Q5_0, Q.Q6_K, Q.Q8_0)] == [4, 4, 4, 4, 8, 8, 8]
