@@ -17,6 +17,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from akunu import _blas
+from akunu.models.gguf_file import read_gguf
 from akunu.models.gguf_model import load_gguf_model
 
 WARMUP_TOKENS = 8
@@ -24,7 +25,7 @@ WARMUP_TOKENS = 8
 
 def measure(path: Path, dtype: str, tokens: int) -> dict:
     started = time.perf_counter()
-    model, _, _ = load_gguf_model(path, quantized=dtype == "quantized")
+    model, _ = load_gguf_model(read_gguf(path), quantized=dtype == "quantized")
     load_seconds = time.perf_counter() - started
     cache = make_prompt_cache(model)
     prompt = mx.array(list(range(100, 132)))[None]  # timing only: any 32 in-vocabulary ids
