@@ -1,0 +1,69 @@
+"""Drafters beyond the plain n-gram predictor, and `make_drafter` to build one from a spec.
+
+Specs (the CLI's `--draft`): `ngram` (the default), `model:NAME|PATH` (a draft model with
+the same tokenizer), `layer-skip:N` (the target's first N layers), and `hybrid:SPEC`
+(n-grams where they match, otherwise SPEC, e.g. `hybrid:layer-skip:8`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from akunu.drafter import Drafter, NGramDrafter
+from akunu.drafters.draft_model import ModelDrafter, check_same_vocabulary, model_drafter
+from akunu.drafters.hybrid import HybridDrafter
+from akunu.drafters.layer_skip import layer_skip_drafter
+from akunu.errors import OptionsError
+from akunu.sampling import SamplingParams
+
+SPEC_HELP = "ngram, model:NAME|PATH, layer-skip:N or hybrid:SPEC"
+
+__all__ = ["HybridDrafter", "ModelDrafter", "SPEC_HELP", "make_drafter"]
+
+
+def make_drafter(
+    spec: str,
+    target=None,
+    *,
+    params: SamplingParams = SamplingParams(),
+    ngram_order: int = 4,
+    window: int = 512,
+    ngram_cache: Path | None = None,
+    load: Callable | None = None,
+) -> Drafter:
+    """The drafter a spec names. `target` is the loaded target model (`.model`, `.tokenizer`);
+    `load(name, dtype=...)` loads a draft model (default: akunu.models.load_model)."""
+    kind, _, argument = spec.partition(":")
+    if kind == "ngram" and not argument:
+        return _ngram(ngram_order, window, ngram_cache)
+    if kind == "hybrid" and argument:
+        fallback = make_drafter(argument, target, params=params, load=load)
+        return HybridDrafter(_ngram(ngram_order, window, ngram_cache), fallback)
+    if target is None:
+        raise OptionsError(f"--draft {spec} needs the target model")
+    if kind == "layer-skip":
+        try:
+            layers = int(argument)
+        except ValueError:
+            raise OptionsError(f"--draft layer-skip:N needs a layer count N, got {argument!r}") from None
+        return layer_skip_drafter(target.model, layers, params)
+    if kind == "model" and argument:
+        return _draft_model(argument, target, params, load)
+    raise OptionsError(f"unknown drafter {spec!r}; expected {SPEC_HELP}")
+
+
+def _ngram(order: int, window: int, cache_file: Path | None) -> Drafter:
+    if cache_file is None:
+        return NGramDrafter(max_order=order, window=window)
+    from akunu.ngram_cache import CachedNGramDrafter
+
+    return CachedNGramDrafter(cache_file, max_order=order, window=window)
+
+
+def _draft_model(name: str, target, params: SamplingParams, load: Callable | None) -> ModelDrafter:
+    if load is None:
+        from akunu.models import load_model as load
+    draft = load(name)
+    check_same_vocabulary(target, draft, name)
+    return model_drafter(draft.model, params)

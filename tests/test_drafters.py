@@ -1,0 +1,145 @@
+"""Draft-model, layer-skip and hybrid drafters: greedy identity, cache bookkeeping, refusals."""
+
+import random
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_map
+
+from akunu.decode import prefill
+from akunu.drafter import NGramDrafter
+from akunu.drafters import HybridDrafter, make_drafter
+from akunu.drafters.draft_model import check_same_vocabulary, model_drafter
+from akunu.drafters.layer_skip import layer_skip_drafter
+from akunu.errors import OptionsError
+from akunu.generate import GenerationConfig, SpecConfig, generate
+from akunu.kv_cache import make_cache
+from tests.tiny import FakeTokenizer, tiny_gemma3, tiny_llama
+
+TOKENIZER = FakeTokenizer()
+
+
+def perturbed(model_fn, seed, noise):
+    """The same random model (`seed`) with noise on every weight: a draft that agrees often."""
+    model = model_fn(seed=seed)
+    mx.random.seed(seed + 100)
+    model.update(tree_map(lambda p: p + noise * mx.random.normal(p.shape), model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def run(model, prompt, spec=SpecConfig(draft_tokens=4), max_tokens=30, drafter=None):
+    config = GenerationConfig(max_tokens=max_tokens, spec=spec)
+    return generate(model, TOKENIZER, prompt, config, drafter=drafter)
+
+
+def prompts(count, vocab=64, seed=0):
+    rng = random.Random(seed)
+    for i in range(count):
+        if i % 2:
+            yield [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+        else:
+            motif = [rng.randrange(vocab) for _ in range(rng.randint(3, 8))]
+            yield (motif * 4)[: rng.randint(6, 30)]
+
+
+DRAFTERS = {
+    "model-close": lambda target, fn: model_drafter(perturbed(fn, 1, 0.02)),
+    "model-unrelated": lambda target, fn: model_drafter(fn(seed=9)),
+    "layer-skip": lambda target, fn: layer_skip_drafter(target, 1),
+    "hybrid-layer-skip": lambda target, fn: HybridDrafter(NGramDrafter(), layer_skip_drafter(target, 1)),
+    "hybrid-model": lambda target, fn: HybridDrafter(NGramDrafter(), model_drafter(perturbed(fn, 1, 0.02))),
+}
+
+
+@pytest.mark.parametrize("model_fn", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-sliding"])
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_every_drafter_keeps_greedy_output_identical(model_fn, kind):
+    target = model_fn(seed=1)
+    accepted = 0
+    for i, prompt in enumerate(prompts(8)):
+        _, plain, _ = run(target, prompt, SpecConfig(enabled=False))
+        for spec in (SpecConfig(draft_tokens=4), SpecConfig(draft_tokens=6, adaptive=False)):
+            drafter = DRAFTERS[kind](target, model_fn)
+            _, fast, stats = run(target, prompt, spec, drafter=drafter)
+            assert fast == plain, f"prompt {i} {spec}"
+            accepted += stats.accepted
+    if kind in ("model-close", "hybrid-model"):
+        assert accepted > 80  # a close draft model gets many drafts accepted
+
+
+def test_draft_model_cache_holds_exactly_the_committed_sequence():
+    target, draft = tiny_llama(seed=1), perturbed(tiny_llama, 1, 0.05)
+    drafter = model_drafter(draft)
+    prompt = [3, 4, 5, 6] * 3
+    _, tokens, stats = run(target, prompt, SpecConfig(draft_tokens=5, adaptive=False), 40, drafter)
+    assert stats.drafted > stats.accepted > 0  # rejections happened and were rolled back
+    assert drafter.sequence == prompt + tokens[: len(drafter.sequence) - len(prompt)]
+    fresh = make_cache(draft)
+    prefill(draft, fresh, drafter.sequence[: drafter.fed])
+    for ours, theirs in zip(drafter.cache, fresh):
+        assert ours.offset - len(drafter.pending) == theirs.offset == drafter.fed
+        k_ours, k_theirs = ours.keys[..., : drafter.fed, :], theirs.keys[..., : drafter.fed, :]
+        assert mx.allclose(k_ours, k_theirs, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("model_fn", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-sliding"])
+def test_layer_skip_cache_matches_the_targets_first_layers(model_fn):
+    # Layer i's keys depend only on layers < i, so the drafter's N-layer cache must equal the target's.
+    target = model_fn(seed=2)
+    drafter = layer_skip_drafter(target, 1)
+    config = GenerationConfig(max_tokens=40, spec=SpecConfig(draft_tokens=5, adaptive=False))
+    from akunu.kv_cache import PromptCache
+
+    prompt_cache = PromptCache(target)
+    generate(target, TOKENIZER, [7, 8, 9, 10] * 3, config, drafter=drafter, prompt_cache=prompt_cache)
+    n = drafter.fed
+    ours, theirs = drafter.cache[0], prompt_cache.cache[0]
+    assert mx.allclose(ours.keys[..., :n, :], theirs.keys[..., :n, :], atol=1e-5).item()
+    assert mx.allclose(ours.values[..., :n, :], theirs.values[..., :n, :], atol=1e-5).item()
+
+
+def test_layer_skip_with_every_layer_is_the_target_itself():
+    target = tiny_llama(seed=3, layers=3)
+    cache = layer_skip_drafter(target, 2).cache
+    assert len(cache) == 2 and cache[2] is None
+    full = target(mx.array([[1, 2, 3]]), cache=make_cache(target))
+    from akunu.drafters.layer_skip import _FirstLayersCache
+
+    everything = target(mx.array([[1, 2, 3]]), cache=_FirstLayersCache(make_cache(target)))
+    assert mx.allclose(full, everything).item()
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused():
+    target = SimpleNamespace(model=tiny_llama(vocab=64), tokenizer=TOKENIZER)
+    other = SimpleNamespace(model=tiny_llama(vocab=80), tokenizer=TOKENIZER)
+    with pytest.raises(OptionsError, match="vocabulary of 80 tokens but the target has 64"):
+        make_drafter("model:other", target, load=lambda name: other)
+
+
+def test_a_draft_model_with_the_same_size_but_other_tokens_is_refused():
+    class Named:
+        vocab_size = 4
+
+        def __init__(self, texts):
+            self.texts = texts
+
+        def token_text(self, i):
+            return self.texts[i]
+
+    target = SimpleNamespace(model=tiny_llama(vocab=4), tokenizer=Named(["a", "b", "c", "d"]))
+    draft = SimpleNamespace(model=tiny_llama(vocab=4), tokenizer=Named(["a", "b", "x", "d"]))
+    with pytest.raises(OptionsError, match="different tokenizer \\(token 2 differs\\)"):
+        check_same_vocabulary(target, draft, "draft")
+
+
+def test_specs_parse_and_bad_ones_say_what_is_expected():
+    target = SimpleNamespace(model=tiny_llama(layers=4), tokenizer=TOKENIZER)
+    assert isinstance(make_drafter("ngram"), NGramDrafter)
+    assert len(make_drafter("layer-skip:3", target).cache) == 3
+    hybrid = make_drafter("hybrid:layer-skip:2", target)
+    assert isinstance(hybrid, HybridDrafter) and len(hybrid.fallback.cache) == 2
+    for bad in ("layer-skip:x", "layer-skip:4", "layer-skip:0", "magic", "model:", "hybrid:"):
+        with pytest.raises(OptionsError):
+            make_drafter(bad, target)

@@ -1,0 +1,61 @@
+"""Sampling drafters keep the target distribution: chi-square against exact sequence probabilities.
+
+A draft model and the layer-skip drafter sample their drafts from their own processed
+distribution q and hand it over; verification must then accept with min(1, p/q).
+"""
+
+from collections import Counter
+
+import mlx.core as mx
+import pytest
+
+import akunu.decode
+
+from akunu.drafter import NGramDrafter
+from akunu.drafters import HybridDrafter
+from akunu.drafters.draft_model import model_drafter
+from akunu.drafters.layer_skip import layer_skip_drafter
+from akunu.generate import GenerationConfig, SpecConfig, generate
+from akunu.sampling import SamplingParams
+from tests.stats_tools import fits
+from tests.test_speculative_sampling import PROMPT, SETTINGS, exact_model_probs, resample_from_p_on_rejection
+from tests.tiny import FakeTokenizer, tiny_llama
+
+pytestmark = pytest.mark.slow
+RUNS = 2500
+
+
+def samples(target, drafter, params, runs=RUNS, length=3) -> Counter:
+    mx.random.seed(4321)
+    config = GenerationConfig(max_tokens=length, sampling=params, spec=SpecConfig(draft_tokens=3, adaptive=False))
+    return Counter(tuple(generate(target, FakeTokenizer(), PROMPT, config, drafter=drafter)[1]) for _ in range(runs))
+
+
+def drafters(target, params):
+    draft_model = tiny_llama(vocab=8, seed=8, sharpness=1.5)
+    return {
+        "model": model_drafter(draft_model, params),
+        "layer-skip": layer_skip_drafter(target, 1, params),
+        "hybrid-model": HybridDrafter(NGramDrafter(), model_drafter(draft_model, params)),
+    }
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=["temp1", "temp0.7-topk-topp-minp"])
+@pytest.mark.parametrize("kind", ["model", "layer-skip", "hybrid-model"])
+def test_sampling_drafters_keep_the_target_distribution(params, kind):
+    target = tiny_llama(vocab=8, seed=7, sharpness=1.5)
+    drafter = drafters(target, params)[kind]
+    counts = samples(target, drafter, params)
+    ok, stat, critical = fits(counts, exact_model_probs(target, params), RUNS)
+    assert ok, f"{kind}: chi2 {stat:.1f} >= {critical:.1f}"
+
+
+def test_resampling_from_p_on_rejection_fails_the_same_test(monkeypatch):
+    # With a real q, drawing the correction from p instead of max(p - q, 0) over-weights the drafts.
+    target = tiny_llama(vocab=8, seed=7, sharpness=1.5)
+    params = SETTINGS[0]
+    monkeypatch.setattr(akunu.decode, "verify_sampled", resample_from_p_on_rejection)
+    drafter = model_drafter(tiny_llama(vocab=8, seed=8, sharpness=1.5), params)
+    counts = samples(target, drafter, params)
+    ok, stat, critical = fits(counts, exact_model_probs(target, params), RUNS)
+    assert not ok, f"a broken rule passed: chi2 {stat:.1f} < {critical:.1f}"
