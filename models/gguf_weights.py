@@ -4,13 +4,16 @@ Weight policy (the README quotes this):
 
 * Files holding only F32, F16, Q4_0, Q4_1 and Q8_0 tensors are read by `mx.load`, which maps
   each quantized block exactly onto an MLX affine-quantized triple (weight, scales, biases;
-  group size 32, 4 or 8 bits read from the packed shapes). Nothing is approximated.
-* Files with other types (the K-quants Q2_K..Q6_K, Q5_0/Q5_1, IQ*) are dequantized to
-  float32 with the `gguf` package. In "quantized" mode every dequantized matrix is then
-  re-quantized to MLX affine with group size 32: types of at most 5 bits per weight
-  (Q2_K, Q3_K, Q4_K, Q4_0, Q4_1, IQ4_*) become 4-bit, richer ones (Q5_*, Q6_K, Q8_0)
-  become 8-bit, so precision is never below the source's bit width class.
-* In "float32" mode every quantized weight is dequantized to float32 at load time.
+  group size 32, 4 or 8 bits read from the packed shapes).
+* Other files are read tensor by tensor. Q8_0, Q5_0, Q5_1, Q4_0, Q4_1 and Q4_K blocks are
+  re-expressed exactly as MLX affine triples (`ggml_blocks`: 8-bit for Q8_0 and Q5_*,
+  4-bit for Q4_*; group size 32). Types without an exact MLX form (Q6_K, Q5_K, Q3_K, Q2_K,
+  IQ*) are dequantized to float32 with the `gguf` package and, in "quantized" mode,
+  re-quantized to MLX affine with group size 32: 4-bit for types of at most 5 bits per
+  weight (Q2_K, Q3_K, IQ4_*), 8-bit for richer ones (Q5_K, Q6_K), so precision never drops
+  below the source's.
+* "quantized" mode keeps those triples, with float32 scales and biases (float32 activations).
+* "float32" mode dequantizes every quantized weight to float32 at load time.
 * Non-matrix tensors (norms, biases) are always float32.
 """
 
@@ -24,6 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from akunu.errors import ModelError
+from akunu.models.ggml_blocks import exact_triple
 from akunu.models.gguf_file import GGUFFile, TensorInfo
 
 Progress = Callable[[str, int, int], None]
@@ -91,22 +95,28 @@ def _read_with_dequantize(gguf_file: GGUFFile, keep_quantized: bool, progress: P
 
 def _decode_tensor(gguf_file: GGUFFile, info: TensorInfo, keep_quantized: bool) -> dict[str, mx.array]:
     raw = gguf_file.tensor_bytes(info)
-    if info.ggml_type == GGMLQuantizationType.F32:
-        values = raw.view(np.float32).reshape(info.shape)
-    elif info.ggml_type == GGMLQuantizationType.F16:
-        values = raw.view(np.float16).reshape(info.shape).astype(np.float32)
-    else:
-        rows = int(np.prod(info.shape[:-1], dtype=np.int64)) if len(info.shape) > 1 else 1
-        values = dequantize(raw.reshape(rows, -1), info.ggml_type).reshape(info.shape)
-    array = mx.array(values, dtype=mx.float32)
+    stem = info.name.removesuffix(".weight")
+    if info.ggml_type not in FLOAT_TYPES and (triple := exact_triple(raw, info.ggml_type, info.shape)):
+        # Exact in both modes: `to_float32` dequantizes it later in float32 mode.
+        return {info.name: mx.array(triple.packed), f"{stem}.scales": mx.array(triple.scales),
+                f"{stem}.biases": mx.array(triple.biases)}
+    array = mx.array(_to_float32(raw, info), dtype=mx.float32)
     requantize = (keep_quantized and info.ggml_type not in FLOAT_TYPES
                   and array.ndim == 2 and array.shape[-1] % GROUP_SIZE == 0)
     if not requantize:
         return {info.name: array}
     packed, scales, biases = mx.quantize(array, group_size=GROUP_SIZE, bits=requantize_bits(info.ggml_type))
     mx.eval(packed, scales, biases)  # drop the float copy now, not at the end of the load
-    stem = info.name.removesuffix(".weight")
     return {info.name: packed, f"{stem}.scales": scales, f"{stem}.biases": biases}
+
+
+def _to_float32(raw: np.ndarray, info: TensorInfo) -> np.ndarray:
+    if info.ggml_type == GGMLQuantizationType.F32:
+        return raw.view(np.float32).reshape(info.shape)
+    if info.ggml_type == GGMLQuantizationType.F16:
+        return raw.view(np.float16).reshape(info.shape).astype(np.float32)
+    rows = int(np.prod(info.shape[:-1], dtype=np.int64)) if len(info.shape) > 1 else 1
+    return dequantize(raw.reshape(rows, -1), info.ggml_type).reshape(info.shape)
 
 
 def quantized_stems(weights: dict[str, mx.array]) -> dict[str, int]:
@@ -136,13 +146,12 @@ def to_float32(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 
 
 def _float_tensors_to_f32(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Keep quantized triples, and cast plain float tensors (norms, biases, F16 matrices) to float32."""
-    stems = quantized_stems(weights)
-    out = {}
-    for name, array in weights.items():
-        stem = name.rsplit(".", 1)[0]
-        out[name] = array if stem in stems else array.astype(mx.float32)
-    return out
+    """Keep packed weights, cast everything else (norms, biases, scales) to float32.
+
+    Float32 scales keep activations in float32: on the CPU backend float16 arithmetic is
+    slower (SmolLM2 quantized: ~102 vs ~110 ms/token) as well as less precise.
+    """
+    return {name: array if array.dtype == mx.uint32 else array.astype(mx.float32) for name, array in weights.items()}
 
 
 def _is_plain_bias(name: str, weights: dict[str, mx.array]) -> bool:

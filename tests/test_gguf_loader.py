@@ -16,6 +16,7 @@ from gguf.quants import dequantize, quantize
 from akunu.errors import ModelError, OptionsError
 from akunu.models import catalogue, load_model
 from akunu.models.dtype_policy import choose_dtype
+from akunu.models.ggml_blocks import exact_triple
 from akunu.models.gguf_file import read_gguf
 from akunu.models.gguf_model import load_gguf_model
 from akunu.models.gguf_weights import requantize_bits
@@ -182,7 +183,7 @@ def test_mx_load_types_stay_quantized_exactly(tmp_path, matrix_type, bits):
     assert config["tie_word_embeddings"] is True and not hasattr(model, "lm_head") or "lm_head" not in model
 
 
-def test_k_quants_are_requantized_per_policy(tmp_path):
+def test_mixed_k_quant_file_follows_the_policy(tmp_path):
     path = tmp_path / "tiny.gguf"
     # K-quants need 256-wide rows: only ffn_down (in = FFN) can hold them.
     types = {"blk.0.ffn_down.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q4_K}
@@ -191,17 +192,32 @@ def test_k_quants_are_requantized_per_policy(tmp_path):
     layers = model.model.layers
     bits = (layers[0].mlp.down_proj.bits, layers[1].mlp.down_proj.bits, layers[0].mlp.gate_proj.bits)
     assert bits + (model.model.embed_tokens.bits,) == (8, 4, 8, 8)
-    # Requantized values stay within one quantization step (of their group) of the GGUF values.
-    for module, name, levels in [(layers[1].mlp.down_proj, "blk.1.ffn_down.weight", 15),
-                                 (layers[0].mlp.gate_proj, "blk.0.ffn_gate.weight", 255)]:
-        reference = expected[name].reshape(-1, 32)
-        error = np.abs(_dense_weight(module).reshape(-1, 32) - reference).max(axis=-1)
-        assert np.all(error <= np.ptp(reference, axis=-1) / levels + 1e-6), name
+    # Q4_K, Q5_0 and Q8_0 have exact MLX forms; Q6_K is re-quantized to within one 8-bit step.
+    for module, name in [(layers[1].mlp.down_proj, "blk.1.ffn_down.weight"),
+                         (layers[0].mlp.gate_proj, "blk.0.ffn_gate.weight"),
+                         (model.model.embed_tokens, "token_embd.weight")]:
+        np.testing.assert_allclose(_dense_weight(module), expected[name], atol=1e-6, err_msg=name)
+    reference = expected["blk.0.ffn_down.weight"].reshape(-1, 32)
+    error = np.abs(_dense_weight(layers[0].mlp.down_proj).reshape(-1, 32) - reference).max(axis=-1)
+    assert np.all(error <= np.ptp(reference, axis=-1) / 255 + 1e-6)
     full, _ = load_gguf_model(read_gguf(path), quantized=False)
     for name, module in [("blk.0.ffn_down.weight", full.model.layers[0].mlp.down_proj),
                          ("blk.1.ffn_down.weight", full.model.layers[1].mlp.down_proj),
                          ("token_embd.weight", full.model.embed_tokens)]:
+        assert module.weight.dtype == mx.float32
         np.testing.assert_allclose(_dense_weight(module), expected[name], atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("ggml_type", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K])
+def test_exact_triples_match_gguf_dequantize(ggml_type):
+    rng = np.random.default_rng(3)
+    shape = (8, 512)
+    raw, reference = _encode((rng.standard_normal(shape) * 0.3).astype(np.float32), ggml_type, rng)
+    triple = exact_triple(raw, ggml_type, shape)
+    assert triple.bits == (8 if ggml_type in (Q.Q8_0, Q.Q5_0, Q.Q5_1) else 4)
+    values = mx.dequantize(mx.array(triple.packed), mx.array(triple.scales), mx.array(triple.biases), group_size=32, bits=triple.bits)
+    np.testing.assert_array_equal(np.asarray(values), reference)
+    assert exact_triple(raw, Q.Q6_K, shape) is None
 
 
 def test_gemma3_config_and_norm_offset(tmp_path):
