@@ -38,7 +38,7 @@ class Architecture:
 
     def mlx_name(self, gguf_name: str) -> str | None:
         """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None to drop."""
-        stem, suffix = gguf_name.rsplit(".", 1)
+        stem, _, suffix = gguf_name.rpartition(".")
         if stem.startswith("blk."):
             _, index, rest = stem.split(".", 2)
             if rest not in self.layer_names:
