@@ -1,0 +1,113 @@
+"""Token-tree verification: per-node positions and mask, cache compaction, greedy identity."""
+
+import random
+
+import mlx.core as mx
+import pytest
+
+import akunu.tree
+from akunu.decode import plain_decode, prefill
+from akunu.draft_length import DraftLength
+from akunu.kv_cache import make_cache
+from akunu.sampling import SamplingParams
+from akunu.stats import GenerationStats
+from akunu.tree import NGramTreeDrafter, TokenTree, keep_path, tree_decode, tree_forward
+from tests.tiny import tiny_gemma3, tiny_llama
+
+# root -> 5 -> 6 -> 7, root -> 5 -> 9, root -> 8 -> 2   (depth-first packing)
+TREE = TokenTree(tokens=[5, 6, 7, 9, 8, 2], parents=[-1, 0, 1, 0, -1, 4])
+MODELS = {"llama": lambda: tiny_llama(seed=1), "gemma3-sliding": lambda: tiny_gemma3(seed=1, window=8)}
+
+
+def paths(tree):
+    """Packed indices (root 0 first) of the path to every node."""
+    result = []
+    for node in range(len(tree)):
+        path, i = [], node
+        while i >= 0:
+            path.append(i + 1)
+            i = tree.parents[i]
+        result.append([0, *reversed(path)])
+    return result
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_tree_pass_equals_running_each_path_on_its_own(name):
+    model = MODELS[name]()
+    prefix = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]  # past the gemma window, so the window mask matters
+    cache = make_cache(model)
+    model(mx.array([prefix]), cache=cache)
+    logits = tree_forward(model, cache, 3, TREE)
+    assert cache[0].offset == len(prefix) + 1 + len(TREE)
+    packed = [3, *TREE.tokens]
+    for path in paths(TREE):
+        alone = model(mx.array([prefix + [packed[i] for i in path]]), cache=make_cache(model))[0, -1]
+        assert mx.allclose(logits[path[-1]], alone, atol=1e-4).item(), path
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("path", [[0], [0, 1, 2], [0, 1, 4], [0, 5, 6]], ids=str)
+def test_keep_path_leaves_the_cache_as_if_only_the_path_was_fed(name, path):
+    model = MODELS[name]()
+    prefix = [4, 3, 2, 1, 9, 9, 9, 8, 7]
+    cache = make_cache(model)
+    model(mx.array([prefix]), cache=cache)
+    tree_forward(model, cache, 3, TREE)
+    keep_path(cache, len(prefix), len(TREE) + 1, path)
+    packed = [3, *TREE.tokens]
+    fresh = make_cache(model)
+    model(mx.array([prefix + [packed[i] for i in path]]), cache=fresh)
+    for ours, theirs in zip(cache, fresh):
+        assert ours.offset == theirs.offset
+        n = theirs.offset
+        assert mx.allclose(ours.keys[..., :n, :], theirs.keys[..., :n, :], atol=1e-4).item()
+        assert mx.allclose(ours.values[..., :n, :], theirs.values[..., :n, :], atol=1e-4).item()
+
+
+def test_trees_are_packed_depth_first_with_the_likeliest_chain_leading():
+    drafter = NGramTreeDrafter()
+    drafter.start([1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2, 3, 1])  # after "1": 2; after "1 2": 3 (3x) or 4 (1x)
+    tree = drafter.draft_tree(depth=3, nodes=6)
+    assert tree.tokens[:3] == [2, 3, 1] and tree.chain_length() >= 3
+    assert 4 in tree.tokens  # the less likely branch is in the tree too
+    assert all(p < i for i, p in enumerate(tree.parents))
+    assert max(tree.depths()) <= 3 and len(tree) <= 6
+
+
+def run_tree(model, prompt, max_tokens, params=SamplingParams(), max_nodes=8, depth=4, adaptive=True):
+    cache = make_cache(model)
+    drafter = NGramTreeDrafter()
+    drafter.start(prompt)
+    stats = GenerationStats()
+    logits = prefill(model, cache, prompt)
+    lengths = DraftLength(depth, adaptive=adaptive)
+    loop = tree_decode(model, cache, logits, params, stats, drafter, lengths, max_tokens, max_nodes)
+    return [t for t, _ in (next(loop) for _ in range(max_tokens))], stats
+
+
+def run_plain(model, prompt, max_tokens):
+    cache = make_cache(model)
+    loop = plain_decode(model, cache, prefill(model, cache, prompt), SamplingParams(), GenerationStats())
+    return [t for t, _ in (next(loop) for _ in range(max_tokens))]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_tree_decoding_equals_plain_greedy_decoding(name, monkeypatch):
+    compactions = []
+    original = akunu.tree.keep_path
+    monkeypatch.setattr(
+        akunu.tree, "keep_path", lambda c, p, w, path: (compactions.append(path != list(range(len(path)))), original(c, p, w, path))
+    )
+    model = MODELS[name]()
+    rng = random.Random(0)
+    accepted = 0
+    for i in range(16):
+        motif = [rng.randrange(64) for _ in range(rng.randint(3, 6))]
+        variant = [*motif[:-1], rng.randrange(64)]  # the same start with another ending: two branches
+        prompt = (motif + variant) * 3 + motif[:2] if i % 2 == 0 else [rng.randrange(64) for _ in range(20)]
+        plain = run_plain(model, prompt, 30)
+        for adaptive in (True, False):
+            fast, stats = run_tree(model, prompt, 30, adaptive=adaptive)
+            assert fast == plain, f"prompt {i}"
+            accepted += stats.accepted
+    assert accepted > 20 and sum(compactions) >= 3, (accepted, sum(compactions))  # some accepted off the leading chain
