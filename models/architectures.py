@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import mlx.core as mx
+import numpy as np
 
 from akunu.errors import ModelError
 from akunu.models.gguf_file import GGUFFile
@@ -25,7 +26,7 @@ _PROJECTIONS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Tensors llama.cpp stores that mlx-lm recomputes (e.g. llama3 rope frequency factors).
+# Tensors llama.cpp stores that mlx-lm recomputes (llama3 rope factors: read into the config).
 _IGNORED = {"rope_freqs"}
 
 
@@ -40,8 +41,8 @@ class Architecture:
         """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None to drop."""
         stem, _, suffix = gguf_name.rpartition(".")
         if stem.startswith("blk."):
-            _, index, rest = stem.split(".", 2)
-            if rest not in self.layer_names:
+            _, index, rest = (stem.split(".", 2) + ["", ""])[:3]
+            if rest not in self.layer_names or not index.isdigit():
                 raise ModelError(f"unexpected tensor {gguf_name} in a {self.gguf_name} GGUF file")
             return f"model.layers.{index}.{self.layer_names[rest]}.{suffix}"
         if stem in _IGNORED:
@@ -107,11 +108,46 @@ def _common_config(gguf_file: GGUFFile) -> dict[str, Any]:
     }
 
 
+def _llama3_rope_scaling(gguf_file: GGUFFile, head_dim: int, base: float) -> dict[str, Any] | None:
+    """Llama 3.1+ GGUFs store per-frequency rope divisors (`rope_freqs`); recover mlx-lm's llama3 config.
+
+    The converter derives them from (factor, low 1, high 4, original context); we take the
+    factor from the tensor and refuse files whose divisors those defaults do not reproduce.
+    """
+    info = gguf_file.tensors.get("rope_freqs.weight")
+    if info is None:
+        return None
+    stored = gguf_file.tensor_bytes(info).view(np.float32) if info.ggml_type.name == "F32" else np.empty(0)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(stored.max()) if stored.size else 1.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": _int(gguf_file, "rope.scaling.original_context_length", 8192),
+    }
+    if stored.size != head_dim // 2 or not np.allclose(stored, llama3_rope_divisors(head_dim, base, scaling), rtol=1e-3):
+        raise ModelError(f"{gguf_file.path.name} has rope frequency factors akunu cannot map onto llama3 rope scaling")
+    return scaling
+
+
+def llama3_rope_divisors(head_dim: int, base: float, scaling: dict[str, Any]) -> np.ndarray:
+    """llama.cpp's `rope_freqs` values for a llama3 rope scaling config."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelengths = 2 * np.pi * base ** (np.arange(0, head_dim, 2) / head_dim)
+    smooth = (context / wavelengths - low) / (high - low)
+    divisors = np.where(wavelengths < context / high, 1.0, 1 / ((1 - smooth) / factor + smooth))
+    return np.where(wavelengths > context / low, factor, divisors).astype(np.float32)
+
+
 def _llama_config(gguf_file: GGUFFile) -> dict[str, Any]:
+    common = _common_config(gguf_file)
+    base = float(gguf_file.arch_value("rope.freq_base", 10000.0))
     return {
         "model_type": "llama",
-        **_common_config(gguf_file),
-        "rope_theta": float(gguf_file.arch_value("rope.freq_base", 10000.0)),
+        **common,
+        "rope_scaling": _llama3_rope_scaling(gguf_file, common["head_dim"], base) or common["rope_scaling"],
+        "rope_theta": base,
         # llama.cpp's converter permutes Q/K rows into the interleaved (GPT-J) rope layout.
         "rope_traditional": True,
         "tie_word_embeddings": "output.weight" not in gguf_file.tensors,

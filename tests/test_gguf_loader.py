@@ -15,6 +15,7 @@ from gguf.quants import dequantize, quantize
 
 from akunu.errors import ModelError, OptionsError
 from akunu.models import catalogue, load_model
+from akunu.models.architectures import llama3_rope_divisors
 from akunu.models.dtype_policy import choose_dtype
 from akunu.models.ggml_blocks import exact_triple
 from akunu.models.gguf_file import read_gguf
@@ -73,6 +74,7 @@ def write_tiny_gguf(
     seed: int = 0,
     tokenizer: bool = True,
     types_by_name: dict[str, Q] | None = None,
+    extra_f32: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write a 2-layer model; return the float32 values each tensor should load as, by GGUF name."""
     rng = np.random.default_rng(seed)
@@ -110,6 +112,8 @@ def write_tiny_gguf(
         )
         stored, expected[name] = _encode(values, ggml_type, rng)
         writer.add_tensor(name, stored, raw_dtype=ggml_type if ggml_type not in (Q.F32, Q.F16) else None)
+    for name, values in (extra_f32 or {}).items():
+        writer.add_tensor(name, values.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -236,6 +240,23 @@ def test_gemma3_config_and_norm_offset(tmp_path):
     ]:
         np.testing.assert_allclose(np.asarray(module.weight), expected[gguf_name] - 1.0, atol=1e-6)
     assert model.tie_word_embeddings  # no output.weight: logits come from the embedding
+
+
+def test_llama3_rope_factors_become_rope_scaling(tmp_path):
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    divisors = llama3_rope_divisors(HEAD_DIM, 10000.0, scaling)
+    assert {1.0, 8.0} < set(divisors.tolist())  # plain, scaled and smoothed frequencies all occur
+    path = tmp_path / "llama3.gguf"
+    write_tiny_gguf(path, extra_f32={"rope_freqs.weight": divisors})
+    model, config = load_gguf_model(read_gguf(path), quantized=True)
+    assert config["rope_scaling"] == scaling
+    assert isinstance(model.model.layers[0].self_attn.rope, Llama3RoPE)
+    write_tiny_gguf(path, extra_f32={"rope_freqs.weight": divisors * 1.5})
+    with pytest.raises(ModelError, match="rope frequency factors"):
+        load_gguf_model(read_gguf(path), quantized=True)
 
 
 def test_quantized_and_float32_models_agree(tmp_path):
