@@ -159,7 +159,8 @@ def _decode_loop(model, cache, logits, prompt, config, stats, drafter, costs, bu
     drafter = drafter or NGramDrafter(max_order=spec.ngram_order, window=spec.window)
     drafter.start(prompt)
     lengths = DraftLength(spec.draft_tokens, costs, adaptive=spec.adaptive)
-    return speculative_decode(model, cache, logits, params, stats, drafter, lengths, budget)
+    decode = getattr(drafter, "decode_loop", speculative_decode)  # a token-tree drafter brings its own
+    return decode(model, cache, logits, params, stats, drafter, lengths, budget)
 
 
 def generate(model: nn.Module, tokenizer, prompt: Sequence[int], config: GenerationConfig = GenerationConfig(), **kwargs):
