@@ -79,6 +79,14 @@ class NGramTreeDrafter(NGramDrafter):
     favourite chain is the linear draft and needs no compaction when it is accepted.
     """
 
+    def __init__(self, max_order: int = 4, window: int = 512, max_nodes: int = 8) -> None:
+        super().__init__(max_order=max_order, window=window)
+        self.max_nodes = max_nodes
+
+    def decode_loop(self, model, cache, logits, params, stats, drafter, lengths, budget):
+        """The loop `stream_generate` runs for this drafter: tree verification."""
+        return tree_decode(model, cache, logits, params, stats, self, lengths, budget, self.max_nodes)
+
     def draft_tree(self, depth: int, nodes: int) -> TokenTree:
         predictor = self.predictor
         context = predictor._recent()

@@ -111,3 +111,15 @@ def test_tree_decoding_equals_plain_greedy_decoding(name, monkeypatch):
             assert fast == plain, f"prompt {i}"
             accepted += stats.accepted
     assert accepted > 20 and sum(compactions) >= 3, (accepted, sum(compactions))  # some accepted off the leading chain
+
+
+def test_stream_generate_runs_the_tree_loop_for_a_tree_drafter():
+    from akunu.generate import GenerationConfig, SpecConfig, generate
+    from tests.tiny import FakeTokenizer
+
+    model = tiny_llama(seed=3, sharpness=4.0, attention=0.0)
+    prompt = [5, 6, 7, 8] * 4
+    config = GenerationConfig(max_tokens=60, spec=SpecConfig(draft_tokens=6, adaptive=False))
+    _, plain, _ = generate(model, FakeTokenizer(), prompt, GenerationConfig(max_tokens=60, spec=SpecConfig(enabled=False)))
+    _, fast, stats = generate(model, FakeTokenizer(), prompt, config, drafter=NGramTreeDrafter(max_nodes=10))
+    assert fast == plain and stats.tokens_per_pass > 2
