@@ -90,9 +90,14 @@ def entry(name: str) -> CatalogueEntry:
     """The catalogue entry for `name`, or a ModelError that suggests close names."""
     if name in KNOWN:
         return KNOWN[name]
+    raise unknown_model(name)
+
+
+def unknown_model(name: str) -> ModelError:
+    """The error for a name that is neither in the catalogue nor a path, with close names."""
     close = suggest(name)
     hint = f"; did you mean {' or '.join(close)}?" if close else ""
-    raise ModelError(f"unknown model '{name}'{hint} (known: {', '.join(KNOWN)}; or give a .gguf path)")
+    return ModelError(f"unknown model '{name}'{hint} (known: {', '.join(KNOWN)}; or give a .gguf path)")
 
 
 def suggest(name: str) -> list[str]:

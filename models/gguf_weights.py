@@ -68,6 +68,8 @@ def read_weights(gguf_file: GGUFFile, *, keep_quantized: bool, progress: Progres
     """All tensors, keyed like `mx.load` keys them: `x.weight` plus `x.scales`/`x.biases` if quantized."""
     check_supported_types(gguf_file)
     if all(t.ggml_type in MX_LOAD_TYPES for t in gguf_file.tensors.values()):
+        if progress:
+            progress("load", 0, len(gguf_file.tensors))
         weights = _read_with_mx_load(gguf_file)
         if progress:
             progress("load", len(gguf_file.tensors), len(gguf_file.tensors))

@@ -68,8 +68,7 @@ def _load_local_or_hub(spec: str, dtype: str, progress: Progress | None) -> Load
         raise ModelError(f"no such model file: {spec}")
     if HF_REPO_ID.match(spec):
         return _load_mlx_folder(_download_from_hub(spec), spec, dtype)
-    catalogue.entry(spec)  # raises "unknown model" with suggestions
-    raise AssertionError("unreachable")
+    raise catalogue.unknown_model(spec)
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -122,8 +121,10 @@ def _folder_dtype(model: nn.Module, config: dict[str, Any], requested: str) -> D
     """Apply the dtype policy to an mlx-lm model; "quantized" keeps a float folder as it is."""
     from mlx_lm.utils import dequantize_model
 
+    from mlx_lm.utils import get_total_parameters
+
     quantized = "quantization" in config
-    choice = choose_dtype(requested)
+    choice = choose_dtype(requested, float32_bytes=4 * int(get_total_parameters(model)))
     if choice.dtype == "float32":
         dequantize_model(model)
         model.set_dtype(mx.float32)
@@ -131,8 +132,16 @@ def _folder_dtype(model: nn.Module, config: dict[str, Any], requested: str) -> D
         return choice
     if quantized:
         return choice
-    kept = str(config.get("torch_dtype") or config.get("dtype") or "float16")
-    return DtypeChoice(kept if kept in ("float16", "bfloat16", "float32") else "float16", "unquantized MLX weights kept as they are")
+    return DtypeChoice(_float_dtype_name(model), "unquantized MLX weights kept as they are")
+
+
+def _float_dtype_name(model: nn.Module) -> str:
+    from mlx.utils import tree_flatten
+
+    for _, array in tree_flatten(model.parameters()):
+        if mx.issubdtype(array.dtype, mx.floating):
+            return str(array.dtype).removeprefix("mlx.core.")
+    return "float32"
 
 
 def _context_length(config: dict[str, Any]) -> int:
@@ -155,13 +164,17 @@ def _download_from_hub(repo_id: str) -> Path:
 
 
 def _hub_failure(repo_id: str, error: Exception) -> str:
-    kind = type(error).__name__
-    text = str(error)
-    if "RepositoryNotFound" in kind or "404" in text:
+    from huggingface_hub import errors as hub_errors
+
+    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if isinstance(error, hub_errors.GatedRepoError):
+        return f"{repo_id} is gated on the Hugging Face hub: accept its license and log in with `hf auth login`"
+    if isinstance(error, hub_errors.RepositoryNotFoundError):
         return f"no model '{repo_id}' on the Hugging Face hub (and no catalogue name or local path by that name)"
-    if any(sign in kind + text for sign in ("Connection", "Offline", "LocalEntryNotFound", "resolve", "Timeout", "Network")):
+    offline = (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled, ConnectionError, TimeoutError)
+    if isinstance(error, offline) or any(sign in type(error).__name__ for sign in ("Connect", "Timeout", "Network")):
         return f"no network to fetch {repo_id} from the Hugging Face hub"
-    return f"cannot fetch {repo_id} from the Hugging Face hub: {text.splitlines()[0] if text else kind}"
+    return f"cannot fetch {repo_id} from the Hugging Face hub: {first_line[:200]}"
 
 
 def _element_count(shape: tuple[int, ...]) -> int:

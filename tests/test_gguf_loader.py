@@ -282,6 +282,48 @@ def test_load_model_returns_a_described_model(tmp_path):
     assert logits.shape[-1] == VOCAB
 
 
+def _write_mlx_folder(folder: Path, *, quantize_bits: int | None, dtype=mx.float16) -> None:
+    """A tiny mlx-community style folder: config.json, model.safetensors, tokenizer.json."""
+    import json
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    config = {"model_type": "llama", "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "intermediate_size": FFN,
+              "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "rms_norm_eps": 1e-5,
+              "vocab_size": VOCAB, "max_position_embeddings": 512, "tie_word_embeddings": True}
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model.set_dtype(dtype)
+    if quantize_bits:
+        nn.quantize(model, group_size=32, bits=quantize_bits)
+        config["quantization"] = {"group_size": 32, "bits": quantize_bits}
+    folder.mkdir()
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(config))
+    vocab = {token: i for i, token in enumerate(_gpt2_byte_alphabet())}
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.save(str(folder / "tokenizer.json"))
+
+
+@pytest.mark.parametrize(("bits", "dtype", "expected"), [(4, "auto", None), (4, "float32", "float32"),
+                                                         (4, "quantized", "quantized"), (None, "quantized", "float16")])
+def test_mlx_folder_loads_through_mlx_lm(tmp_path, bits, dtype, expected):
+    folder = tmp_path / "tiny-mlx"
+    _write_mlx_folder(folder, quantize_bits=bits)
+    loaded = load_model(str(folder), dtype=dtype)
+    assert loaded.architecture == "llama" and loaded.context_length == 512 and loaded.path == folder
+    assert loaded.dtype == (expected or choose_dtype("auto").dtype)
+    q_proj = loaded.model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, nn.QuantizedLinear) == (loaded.dtype == "quantized")
+    if loaded.dtype == "float32":
+        assert q_proj.weight.dtype == mx.float32
+    assert loaded.model(mx.array([loaded.tokenizer.encode("hi")])).shape[-1] == VOCAB
+
+
 # Failures a user can cause -------------------------------------------------------------------
 
 
