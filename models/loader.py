@@ -47,6 +47,7 @@ class LoadedModel:
 
 def load_model(spec: str, *, dtype: str = "auto", progress: Progress | None = None) -> LoadedModel:
     """Load a model and its tokenizer; every failure a user can cause is a one-line ModelError."""
+    choose_dtype(dtype)  # reject a bad --dtype before any download
     started = time.perf_counter()
     if spec in catalogue.KNOWN:
         loaded = _load_gguf(catalogue.resolve(spec, progress=progress), spec, dtype, progress)

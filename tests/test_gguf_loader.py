@@ -420,6 +420,8 @@ def test_dtype_policy(monkeypatch):
     assert choose_dtype("quantized").reason == "requested"
     with pytest.raises(OptionsError):
         choose_dtype("int3")
+    with pytest.raises(OptionsError):
+        load_model("smollm2-135m", dtype="float64")  # before any fetch
     monkeypatch.setattr(mx.metal, "is_available", lambda: False)
     monkeypatch.setattr("sys.platform", "linux")
     monkeypatch.setattr(_blas, "loaded_path", "/usr/lib/libopenblas.so.0")
