@@ -1,0 +1,216 @@
+"""`akunu chat`: a multi-turn terminal chat that keeps the KV cache across turns."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from akunu.cli import display, options, runtime
+from akunu.cli.chat_view import ChatView
+from akunu.cli.conversation import PLAIN_USER_PREFIX, Conversation
+from akunu.errors import AkunuError
+
+EXAMPLES = """[bold]Examples[/]
+  akunu chat
+  akunu chat --system "You are a terse assistant." --temp 0.7
+  akunu chat --save talk.json          (saved after every answer)
+  akunu chat --load talk.json --save talk.json
+  akunu chat --model gemma3-270m --no-spec
+
+[bold]In the chat[/]  /help  /reset  /stats  /spec on|off  /save FILE  /exit   ·   Ctrl-C stops an answer, Ctrl-D quits"""
+
+COMMANDS = {
+    "/help": "this list",
+    "/reset": "start a new conversation (keeps the system prompt)",
+    "/stats": "every statistic of the last answer, and the session's",
+    "/spec on|off": "turn speculative decoding on or off",
+    "/save FILE": "save the conversation as JSON",
+    "/exit": "quit (also /quit, /bye, Ctrl-D)",
+}
+CONVERSATION_PANEL = "Conversation"
+
+
+def chat(
+    model: options.Model = None,
+    dtype: options.Dtype = options.WeightsDtype.auto,
+    system: options.System = None,
+    max_tokens: Annotated[
+        int, typer.Option(min=1, rich_help_panel=options.SAMPLING_PANEL, help="The most tokens per answer.")
+    ] = 1024,
+    temp: options.Temp = 0.0,
+    top_k: options.TopK = 0,
+    top_p: options.TopP = 1.0,
+    min_p: options.MinP = 0.0,
+    seed: options.Seed = None,
+    stop: options.Stop = None,
+    spec: options.Spec = True,
+    draft_tokens: options.DraftTokens = 4,
+    save: Annotated[
+        Optional[Path],
+        typer.Option(rich_help_panel=CONVERSATION_PANEL, help="Save the conversation to this JSON file after every answer."),
+    ] = None,
+    load: Annotated[
+        Optional[Path],
+        typer.Option(rich_help_panel=CONVERSATION_PANEL, help="Resume the conversation saved in this JSON file."),
+    ] = None,
+) -> None:
+    """Chat with a model in the terminal; the KV cache carries over, so each turn prefills only what is new.
+
+    A live line under the answer shows tok/s, draft acceptance, tokens per forward pass and memory; a summary follows each answer.
+    """
+    conversation = Conversation.load(load) if load else Conversation()
+    if system is not None:
+        conversation.system = system
+    config = options.generation_config(
+        max_tokens=max_tokens, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop, spec=spec,
+        draft_tokens=draft_tokens,
+    )  # fmt: skip
+    loaded = runtime.load(model, dtype)
+    config.sampling.validate(loaded.tokenizer.vocab_size)
+    session = ChatSession(loaded, config, conversation, ChatView(), save_path=save)
+    session.greet(loaded_from=load)
+    session.run()
+
+
+class ChatSession:
+    """The conversation, the prompt cache that mirrors it, and the slash commands."""
+
+    def __init__(self, loaded, config, conversation: Conversation, view: ChatView, *, save_path: Path | None = None):
+        from akunu.kv_cache import PromptCache
+
+        self.loaded, self.config, self.conversation, self.view = loaded, config, conversation, view
+        self.save_path = save_path
+        self.prompt_cache = PromptCache(loaded.model)
+        self.last_stats = None
+        self.totals = {"answers": 0, "generated": 0, "prefilled": 0}
+        self._costs: list[float] | None = None
+        if not loaded.tokenizer.has_chat_template:  # a plain transcript: stop where the user's turn would begin
+            self.config = dataclasses.replace(config, stop=(*config.stop, PLAIN_USER_PREFIX))
+
+    def greet(self, loaded_from: Path | None = None) -> None:
+        self.view.say(f"[bold]akunu chat[/] · {self.loaded.describe()} · speculative decoding {self._spec_state()}")
+        if not self.loaded.tokenizer.has_chat_template:
+            self.view.say("[yellow]note:[/] this model has no chat template; the conversation is sent as a plain transcript")
+        if loaded_from:
+            self.view.dim(f"resumed {len(self.conversation.turns)} messages from {loaded_from}")
+        self.view.dim("/help for commands · Ctrl-C stops an answer · Ctrl-D or /exit quits")
+
+    def run(self, read: Callable[[str], str] = input) -> None:
+        """Read lines until Ctrl-D or /exit."""
+        if runtime.stdin_is_terminal():
+            import readline  # noqa: F401  (line editing and history for input())
+        while True:
+            try:
+                line = read(">>> ")
+            except EOFError:
+                self.view.say("")
+                break
+            except KeyboardInterrupt:
+                self.view.say("")
+                self.view.dim("(Ctrl-D or /exit quits)")
+                continue
+            if not runtime.stdin_is_terminal():
+                self.view.say(line)  # echo piped input, so the transcript reads like a session
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("/"):
+                if not self.command(line):
+                    break
+            else:
+                self.ask(line)
+
+    def ask(self, text: str) -> None:
+        """One turn: prefill what the cache lacks, stream the answer, keep it (even a partial one)."""
+        self.conversation.add("user", text)
+        try:
+            prompt_ids = self.conversation.prompt_ids(self.loaded.tokenizer)
+            responses = runtime.stream(self.loaded, prompt_ids, self.config, prompt_cache=self.prompt_cache, costs=self._costs_now())
+            answer = self.view.stream(responses)
+        except AkunuError as error:
+            self.conversation.turns.pop()
+            self.view.say(f"[bold red]error:[/] {error}")
+            return
+        if answer.stats is None:  # interrupted before the first token: forget the question
+            self.conversation.turns.pop()
+            return
+        self.conversation.add("assistant", answer.text)
+        self.last_stats = answer.stats
+        self.totals["answers"] += 1
+        self.totals["generated"] += answer.stats.generated_tokens
+        self.totals["prefilled"] += answer.stats.prefilled_tokens
+        if self.save_path:
+            self.conversation.save(self.save_path, self.loaded.name)
+
+    def command(self, line: str) -> bool:
+        """Run a slash command; False means quit."""
+        name, _, argument = line.partition(" ")
+        argument = argument.strip()
+        if name in ("/exit", "/quit", "/bye"):
+            return False
+        handlers = {"/help": self._help, "/reset": self._reset, "/stats": self._stats, "/spec": self._spec, "/save": self._save}
+        handler = handlers.get(name)
+        if handler is None:
+            self.view.say(f"[yellow]unknown command {name}[/]; /help lists them")
+        else:
+            handler(argument)
+        return True
+
+    def _help(self, _: str) -> None:
+        self.view.help(COMMANDS)
+
+    def _reset(self, _: str) -> None:
+        self.conversation.clear()
+        self.prompt_cache.reset()
+        self.last_stats = None
+        self.view.dim("new conversation" + (" (system prompt kept)" if self.conversation.system else ""))
+
+    def _stats(self, _: str) -> None:
+        from akunu import _blas
+
+        if self.last_stats is not None:
+            self.view.console.print(display.stats_table(self.last_stats, "last answer"))
+        self.view.dim(
+            f"session: {self.totals['answers']} answers, {self.totals['generated']} tokens generated, "
+            f"{self.totals['prefilled']} prefilled; context {len(self.prompt_cache.tokens)}/{self.loaded.context_length} tokens"
+        )
+        self.view.dim(f"{self.loaded.describe()} · BLAS: {_blas.describe()} · speculative decoding {self._spec_state()}")
+
+    def _spec(self, argument: str) -> None:
+        if argument not in ("on", "off", ""):
+            self.view.say("[yellow]usage:[/] /spec on|off")
+            return
+        if argument:
+            spec = dataclasses.replace(self.config.spec, enabled=argument == "on")
+            self.config = dataclasses.replace(self.config, spec=spec)
+        self.view.dim(f"speculative decoding {self._spec_state()}")
+
+    def _save(self, argument: str) -> None:
+        path = Path(argument).expanduser() if argument else self.save_path
+        if path is None:
+            self.view.say("[yellow]usage:[/] /save FILE")
+            return
+        try:
+            self.conversation.save(path, self.loaded.name)
+        except AkunuError as error:
+            self.view.say(f"[bold red]error:[/] {error}")
+            return
+        self.view.dim(f"saved {len(self.conversation.turns)} messages to {path}")
+
+    def _spec_state(self) -> str:
+        spec = self.config.spec
+        if not spec.enabled:
+            return "off"
+        return f"on (up to {spec.draft_tokens} drafts{', adaptive' if spec.adaptive else ''})"
+
+    def _costs_now(self) -> list[float] | None:
+        """The cost curve, measured the first time speculation needs it."""
+        if not self.config.spec.enabled:
+            return None
+        if self._costs is None:
+            self._costs = runtime.costs_for(self.loaded, self.config)
+        return self._costs

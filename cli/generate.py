@@ -1,0 +1,152 @@
+"""`akunu generate`: one prompt in, text on stdout, statistics on stderr (or one JSON object)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.text import Text
+
+from akunu.cli import display, options, runtime
+from akunu.cli.console import stderr_console, stdout_console
+from akunu.errors import OptionsError, PromptError
+
+EXAMPLES = """[bold]Examples[/]
+  akunu generate "Write a Python function that returns the fibonacci numbers up to n."
+  echo "Summarize: ..." | akunu generate - > summary.txt
+  akunu generate -f prompt.txt --temp 0.7 --top-p 0.9 --seed 1 --max-tokens 400
+  akunu generate --raw "<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n"
+  akunu generate --json --no-spec "Name three rivers." | jq .decode_tps
+  akunu generate --verbose "Repeat this list: apples, pears, plums"   (accepted drafts highlighted)"""
+
+OUTPUT_PANEL = "Input and output"
+
+
+def generate(
+    prompt: Annotated[
+        Optional[str], typer.Argument(show_default=False, help="The prompt. '-' or nothing reads it from stdin.")
+    ] = None,
+    prompt_file: Annotated[
+        Optional[Path],
+        typer.Option("--prompt-file", "-f", rich_help_panel=OUTPUT_PANEL, help="Read the prompt from this file."),
+    ] = None,
+    model: options.Model = None,
+    dtype: options.Dtype = options.WeightsDtype.auto,
+    system: options.System = None,
+    raw: Annotated[
+        bool,
+        typer.Option("--raw", rich_help_panel=OUTPUT_PANEL, help="Send the prompt verbatim, special tokens included: no chat template."),
+    ] = False,
+    max_tokens: Annotated[int, typer.Option(min=1, rich_help_panel=options.SAMPLING_PANEL, help="The most tokens to generate.")] = 256,
+    temp: options.Temp = 0.0,
+    top_k: options.TopK = 0,
+    top_p: options.TopP = 1.0,
+    min_p: options.MinP = 0.0,
+    seed: options.Seed = None,
+    stop: options.Stop = None,
+    spec: options.Spec = True,
+    draft_tokens: options.DraftTokens = 4,
+    json_output: Annotated[
+        bool, typer.Option("--json", rich_help_panel=OUTPUT_PANEL, help="Print one JSON object: text, token ids and stats.")
+    ] = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose", "-v", rich_help_panel=OUTPUT_PANEL, help="Highlight accepted draft tokens; print every statistic."
+        ),
+    ] = False,
+) -> None:
+    """Generate text for one prompt, with the model's chat template unless --raw.
+
+    The text goes to stdout and the statistics to stderr, so `> out.txt` captures only the text.
+    """
+    if json_output and verbose:
+        raise OptionsError("--json and --verbose cannot be combined: --json already carries every statistic")
+    if raw and system:
+        raise OptionsError("--system needs the chat template, which --raw turns off")
+    text = read_prompt(prompt, prompt_file)
+    config = options.generation_config(
+        max_tokens=max_tokens, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop, spec=spec,
+        draft_tokens=draft_tokens,
+    )  # fmt: skip
+    loaded = runtime.load(model, dtype)
+    config.sampling.validate(loaded.tokenizer.vocab_size)
+    prompt_ids = runtime.encode_prompt(loaded.tokenizer, text, system=system, raw=raw)
+    if verbose:
+        describe_run(loaded, config)
+    run(loaded, prompt_ids, config, json_output=json_output, verbose=verbose)
+
+
+def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    """The prompt text from the argument, a file or stdin; a PromptError if there is none."""
+    if prompt_file is not None and prompt is not None:
+        raise OptionsError("give the prompt as an argument or with --prompt-file, not both")
+    if prompt_file is not None:
+        try:
+            text = prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise PromptError(f"cannot read the prompt file {prompt_file}: {getattr(error, 'strerror', None) or error}") from None
+    elif prompt is None or prompt == "-":
+        if runtime.stdin_is_terminal() and prompt is None:
+            raise OptionsError("no prompt: give it as an argument, with --prompt-file, or on stdin ('-')")
+        text = sys.stdin.read()
+    else:
+        text = prompt
+    if not text.strip():
+        raise PromptError("the prompt is empty")
+    return text
+
+
+def run(loaded, prompt_ids: list[int], config, *, json_output: bool, verbose: bool) -> None:
+    """Stream one generation to stdout; Ctrl-C keeps what was generated and exits 130."""
+    out = stdout_console()
+    pieces, tokens, stats, finish = [], [], None, None
+    try:
+        for response in runtime.stream(loaded, prompt_ids, config, costs=runtime.costs_for(loaded, config)):
+            pieces.append(response.text)
+            if response.token is not None:
+                tokens.append(response.token)
+            stats, finish = response.stats, response.finish_reason or finish
+            if json_output or not response.text:
+                continue
+            if verbose:
+                out.print(Text(response.text, style=display.DRAFT_STYLE if response.from_draft else ""), end="")
+            else:
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        finish = "interrupted"
+    text = "".join(pieces)
+    if json_output:
+        if stats is not None:
+            typer.echo(json.dumps(display.result_json(loaded.name, text, tokens, stats, finish, config), ensure_ascii=False))
+    else:
+        if not text.endswith("\n"):
+            sys.stdout.write("\n")
+        report(stats, finish, verbose)
+    if finish == "interrupted":
+        raise typer.Exit(130)
+
+
+def report(stats, finish: str | None, verbose: bool) -> None:
+    if stats is None:
+        return
+    err = stderr_console()
+    if verbose:
+        err.print(display.stats_table(stats, "statistics"))
+    else:
+        err.print(f"[dim]{display.summary_line(stats, finish)}[/]")
+
+
+def describe_run(loaded, config) -> None:
+    """The --verbose header: model, weights, backend, speculation settings."""
+    from akunu import _blas
+
+    err = stderr_console()
+    err.print(f"[dim]{loaded.describe()} · {getattr(loaded, 'dtype_reason', '')} · BLAS: {_blas.describe()}[/]")
+    spec = config.spec
+    mode = f"on, up to {spec.draft_tokens} drafts, {'adaptive' if spec.adaptive else 'fixed'}" if spec.enabled else "off"
+    err.print(f"[dim]speculative decoding {mode}; accepted draft tokens are[/] [{display.DRAFT_STYLE}]highlighted[/]")

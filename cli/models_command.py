@@ -1,0 +1,80 @@
+"""`akunu models`: the catalogue with what is cached, `pull` to fetch a model, `rm` to delete one."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from akunu.cli.console import stdout_console
+
+app = typer.Typer(
+    help="List the model catalogue, with what is cached; fetch or remove models.",
+    epilog="[bold]Examples[/]\n  akunu models\n  akunu models pull gemma3-270m\n  akunu models rm gemma3-270m",
+    invoke_without_command=True,
+    no_args_is_help=False,
+)
+
+Name = Annotated[str, typer.Argument(show_default=False, help="A catalogue name, as 'akunu models' lists them.")]
+
+
+@app.callback()
+def models(ctx: typer.Context) -> None:
+    """List the model catalogue: cached or not, size on disk and path."""
+    if ctx.invoked_subcommand is None:
+        list_models()
+
+
+@app.command("list")
+def list_models() -> None:
+    """List the model catalogue: cached or not, size on disk and path."""
+    from akunu.models import catalogue
+
+    table = Table(title=f"models in {catalogue.home() / 'models'}", title_justify="left", box=None, pad_edge=False)
+    for column in ("name", "cached", "size", "path / source", "description"):
+        table.add_column(column, overflow="fold")
+    for name, known in catalogue.KNOWN.items():
+        path = catalogue.cached_path(name)
+        label = f"{name} (default)" if name == catalogue.DEFAULT_MODEL else name
+        source = str(path) if path else f"pip: {', '.join(known.packages)}"
+        cached = "[green]yes[/]" if path else "no"
+        table.add_row(escape(label), cached, human_size(known.size), escape(source), escape(known.description))
+    console = stdout_console()
+    console.print(table)
+    console.print("[dim]Also: any .gguf file, an MLX model folder, or a Hugging Face repo id with --model.[/]")
+
+
+@app.command()
+def pull(name: Name) -> None:
+    """Fetch a catalogue model into the cache (checked against its pinned sha256)."""
+    from akunu.cli.runtime import progress_reporter
+    from akunu.models import catalogue
+
+    already = catalogue.cached_path(name)
+    with progress_reporter() as progress:
+        path = catalogue.resolve(name, progress=progress)
+    verb = "already cached" if already else "fetched"
+    stdout_console().print(f"{escape(name)} {verb}: {escape(str(path))} ({human_size(path.stat().st_size)})")
+
+
+@app.command("rm")
+def remove(name: Name) -> None:
+    """Delete a cached model (it can be pulled again)."""
+    from akunu.models import catalogue
+
+    catalogue.entry(name)  # an unknown name is an error, with suggestions
+    folder = catalogue.model_path(name).parent
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
+    if not catalogue.remove(name):
+        stdout_console().print(f"{escape(name)} is not cached; nothing to remove")
+        return
+    stdout_console().print(f"removed {escape(name)} from {escape(str(folder))} (freed {human_size(size)})")
+
+
+def human_size(size: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"

@@ -1,0 +1,114 @@
+"""Options shared by `generate` and `chat`, and how they become the engine's GenerationConfig."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Optional
+
+import typer
+
+MODEL_PANEL, SAMPLING_PANEL, SPEC_PANEL = "Model", "Sampling", "Speculative decoding"
+
+Model = Annotated[
+    Optional[str],
+    typer.Option(
+        "--model",
+        "-m",
+        envvar="AKUNU_MODEL",
+        show_default=False,
+        rich_help_panel=MODEL_PANEL,
+        help="Catalogue name (see 'akunu models'), a .gguf file, an MLX model folder or a Hugging Face repo id."
+        " Default: smollm2-135m.",
+    ),
+]
+
+
+class WeightsDtype(str, Enum):
+    auto = "auto"
+    quantized = "quantized"
+    float32 = "float32"
+
+
+Dtype = Annotated[
+    WeightsDtype,
+    typer.Option(
+        rich_help_panel=MODEL_PANEL,
+        help="Weights in memory: quantized, float32, or auto (whichever decodes faster on this backend).",
+    ),
+]
+System = Annotated[
+    Optional[str], typer.Option("--system", "-s", rich_help_panel=MODEL_PANEL, help="System prompt for the chat template.")
+]
+Temp = Annotated[
+    float, typer.Option("--temp", "-t", min=0.0, rich_help_panel=SAMPLING_PANEL, help="Temperature; 0 is greedy.")
+]
+TopK = Annotated[int, typer.Option(min=0, rich_help_panel=SAMPLING_PANEL, help="Keep the k likeliest tokens; 0 keeps all.")]
+TopP = Annotated[
+    float,
+    typer.Option(
+        min=0.0,
+        max=1.0,
+        rich_help_panel=SAMPLING_PANEL,
+        help="Nucleus sampling: keep the likeliest tokens up to this probability mass; 1 keeps all.",
+    ),
+]
+MinP = Annotated[
+    float,
+    typer.Option(
+        min=0.0,
+        max=1.0,
+        rich_help_panel=SAMPLING_PANEL,
+        help="Drop tokens less likely than this fraction of the likeliest; 0 keeps all.",
+    ),
+]
+Seed = Annotated[Optional[int], typer.Option(rich_help_panel=SAMPLING_PANEL, help="Random seed, for repeatable sampling.")]
+Stop = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--stop",
+        rich_help_panel=SAMPLING_PANEL,
+        help="Stop before this text (repeatable). Escapes \\n and \\t are understood.",
+    ),
+]
+Spec = Annotated[
+    bool,
+    typer.Option("--spec/--no-spec", rich_help_panel=SPEC_PANEL, help="Speculative decoding with n-gram drafts."),
+]
+DraftTokens = Annotated[
+    int,
+    typer.Option(
+        min=1,
+        max=15,
+        rich_help_panel=SPEC_PANEL,
+        help="The most tokens drafted per forward pass; the number drafted adapts to how often drafts land.",
+    ),
+]
+
+
+def unescape(text: str) -> str:
+    """`\\n`, `\\t` and `\\\\` typed in a shell argument, as the characters they name."""
+    return text.replace("\\\\", "\0").replace("\\n", "\n").replace("\\t", "\t").replace("\0", "\\")
+
+
+def generation_config(
+    *,
+    max_tokens: int,
+    temp: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    seed: int | None,
+    stop: list[str] | None,
+    spec: bool,
+    draft_tokens: int,
+):
+    """The engine's GenerationConfig for the parsed options (imports the engine, hence MLX)."""
+    from akunu.generate import GenerationConfig, SpecConfig
+    from akunu.sampling import SamplingParams
+
+    return GenerationConfig(
+        max_tokens=max_tokens,
+        sampling=SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed),
+        spec=SpecConfig(enabled=spec, draft_tokens=draft_tokens),
+        stop=tuple(unescape(s) for s in stop or ()),
+    )

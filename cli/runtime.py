@@ -1,0 +1,115 @@
+"""What `generate` and `chat` share: loading a model with a progress bar, the prompt, the cost curve.
+
+The engine and the model loader are imported inside each function, so the CLI starts
+without MLX.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+from collections.abc import Iterator
+
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TextColumn,
+    TimeRemainingColumn,
+)
+
+from akunu.cli.console import print_note, stderr_console
+
+_BYTE_STAGES = {"download", "extract"}
+
+
+@contextlib.contextmanager
+def progress_reporter() -> Iterator:
+    """A `progress(stage, done, total)` callback drawing one rich bar per stage on stderr (TTY only)."""
+    console = stderr_console()
+    if not console.is_terminal:
+        yield lambda stage, done, total: None
+        return
+    columns = (TextColumn("{task.description:>10}"), BarColumn(), _AmountColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        tasks: dict[str, int] = {}
+
+        def report(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = progress.add_task(stage, total=total)
+            progress.update(tasks[stage], completed=done, total=total)
+
+        yield report
+
+
+class _AmountColumn(ProgressColumn):
+    """Bytes for download stages, `done/total` for the others (tensors, layers)."""
+
+    def render(self, task):
+        column = DownloadColumn() if task.description in _BYTE_STAGES else MofNCompleteColumn()
+        return column.render(task)
+
+
+def load(model: str | None, dtype) -> object:
+    """The LoadedModel for a catalogue name, path or repo id (None: the default model)."""
+    from akunu.models import catalogue, load_model
+
+    with progress_reporter() as progress:
+        return load_model(model or catalogue.DEFAULT_MODEL, dtype=getattr(dtype, "value", dtype), progress=progress)
+
+
+def encode_prompt(tokenizer, text: str, *, system: str | None = None, raw: bool = False) -> list[int]:
+    """Prompt ids: the chat template around `text`, or `text` verbatim (special tokens included)."""
+    if raw:
+        return tokenizer.encode(text)
+    if not tokenizer.has_chat_template:
+        print_note("this model has no chat template; the prompt is sent as raw text")
+        return tokenizer.encode(f"{system}\n\n{text}" if system else text)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def cost_curve(loaded) -> list[float]:
+    """This model's measured pass-cost curve on this backend (measured once, then read from disk)."""
+    import mlx.core as mx
+
+    from akunu import _blas
+    from akunu.draft_length import cached_cost_curve
+    from akunu.models import catalogue
+
+    backend = str(mx.default_device()).replace("Device(", "").split(",")[0].strip(" )")
+    blas = _blas.describe().split()[0].lower()
+    key = f"{loaded.name}-{loaded.dtype}-{backend}-{blas}"
+    directory = catalogue.home() / "cost_curves"
+    if not (directory / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', key)}.json").exists() and stderr_console().is_terminal:
+        stderr_console().print("[dim]measuring forward-pass costs for adaptive drafting (once per model and backend)…[/]")
+    return cached_cost_curve(loaded.model, key, directory)
+
+
+def costs_for(loaded, config) -> list[float] | None:
+    """The cost curve when the config drafts adaptively; None otherwise (no measuring needed)."""
+    if config.spec.enabled and config.spec.adaptive:
+        return cost_curve(loaded)
+    return None
+
+
+def stream(loaded, prompt_ids: list[int], config, *, prompt_cache=None, costs=None):
+    """The engine's response stream for one generation."""
+    from akunu.generate import stream_generate
+
+    return stream_generate(
+        loaded.model,
+        loaded.tokenizer,
+        prompt_ids,
+        config,
+        prompt_cache=prompt_cache,
+        context_length=loaded.context_length,
+        costs=costs,
+    )
+
+
+def stdin_is_terminal() -> bool:
+    return sys.stdin is not None and sys.stdin.isatty()
