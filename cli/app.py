@@ -53,8 +53,9 @@ class AkunuGroup(TyperGroup):
             print_error(str(error))
             code = error.exit_code
         except ClickException as error:  # usage errors: one line, and where to look
-            hint = f" (see '{error.ctx.command_path} --help')" if getattr(error, "ctx", None) else ""
-            print_error(f"{error.format_message()}{hint}")
+            if error.format_message():  # empty after a bare `akunu`, whose help is already shown
+                hint = f" (see '{error.ctx.command_path} --help')" if getattr(error, "ctx", None) else ""
+                print_error(f"{error.format_message()}{hint}")
             code = error.exit_code
         except typer.Abort:
             code = 130

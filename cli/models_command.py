@@ -6,7 +6,6 @@ from typing import Annotated
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
 from akunu.cli.console import stdout_console
 
@@ -32,18 +31,18 @@ def list_models() -> None:
     """List the model catalogue: cached or not, size on disk and path."""
     from akunu.models import catalogue
 
-    table = Table(title=f"models in {catalogue.home() / 'models'}", title_justify="left", box=None, pad_edge=False)
-    for column in ("name", "cached", "size", "path / source", "description"):
-        table.add_column(column, overflow="fold")
+    console = stdout_console()
+    console.print(f"model cache: {escape(str(catalogue.home() / 'models'))}")
+    width = max(len(name) for name in catalogue.KNOWN) + len(" (default)")
     for name, known in catalogue.KNOWN.items():
         path = catalogue.cached_path(name)
         label = f"{name} (default)" if name == catalogue.DEFAULT_MODEL else name
-        source = str(path) if path else f"pip: {', '.join(known.packages)}"
-        cached = "[green]yes[/]" if path else "no"
-        table.add_row(escape(label), cached, human_size(known.size), escape(source), escape(known.description))
-    console = stdout_console()
-    console.print(table)
-    console.print("[dim]Also: any .gguf file, an MLX model folder, or a Hugging Face repo id with --model.[/]")
+        status = "[green]cached[/]" if path else f"not cached [dim](akunu models pull {escape(name)})[/]"
+        console.print(f"\n[bold]{escape(label):<{width}}[/]  {human_size(known.size):>9}  {status}")
+        console.print(f"  [dim]{escape(known.description)}[/]")
+        if path:
+            console.print(f"  {escape(str(path))}")
+    console.print("\n[dim]--model also takes a .gguf file, an MLX model folder or a Hugging Face repo id.[/]")
 
 
 @app.command()
