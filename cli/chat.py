@@ -121,8 +121,13 @@ class ChatSession:
             if line.startswith("/"):
                 if not self.command(line):
                     break
-            else:
+                continue
+            try:
                 self.ask(line)
+            except KeyboardInterrupt:  # outside the answer's stream, e.g. while measuring pass costs
+                if self.conversation.turns and self.conversation.turns[-1]["role"] == "user":
+                    self.conversation.turns.pop()
+                self.view.say("[yellow]⏹ interrupted[/]")
 
     def ask(self, text: str) -> None:
         """One turn: prefill what the cache lacks, stream the answer, keep it (even a partial one)."""
