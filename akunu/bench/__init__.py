@@ -1,0 +1,46 @@
+"""`akunu bench` as a library: workloads, the interleaved runner, statistics and result records.
+
+The command line (`cli/bench.py`) draws tables and progress; nothing here imports typer or
+rich, and the runner takes its engine as a parameter so tests can run it without a model.
+"""
+
+from akunu.bench.runner import (
+    METHODS,
+    MLX_LM,
+    PLAIN,
+    SPEC,
+    SPEC_FIXED,
+    BenchResult,
+    Engine,
+    Measurement,
+    Mismatch,
+    Run,
+    method_order,
+    run_benchmark,
+)
+from akunu.bench.summary import CategorySummary, median_of_ratios, summarize
+from akunu.bench.workloads import CATEGORIES, Prompt, WorkloadError, load_workload, select, shipped_workload
+
+__all__ = [
+    "CATEGORIES",
+    "METHODS",
+    "MLX_LM",
+    "PLAIN",
+    "SPEC",
+    "SPEC_FIXED",
+    "BenchResult",
+    "CategorySummary",
+    "Engine",
+    "Measurement",
+    "Mismatch",
+    "Prompt",
+    "Run",
+    "WorkloadError",
+    "load_workload",
+    "median_of_ratios",
+    "method_order",
+    "run_benchmark",
+    "select",
+    "shipped_workload",
+    "summarize",
+]

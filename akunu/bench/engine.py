@@ -1,0 +1,109 @@
+"""The real engine for the runner: akunu's decoding (plain, adaptive and fixed speculation) and mlx-lm's.
+
+Every method is timed by the same code, from the tokens as they stream out: prefill ends at the
+first token, decode tok/s counts the tokens after it over the time after it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+
+from akunu.bench.runner import MLX_LM, PLAIN, SPEC, SPEC_FIXED, Run
+from akunu.bench.workloads import Prompt
+
+
+def timed_tokens(start: float, tokens: Iterable[int]) -> tuple[list[int], float, float]:
+    """Drain `tokens`; return them with the prefill and decode seconds seen from outside."""
+    out: list[int] = []
+    first = last = start
+    for token in tokens:
+        last = time.perf_counter()
+        if not out:
+            first = last
+        out.append(token)
+    return out, first - start, last - first
+
+
+class ModelEngine:
+    """Runs each benchmark method on one loaded model and tokenizer."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        max_tokens: int = 128,
+        temp: float = 0.0,
+        draft_tokens: int = 4,
+        costs: list[float] | None = None,
+        context_length: int | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.max_tokens, self.temp, self.draft_tokens = max_tokens, temp, draft_tokens
+        self.costs, self.context_length = costs, context_length
+        self.seed = seed if seed is not None else 0
+        self._mlx_tokenizer = None
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """The prompt as the model sees it in a chat: the user message inside the chat template."""
+        if not getattr(self.tokenizer, "has_chat_template", False):
+            return self.tokenizer.encode(prompt.text)
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}]))
+
+    def run(self, method: str, prompt_ids: list[int]) -> Run:
+        if method == MLX_LM:
+            return self._run_mlx_lm(prompt_ids)
+        spec = {PLAIN: None, SPEC: True, SPEC_FIXED: False}
+        if method not in spec:
+            raise ValueError(f"unknown benchmark method {method!r}")
+        return self._run_akunu(prompt_ids, spec[method])
+
+    def _run_akunu(self, prompt_ids: list[int], adaptive: bool | None) -> Run:
+        from akunu.generate import GenerationConfig, SpecConfig, stream_generate
+        from akunu.sampling import SamplingParams
+
+        spec = SpecConfig(enabled=adaptive is not None, draft_tokens=self.draft_tokens, adaptive=bool(adaptive))
+        config = GenerationConfig(max_tokens=self.max_tokens, sampling=SamplingParams(temp=self.temp, seed=self.seed), spec=spec)
+        start = time.perf_counter()
+        responses = stream_generate(
+            self.model, self.tokenizer, prompt_ids, config, context_length=self.context_length, costs=self.costs
+        )
+        stats = []
+
+        def tokens() -> Iterator[int]:
+            for response in responses:
+                stats[:] = [response.stats]
+                if response.token is not None:
+                    yield response.token
+
+        ids, prefill_seconds, decode_seconds = timed_tokens(start, tokens())
+        s = stats[0]
+        return Run(
+            ids, len(prompt_ids), prefill_seconds, decode_seconds,
+            forward_passes=s.forward_passes, drafted=s.drafted, accepted=s.accepted,
+            accepted_lengths={int(k): v for k, v in s.accepted_lengths.items()},
+        )  # fmt: skip
+
+    def _run_mlx_lm(self, prompt_ids: list[int]) -> Run:
+        import mlx.core as mx
+        from mlx_lm.generate import stream_generate
+        from mlx_lm.sample_utils import make_sampler
+
+        if self._mlx_tokenizer is None:
+            self._mlx_tokenizer = self.tokenizer.to_mlx_lm()
+        mx.random.seed(self.seed)
+        start = time.perf_counter()
+        responses = stream_generate(
+            self.model, self._mlx_tokenizer, prompt_ids, max_tokens=self.max_tokens, sampler=make_sampler(temp=self.temp)
+        )
+
+        def tokens() -> Iterator[int]:
+            # mlx-lm repeats the last token on its final response: the limit token (kept) or EOS (dropped).
+            for response in responses:
+                if response.finish_reason is None or response.finish_reason == "length":
+                    yield int(response.token)
+
+        ids, prefill_seconds, decode_seconds = timed_tokens(start, tokens())
+        return Run(ids, len(prompt_ids), prefill_seconds, decode_seconds)

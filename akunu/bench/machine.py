@@ -1,0 +1,48 @@
+"""What the numbers were measured on: machine, backend, BLAS, library versions, model and dtype."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+
+def _version(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "missing"
+
+
+def _cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo on Linux, else what platform knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def describe_machine(model_name: str = "", dtype: str = "", dtype_reason: str = "") -> dict[str, str | int]:
+    import mlx.core as mx
+
+    from akunu import _blas
+
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": _cpu_name(),
+        "cores": os.cpu_count() or 0,
+        "backend": str(mx.default_device()),
+        "blas": _blas.describe(),
+        "python": sys.version.split()[0],
+        "mlx": _version("mlx"),
+        "mlx_lm": _version("mlx-lm"),
+        "model": model_name,
+        "dtype": dtype,
+        "dtype_reason": dtype_reason,
+    }

@@ -1,0 +1,172 @@
+"""The benchmark loop: every method on every prompt, interleaved, with token checks.
+
+For each prompt the methods run back to back in one process, so slow drift of the machine
+(heat, other load) hits them alike; the order is mirrored on every other pass (ABCD, DCBA,
+...) so that being first after a prompt change is no advantage to any method.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+from akunu.bench.workloads import Prompt
+
+PLAIN, SPEC, SPEC_FIXED, MLX_LM = "plain", "spec", "spec-fixed", "mlx-lm"
+METHODS = (PLAIN, SPEC, SPEC_FIXED, MLX_LM)
+# Methods whose greedy tokens must equal PLAIN's; MLX_LM is compared for information only.
+MUST_MATCH_PLAIN = (SPEC, SPEC_FIXED)
+
+
+@dataclass
+class Run:
+    """One generation by one method, timed the same way for every method."""
+
+    tokens: list[int]
+    prompt_tokens: int
+    prefill_seconds: float  # from the call to the first token
+    decode_seconds: float  # from the first token to the last
+    forward_passes: int = 0  # decode passes (0 where the method does not count them)
+    drafted: int = 0
+    accepted: int = 0
+    accepted_lengths: dict[int, int] = field(default_factory=dict)  # accepted drafts per verification
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def decode_tps(self) -> float:
+        """Tokens after the first (which prefill produced) per second of decoding."""
+        return (self.generated - 1) / self.decode_seconds if self.decode_seconds > 0 and self.generated > 1 else 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+
+@dataclass
+class Measurement:
+    prompt_id: str
+    category: str
+    method: str
+    repeat: int
+    position: int  # the method's place in this prompt's order, from 0
+    run: Run
+
+    def to_dict(self) -> dict:
+        record = asdict(self)
+        record["run"]["accepted_lengths"] = {str(k): v for k, v in sorted(self.run.accepted_lengths.items())}
+        record["run"].update(
+            generated=self.run.generated, decode_tps=round(self.run.decode_tps, 3), prefill_tps=round(self.run.prefill_tps, 3)
+        )
+        return record
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Two methods disagreed on the tokens of one greedy generation."""
+
+    prompt_id: str
+    category: str
+    repeat: int
+    method: str
+    reference: str
+    index: int  # the first token that differs
+    expected: int | None  # the reference's token there (None: the reference ended)
+    got: int | None
+    informational: bool  # True for comparisons that may legitimately differ (mlx-lm)
+
+
+@dataclass
+class BenchResult:
+    measurements: list[Measurement] = field(default_factory=list)
+    mismatches: list[Mismatch] = field(default_factory=list)
+    checked: bool = False  # whether tokens were compared (greedy runs only)
+
+    @property
+    def counted_mismatches(self) -> list[Mismatch]:
+        return [m for m in self.mismatches if not m.informational]
+
+
+class Engine(Protocol):
+    """What the runner needs from a model: prompt ids, and one timed generation per method."""
+
+    def encode(self, prompt: Prompt) -> list[int]: ...
+
+    def run(self, method: str, prompt_ids: list[int]) -> Run: ...
+
+
+def method_order(pass_index: int, methods: Sequence[str]) -> list[str]:
+    """The methods in the order of pass `pass_index`: as given on even passes, mirrored on odd ones."""
+    return list(methods) if pass_index % 2 == 0 else list(reversed(methods))
+
+
+def first_difference(reference: Sequence[int], other: Sequence[int]) -> int | None:
+    for index, (a, b) in enumerate(zip(reference, other)):
+        if a != b:
+            return index
+    return None if len(reference) == len(other) else min(len(reference), len(other))
+
+
+def compare_tokens(prompt: Prompt, repeat: int, runs: dict[str, Run]) -> list[Mismatch]:
+    """Mismatches of this pass against the plain tokens: counted for speculation, informational for mlx-lm."""
+    reference = runs.get(PLAIN)
+    if reference is None:
+        return []
+    found = []
+    for method, run in runs.items():
+        if method == PLAIN:
+            continue
+        index = first_difference(reference.tokens, run.tokens)
+        if index is not None:
+            expected = reference.tokens[index] if index < len(reference.tokens) else None
+            got = run.tokens[index] if index < len(run.tokens) else None
+            informational = method not in MUST_MATCH_PLAIN
+            found.append(Mismatch(prompt.id, prompt.category, repeat, method, PLAIN, index, expected, got, informational))
+    return found
+
+
+def run_benchmark(
+    prompts: Sequence[Prompt],
+    engine: Engine,
+    *,
+    methods: Sequence[str] = METHODS,
+    repeats: int = 1,
+    check_tokens: bool = True,
+    warmup: bool = True,
+    on_measurement: Callable[[Measurement], None] | None = None,
+    on_mismatch: Callable[[Mismatch], None] | None = None,
+    on_warmup: Callable[[str], None] | None = None,
+) -> BenchResult:
+    """Run `methods` on every prompt `repeats` times, interleaved, after one unrecorded warm-up per method.
+
+    `check_tokens` (for greedy runs) compares every method's tokens with plain decoding's.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1 (got {repeats})")
+    result = BenchResult(checked=check_tokens)
+    encoded = [(prompt, engine.encode(prompt)) for prompt in prompts]
+    if warmup and encoded:
+        for method in methods:  # first calls pay for allocation and kernel setup
+            if on_warmup:
+                on_warmup(method)
+            engine.run(method, encoded[0][1])
+    pass_index = 0
+    for prompt, ids in encoded:
+        for repeat in range(repeats):
+            runs: dict[str, Run] = {}
+            for position, method in enumerate(method_order(pass_index, methods)):
+                runs[method] = engine.run(method, ids)
+                measurement = Measurement(prompt.id, prompt.category, method, repeat, position, runs[method])
+                result.measurements.append(measurement)
+                if on_measurement:
+                    on_measurement(measurement)
+            pass_index += 1
+            if check_tokens:
+                for mismatch in compare_tokens(prompt, repeat, runs):
+                    result.mismatches.append(mismatch)
+                    if on_mismatch:
+                        on_mismatch(mismatch)
+    return result

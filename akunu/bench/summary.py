@@ -1,0 +1,122 @@
+"""Per-category statistics from raw measurements.
+
+Speedups are the median of per-prompt ratios, each ratio taken between runs of the same
+prompt and pass, so a long prompt or a slow moment weighs no more than any other prompt.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+from akunu.bench.runner import MLX_LM, PLAIN, SPEC, SPEC_FIXED, BenchResult, Measurement
+
+OVERALL = "overall"
+
+
+@dataclass
+class CategorySummary:
+    category: str
+    prompts: int
+    plain_tps: float | None  # median over prompts of decode tok/s
+    spec_tps: float | None
+    speedup: float | None  # spec vs plain: median of per-prompt ratios
+    acceptance: float | None  # accepted / drafted, pooled over the category's spec runs
+    tokens_per_pass: float | None  # decoded tokens / decode passes, pooled
+    fixed_speedup: float | None  # fixed-length spec vs plain
+    mlx_tps: float | None
+    vs_mlx: float | None  # our plain vs mlx-lm plain
+    prefill_tps: float | None  # our plain prefill
+    mlx_prefill_tps: float | None
+    mismatches: int
+    mlx_mismatches: int  # information only
+
+    def to_dict(self) -> dict:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+def median_of_ratios(ratios: Iterable[float]) -> float | None:
+    values = list(ratios)
+    return statistics.median(values) if values else None
+
+
+def _median(values: Iterable[float]) -> float | None:
+    values = list(values)
+    return statistics.median(values) if values else None
+
+
+def _decode_tps_by_pass(measurements: Sequence[Measurement], method: str) -> dict[tuple[str, int], float]:
+    return {(m.prompt_id, m.repeat): m.run.decode_tps for m in measurements if m.method == method}
+
+
+def per_prompt_ratios(measurements: Sequence[Measurement], numerator: str, denominator: str) -> dict[str, float]:
+    """For each prompt, the median over its passes of numerator tok/s / denominator tok/s."""
+    top, bottom = _decode_tps_by_pass(measurements, numerator), _decode_tps_by_pass(measurements, denominator)
+    by_prompt: dict[str, list[float]] = defaultdict(list)
+    for key, value in top.items():
+        if bottom.get(key):
+            by_prompt[key[0]].append(value / bottom[key])
+    return {prompt: statistics.median(values) for prompt, values in by_prompt.items()}
+
+
+def per_prompt_tps(measurements: Sequence[Measurement], method: str, *, prefill: bool = False) -> dict[str, float]:
+    by_prompt: dict[str, list[float]] = defaultdict(list)
+    for m in measurements:
+        if m.method == method:
+            by_prompt[m.prompt_id].append(m.run.prefill_tps if prefill else m.run.decode_tps)
+    return {prompt: statistics.median(values) for prompt, values in by_prompt.items()}
+
+
+def _pooled(measurements: Sequence[Measurement], method: str) -> tuple[float | None, float | None]:
+    """Acceptance rate and tokens per pass over all runs of `method`."""
+    runs = [m.run for m in measurements if m.method == method]
+    drafted = sum(r.drafted for r in runs)
+    passes = sum(r.forward_passes for r in runs)
+    decoded = sum(max(r.generated - 1, 0) for r in runs)
+    acceptance = sum(r.accepted for r in runs) / drafted if drafted else (0.0 if runs else None)
+    return acceptance, (decoded / passes if passes else None)
+
+
+def summarize_group(name: str, result: BenchResult, measurements: Sequence[Measurement]) -> CategorySummary:
+    prompt_ids = {m.prompt_id for m in measurements}
+    mismatches = [m for m in result.mismatches if m.prompt_id in prompt_ids]
+    acceptance, tokens_per_pass = _pooled(measurements, SPEC)
+    return CategorySummary(
+        category=name,
+        prompts=len(prompt_ids),
+        plain_tps=_median(per_prompt_tps(measurements, PLAIN).values()),
+        spec_tps=_median(per_prompt_tps(measurements, SPEC).values()),
+        speedup=median_of_ratios(per_prompt_ratios(measurements, SPEC, PLAIN).values()),
+        acceptance=acceptance,
+        tokens_per_pass=tokens_per_pass,
+        fixed_speedup=median_of_ratios(per_prompt_ratios(measurements, SPEC_FIXED, PLAIN).values()),
+        mlx_tps=_median(per_prompt_tps(measurements, MLX_LM).values()),
+        vs_mlx=median_of_ratios(per_prompt_ratios(measurements, PLAIN, MLX_LM).values()),
+        prefill_tps=_median(per_prompt_tps(measurements, PLAIN, prefill=True).values()),
+        mlx_prefill_tps=_median(per_prompt_tps(measurements, MLX_LM, prefill=True).values()),
+        mismatches=sum(not m.informational for m in mismatches),
+        mlx_mismatches=sum(m.informational for m in mismatches),
+    )
+
+
+def summarize(result: BenchResult) -> list[CategorySummary]:
+    """One summary per category in order of appearance, then the overall row over every prompt."""
+    by_category: dict[str, list[Measurement]] = defaultdict(list)
+    for m in result.measurements:
+        by_category[m.category].append(m)
+    rows = [summarize_group(name, result, group) for name, group in by_category.items()]
+    if result.measurements:
+        rows.append(summarize_group(OVERALL, result, result.measurements))
+    return rows
+
+
+def accepted_length_histogram(measurements: Iterable[Measurement], method: str = SPEC) -> dict[int, int]:
+    """How many verifications accepted 0, 1, 2, ... drafted tokens, over all runs of `method`."""
+    histogram: dict[int, int] = defaultdict(int)
+    for m in measurements:
+        if m.method == method:
+            for length, count in m.run.accepted_lengths.items():
+                histogram[int(length)] += count
+    return dict(sorted(histogram.items()))
