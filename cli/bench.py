@@ -1,0 +1,353 @@
+"""`akunu bench`: speculative against plain decoding and against mlx-lm, on real text, in one run.
+
+The measuring lives in `akunu.bench`; this module parses options, draws the progress bar and
+prints the tables.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from akunu.cli import options, runtime
+from akunu.cli.console import print_note, stderr_console
+
+EXAMPLES = """[bold]Examples[/]
+  akunu bench --max-tokens 64 --limit 2            a quick look: 2 prompts per category
+  akunu bench --json bench.json --plot bench.png   the full run, every measurement kept
+  akunu bench --categories code-edit,chat --repeats 3
+  akunu bench --workload my-prompts.jsonl          your own prompts: {"category": ..., "prompt": ...} per line
+  akunu bench --cost-curve                         forward-pass time for 1..16 tokens on this backend"""
+
+WORKLOAD_PANEL, RUN_PANEL, OUTPUT_PANEL = "Workload", "Runs", "Output"
+# Wide enough for every column when the table goes to a file or a pipe.
+FILE_WIDTH = 170
+
+
+def bench(
+    model: options.Model = None,
+    dtype: options.Dtype = options.WeightsDtype.auto,
+    workload: Annotated[
+        Optional[Path],
+        typer.Option(
+            rich_help_panel=WORKLOAD_PANEL,
+            help="A JSONL file of your own prompts, one {\"category\": ..., \"prompt\": ...} object per line"
+            " (\"id\" optional). Default: the shipped workloads.",
+        ),
+    ] = None,
+    categories: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--categories",
+            "-c",
+            rich_help_panel=WORKLOAD_PANEL,
+            help="Only these categories, comma-separated or repeated (shipped: code-edit, summarize, rag, json, chat).",
+        ),
+    ] = None,
+    limit: Annotated[
+        Optional[int], typer.Option(min=1, rich_help_panel=WORKLOAD_PANEL, help="At most N prompts per category.")
+    ] = None,
+    max_tokens: Annotated[
+        int, typer.Option(min=2, rich_help_panel=RUN_PANEL, help="New tokens per generation.")
+    ] = 128,
+    repeats: Annotated[
+        int, typer.Option(min=1, rich_help_panel=RUN_PANEL, help="Measured passes per prompt, after one warm-up.")
+    ] = 1,
+    temp: options.Temp = 0.0,
+    seed: options.Seed = None,
+    draft_tokens: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=15,
+            rich_help_panel=RUN_PANEL,
+            help="The most tokens drafted per pass: the adaptive run's ceiling and the fixed-length run's length.",
+        ),
+    ] = 4,
+    mlx_lm: Annotated[
+        bool,
+        typer.Option("--mlx-lm/--no-mlx-lm", rich_help_panel=RUN_PANEL, help="Also time mlx-lm's own plain decoding."),
+    ] = True,
+    per_prompt: Annotated[
+        bool, typer.Option("--per-prompt", rich_help_panel=OUTPUT_PANEL, help="Also print a row for every prompt.")
+    ] = False,
+    json_path: Annotated[
+        Optional[Path],
+        typer.Option("--json", rich_help_panel=OUTPUT_PANEL, help="Write every raw measurement (and token ids) to this file."),
+    ] = None,
+    plot_path: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--plot",
+            rich_help_panel=OUTPUT_PANEL,
+            help="Draw speedup by category and the accepted-length histogram into this PNG (needs akunu[plot]).",
+        ),
+    ] = None,
+    cost_curve: Annotated[
+        bool,
+        typer.Option(
+            "--cost-curve",
+            help="Instead of the benchmark: time a forward pass of 1..16 tokens, show it, and store it for adaptive drafting.",
+        ),
+    ] = False,
+) -> None:
+    """Measure speculative against plain decoding, and against mlx-lm, on realistic prompts.
+
+    For every prompt, in one process and alternating order: plain decoding, speculative decoding (adaptive draft length), speculative with a fixed draft length, and mlx-lm's plain stream_generate. Decode tok/s excludes prefill; speedups are medians of per-prompt ratios.
+
+    At temperature 0 the speculative tokens must equal the plain tokens: a mismatch is printed and makes the command exit with status 1.
+    """
+    from akunu import bench as lib
+    from akunu.bench.engine import ModelEngine
+
+    if cost_curve:
+        loaded = runtime.load(model, dtype)
+        _print_header(loaded, "")
+        show_cost_curve(loaded, draft_tokens)
+        return
+    prompts = lib.select(
+        lib.load_workload(workload) if workload else lib.shipped_workload(), _split_categories(categories), limit
+    )
+    if plot_path is not None:
+        _require_matplotlib()
+    loaded = runtime.load(model, dtype)
+    config = f"{'greedy' if temp == 0 else f'temp {temp}'} · {max_tokens} new tokens · {repeats} repeat(s) after a warm-up · drafts ≤ {draft_tokens}"
+    machine = _print_header(loaded, config)
+    engine = ModelEngine(
+        loaded.model, loaded.tokenizer, max_tokens=max_tokens, temp=temp, draft_tokens=draft_tokens,
+        costs=_costs(loaded), context_length=loaded.context_length, seed=seed,
+    )  # fmt: skip
+    methods = [lib.PLAIN, lib.SPEC, lib.SPEC_FIXED] + ([lib.MLX_LM] if mlx_lm and _has_mlx_lm_tokenizer(loaded) else [])
+    result = _run_with_progress(prompts, engine, methods, repeats, check_tokens=temp == 0)
+    summaries = lib.summarize(result)
+    out = _table_console()
+    if per_prompt:
+        out.print(per_prompt_table(result))
+    out.print(summary_table(summaries, has_mlx=lib.MLX_LM in methods))
+    _print_checks(out, result, temp)
+    settings = {
+        "max_tokens": max_tokens, "repeats": repeats, "temp": temp, "seed": seed, "draft_tokens": draft_tokens,
+        "methods": methods, "workload": str(workload) if workload else "shipped", "prompts": len(prompts),
+        "command": " ".join(["akunu", *sys.argv[1:]]),
+    }  # fmt: skip
+    if json_path is not None:
+        from akunu.bench.report import result_record, write_json
+
+        write_json(json_path, result_record(result, summaries, machine, settings))
+        print_note(f"raw measurements written to {json_path}")
+    if plot_path is not None:
+        from akunu.bench.report import write_plot
+
+        write_plot(plot_path, result, summaries, title=f"akunu bench · {loaded.name} · {machine['backend']}")
+        print_note(f"chart written to {plot_path}")
+    if result.counted_mismatches:
+        raise typer.Exit(1)
+
+
+def _split_categories(values: list[str] | None) -> list[str] | None:
+    names = [name.strip() for value in values or [] for name in value.split(",") if name.strip()]
+    return names or None
+
+
+def _require_matplotlib() -> None:
+    """Fail before the long run, not after it."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        from akunu.errors import OptionsError
+
+        raise OptionsError("--plot needs matplotlib: pip install 'akunu[plot]'") from None
+
+
+def _has_mlx_lm_tokenizer(loaded) -> bool:
+    try:
+        loaded.tokenizer.to_mlx_lm()
+    except (NotImplementedError, ImportError, AttributeError) as error:
+        print_note(f"no mlx-lm baseline for this model: {error or type(error).__name__}")
+        return False
+    return True
+
+
+def _costs(loaded) -> list[float]:
+    """The cached cost curve adaptive drafting uses (measured here the first time)."""
+    from akunu.bench.cost_curve import cost_curve_dir, cost_curve_key, cost_curve_path
+    from akunu.draft_length import cached_cost_curve
+
+    key, directory = cost_curve_key(loaded.name, loaded.dtype), cost_curve_dir()
+    if not cost_curve_path(key, directory).exists():
+        stderr_console().print("[dim]measuring forward-pass costs for adaptive drafting (once per model and backend)…[/]")
+    return cached_cost_curve(loaded.model, key, directory)
+
+
+def _table_console() -> Console:
+    return Console(file=sys.stdout, highlight=False, width=None if sys.stdout.isatty() else FILE_WIDTH)
+
+
+def _print_header(loaded, config: str) -> dict:
+    from akunu.bench.machine import describe_machine
+
+    machine = describe_machine(loaded.name, loaded.dtype, getattr(loaded, "dtype_reason", ""))
+    out = _table_console()
+    out.print(f"[bold]akunu bench[/] · model [bold]{escape(loaded.name)}[/] · dtype {machine['dtype']}"
+              f" [dim]({escape(str(machine['dtype_reason']))})[/]")  # fmt: skip
+    out.print(
+        f"[dim]{machine['platform']} · {escape(str(machine['cpu']))} · {machine['cores']} cores · backend {machine['backend']}"
+        f" · BLAS {escape(str(machine['blas']))} · mlx {machine['mlx']} · mlx-lm {machine['mlx_lm']}[/]"
+    )
+    if config:
+        out.print(f"[dim]{config}[/]")
+    return machine
+
+
+def _run_with_progress(prompts, engine, methods, repeats, *, check_tokens: bool):
+    from akunu.bench import run_benchmark
+
+    err = stderr_console()
+    columns = (
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+    )  # fmt: skip
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
+        task = progress.add_task("warm-up", total=len(prompts) * repeats * len(methods))
+
+        def measured(m) -> None:
+            progress.update(task, advance=1, description=f"{m.category:>10} {m.prompt_id} · {m.method} {m.run.decode_tps:.1f} tok/s")
+
+        def mismatch(m) -> None:
+            if m.informational:
+                return
+            err.print(
+                f"[bold red]MISMATCH[/] {m.prompt_id} (pass {m.repeat}): {m.method} differs from plain at token {m.index}"
+                f" ({m.got} instead of {m.expected})"
+            )
+
+        return run_benchmark(
+            prompts, engine, methods=methods, repeats=repeats, check_tokens=check_tokens,
+            on_measurement=measured, on_mismatch=mismatch,
+            on_warmup=lambda method: progress.update(task, description=f"warm-up · {method}"),
+        )  # fmt: skip
+
+
+def _number(value: float | None, spec: str, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _speedup(value: float | None, target: float = 1.0) -> str:
+    if value is None:
+        return "–"
+    colour = "green" if value >= target else "red"
+    return f"[{colour}]{value:.2f}×[/]"
+
+
+def summary_table(summaries, *, has_mlx: bool) -> Table:
+    table = Table(title="decode tok/s (prefill excluded); speedups are medians of per-prompt ratios", title_justify="left")
+    for name, justify in (
+        ("category", "left"), ("prompts", "right"), ("plain tok/s", "right"), ("spec tok/s", "right"),
+        ("speedup", "right"), ("accept", "right"), ("tok/pass", "right"), ("fixed-draft speedup", "right"),
+        ("mlx-lm tok/s", "right"), ("ours vs mlx-lm", "right"), ("prefill tok/s", "right"), ("mismatches", "right"),
+    ):  # fmt: skip
+        table.add_column(name, justify=justify, no_wrap=True)
+    for s in summaries:
+        overall = s.category == "overall"
+        if overall:
+            table.add_section()
+        table.add_row(
+            f"[bold]{s.category}[/]" if overall else s.category,
+            str(s.prompts),
+            _number(s.plain_tps, ".1f"),
+            _number(s.spec_tps, ".1f"),
+            _speedup(s.speedup),
+            _number(s.acceptance and 100 * s.acceptance, ".0f", "%") if s.acceptance is not None else "–",
+            _number(s.tokens_per_pass, ".2f"),
+            _speedup(s.fixed_speedup),
+            _number(s.mlx_tps, ".1f") if has_mlx else "–",
+            _speedup(s.vs_mlx) if has_mlx else "–",
+            _number(s.prefill_tps, ".0f"),
+            f"[bold red]{s.mismatches}[/]" if s.mismatches else "0",
+        )
+    return table
+
+
+def per_prompt_table(result) -> Table:
+    from akunu.bench import MLX_LM, PLAIN, SPEC, SPEC_FIXED
+
+    table = Table(title="per prompt (median over passes)", title_justify="left")
+    for name in ("prompt", "prompt tok", "plain", "spec", "speedup", "accept", "tok/pass", "fixed", "mlx-lm"):
+        table.add_column(name, justify="left" if name == "prompt" else "right", no_wrap=True)
+    by_prompt: dict[str, dict[str, list]] = {}
+    for m in result.measurements:
+        by_prompt.setdefault(m.prompt_id, {}).setdefault(m.method, []).append(m.run)
+    for prompt_id, runs in by_prompt.items():
+        tps = {method: sorted(r.decode_tps for r in rs)[len(rs) // 2] for method, rs in runs.items()}
+        spec_runs = runs.get(SPEC, [])
+        drafted = sum(r.drafted for r in spec_runs)
+        passes = sum(r.forward_passes for r in spec_runs)
+        table.add_row(
+            prompt_id,
+            str(runs[PLAIN][0].prompt_tokens) if PLAIN in runs else "–",
+            _number(tps.get(PLAIN), ".1f"),
+            _number(tps.get(SPEC), ".1f"),
+            _speedup(tps[SPEC] / tps[PLAIN] if tps.get(SPEC) and tps.get(PLAIN) else None),
+            f"{sum(r.accepted for r in spec_runs) / drafted:.0%}" if drafted else "–",
+            f"{sum(r.generated - 1 for r in spec_runs) / passes:.2f}" if passes else "–",
+            _number(tps.get(SPEC_FIXED), ".1f"),
+            _number(tps.get(MLX_LM), ".1f"),
+        )
+    return table
+
+
+def _print_checks(out: Console, result, temp: float) -> None:
+    if not result.checked:
+        out.print(f"[yellow]tokens not compared: at temperature {temp} speculative sampling may pick other tokens[/]")
+        return
+    counted = result.counted_mismatches
+    if counted:
+        out.print(f"[bold red]✗ {len(counted)} GREEDY MISMATCH(ES): speculative tokens differ from plain decoding[/]")
+        for m in counted:
+            out.print(f"[red]  {m.prompt_id} pass {m.repeat}: {m.method} at token {m.index}: {m.got} instead of {m.expected}[/]")
+    else:
+        out.print("[green]✓ 0 greedy mismatches: speculative tokens equal plain tokens on every prompt[/]")
+    informational = [m for m in result.mismatches if m.informational]
+    if informational:
+        out.print(
+            f"[dim]information: mlx-lm's tokens differ from ours on {len(informational)} generation(s)"
+            f" (first at token {min(m.index for m in informational)}); the same model can round differently[/]"
+        )
+    elif any(m.method == "mlx-lm" for m in result.measurements):
+        out.print("[dim]information: mlx-lm's tokens equal ours on every prompt[/]")
+
+
+def show_cost_curve(loaded, draft_tokens: int) -> None:
+    """Measure afresh, print k / ms / relative cost / ms per token, and store the curve for adaptive drafting."""
+    from akunu.bench.cost_curve import cost_curve_dir, cost_curve_key, measure_and_save
+    from akunu.draft_length import DraftLength
+
+    key = cost_curve_key(loaded.name, loaded.dtype)
+    with stderr_console().status("timing forward passes of 1..16 tokens…"):
+        rows, path = measure_and_save(loaded.model, key, cost_curve_dir())
+    table = Table(title=f"forward-pass cost · {key}", title_justify="left")
+    for name in ("k", "ms", "relative cost", "ms per token"):
+        table.add_column(name, justify="right")
+    for row in rows:
+        table.add_row(str(row.tokens), f"{row.ms:.1f}", f"{row.relative:.2f}", f"{row.ms_per_token:.1f}")
+    out = _table_console()
+    out.print(table)
+    costs = [row.relative for row in rows]
+    picks = []
+    for acceptance in (0.2, 0.4, 0.6, 0.8, 0.9):
+        policy = DraftLength(draft_tokens, costs)
+        policy.hits, policy.misses, policy.prior = acceptance * 100, (1 - acceptance) * 100, (0.0, 0.0)
+        picks.append(f"{acceptance:.0%} → {policy.choose()}")
+    out.print(f"adaptive drafting with this curve (≤ {draft_tokens}) drafts, by acceptance: " + ", ".join(picks))
+    out.print(f"[dim]saved to {path}; adaptive drafting reads it from there[/]")
+
+
+# The lazy loader in app.py prefers a module-level `app`: a one-command Typer carrying the examples.
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app.command(name="bench", epilog=EXAMPLES)(bench)

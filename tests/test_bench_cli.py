@@ -1,0 +1,162 @@
+"""`akunu bench` through CliRunner, on the tiny random model of tests/test_cli_fakes.py."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+import akunu.draft_length
+from akunu.bench.cost_curve import cost_curve_dir, cost_curve_key, cost_curve_path, save_cost_curve
+from akunu.bench.engine import ModelEngine
+from akunu.cli import runtime
+from akunu.cli.app import app
+from akunu.draft_length import cached_cost_curve as real_cached_cost_curve
+from tests.test_cli_fakes import FAKE_COSTS, fake_engine  # noqa: F401  (fixture)
+
+runner = CliRunner()
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def invoke(*args):
+    result = runner.invoke(app, ["bench", *args])
+    return result, ANSI.sub("", result.output)
+
+
+@pytest.fixture
+def workload(tmp_path):
+    """Prompts inside the tiny tokenizer's alphabet; one repeats itself so drafts land."""
+    path = tmp_path / "tiny.jsonl"
+    records = [
+        {"category": "copy", "prompt": "abc abc abc abc abc abc abc abc", "id": "copy-a"},
+        {"category": "copy", "prompt": "hello world hello world hello world", "id": "copy-b"},
+        {"category": "open", "prompt": "tell me something new", "id": "open-a"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_bench_prints_the_table_and_writes_every_measurement(fake_engine, workload, tmp_path):
+    out = tmp_path / "bench.json"
+    result, text = invoke("--workload", str(workload), "--max-tokens", "12", "--repeats", "2", "--json", str(out))
+    assert result.exit_code == 0, text
+    assert "smollm2" not in text and "model tiny" in text
+    for column in ("plain tok/s", "spec tok/s", "speedup", "accept", "tok/pass", "fixed-draft speedup", "mismatches"):
+        assert column in text
+    assert re.search(r"copy\s+│\s+2 ", text) and re.search(r"open\s+│\s+1 ", text) and "overall" in text
+    assert "0 greedy mismatches" in text
+    assert "no mlx-lm baseline" in text  # the tiny tokenizer has no mlx-lm twin
+    record = json.loads(out.read_text())
+    assert len(record["measurements"]) == 3 * 2 * 3  # prompts x repeats x methods
+    assert {m["method"] for m in record["measurements"]} == {"plain", "spec", "spec-fixed"}
+    assert record["settings"]["max_tokens"] == 12 and record["machine"]["model"] == "tiny"
+    # 1 warm-up + 6 measured generations per method, all with the options given
+    assert len(fake_engine.streams) == 3 + 18
+    assert {s["config"].max_tokens for s in fake_engine.streams} == {12}
+    assert {(s["config"].spec.enabled, s["config"].spec.adaptive) for s in fake_engine.streams} == {
+        (False, False), (True, True), (True, False)
+    }
+    speculative = [s for s in fake_engine.streams if s["config"].spec.enabled]
+    assert all(s["costs"] == FAKE_COSTS for s in speculative)
+
+
+def test_bench_uses_the_cli_cost_curve_key(fake_engine, workload):
+    result, text = invoke("--workload", str(workload), "--limit", "1", "--categories", "open", "--max-tokens", "4")
+    assert result.exit_code == 0, text
+    runtime.cost_curve(fake_engine.loaded)  # what `akunu generate` asks the cache for
+    bench_call, generate_call = fake_engine.cost_curves
+    assert bench_call["key"] == generate_call["key"] == cost_curve_key("tiny", "float32")
+    assert bench_call["directory"] == generate_call["directory"] == cost_curve_dir()
+
+
+def test_categories_limit_and_per_prompt(fake_engine, workload):
+    result, text = invoke("--workload", str(workload), "-c", "copy,open", "--limit", "1", "--max-tokens", "4", "--per-prompt")
+    assert result.exit_code == 0, text
+    assert "copy-a" in text and "open-a" in text and "copy-b" not in text
+
+
+def test_a_mismatch_is_loud_and_fails_the_command(fake_engine, workload, monkeypatch):
+    real_run = ModelEngine.run
+
+    def corrupt_speculation(self, method, prompt_ids):
+        run = real_run(self, method, prompt_ids)
+        if method == "spec":
+            run.tokens[2] = (run.tokens[2] + 1) % 64
+        return run
+
+    monkeypatch.setattr(ModelEngine, "run", corrupt_speculation)
+    result, text = invoke("--workload", str(workload), "--limit", "1", "-c", "copy", "--max-tokens", "6")
+    assert result.exit_code == 1
+    assert "MISMATCH" in text and "1 GREEDY MISMATCH" in text and "at token 2" in text
+
+
+def test_sampling_skips_the_token_check(fake_engine, workload):
+    result, text = invoke("--workload", str(workload), "--limit", "1", "-c", "open", "--max-tokens", "4", "--temp", "0.8", "--seed", "3")
+    assert result.exit_code == 0, text
+    assert "tokens not compared" in text
+    assert {s["config"].sampling.temp for s in fake_engine.streams} == {0.8}
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--categories", "poetry"], "no prompts in category 'poetry'"),
+        (["--workload", "missing.jsonl"], "workload file not found"),
+    ],
+)
+def test_workload_errors_come_before_loading_the_model(fake_engine, args, message):
+    result, text = invoke(*args)
+    assert result.exit_code == 2 and message in text and "Traceback" not in text
+    assert fake_engine.loads == []
+
+
+def test_a_bad_workload_line_is_named(fake_engine, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"category": "a", "prompt": "b"}\n{"category": "a"}\n')
+    result, text = invoke("--workload", str(path))
+    assert result.exit_code == 2
+    assert f"{path}:2: missing 'prompt'" in text.replace("\n", "")
+
+
+def test_plot_without_matplotlib_fails_before_the_run(fake_engine, workload, monkeypatch, tmp_path):
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    result, text = invoke("--workload", str(workload), "--plot", str(tmp_path / "b.png"))
+    assert result.exit_code == 2 and "pip install 'akunu[plot]'" in text
+    assert fake_engine.loads == []
+
+
+def test_plot_draws_a_png(fake_engine, workload, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    result, text = invoke("--workload", str(workload), "--max-tokens", "6", "--plot", str(png))
+    assert result.exit_code == 0, text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cost_curve_is_measured_shown_and_stored_where_adaptive_drafting_reads_it(fake_engine, monkeypatch):
+    seconds = [0.05 + 0.005 * k for k in range(16)]
+    monkeypatch.setattr(akunu.draft_length, "measure_cost_curve", lambda model, max_width=16, **kw: list(seconds))
+    result, text = invoke("--cost-curve")
+    assert result.exit_code == 0, text
+    assert re.search(r"│\s+1 │\s+50\.0 │\s+1\.00 │\s+50\.0 │", text)
+    assert re.search(r"│\s+16 │\s+125\.0 │\s+2\.50 │\s+7\.8 │", text)
+    assert "drafts, by acceptance" in text
+    key = cost_curve_key("tiny", "float32")
+    assert cost_curve_path(key, cost_curve_dir()).exists()
+    relative = real_cached_cost_curve(None, key, cost_curve_dir())  # read from disk: no model needed
+    assert relative == pytest.approx([s / seconds[0] for s in seconds])
+
+
+def test_saved_cost_curve_round_trips_through_the_engine_cache(tmp_path):
+    save_cost_curve("some model/float32 cpu", [0.1] + [0.2] * 15, tmp_path)
+    assert real_cached_cost_curve(None, "some model/float32 cpu", tmp_path) == pytest.approx([1.0] + [2.0] * 15)
