@@ -85,7 +85,7 @@ class ChatSession:
         self.loaded, self.config, self.conversation, self.view = loaded, config, conversation, view
         self.save_path = save_path
         self.prompt_cache = PromptCache(loaded.model)
-        self.last_stats = None
+        self.last_stats, self.last_finish = None, None
         self.totals = {"answers": 0, "generated": 0, "prefilled": 0}
         self._costs: list[float] | None = None
         if not loaded.tokenizer.has_chat_template:  # a plain transcript: stop where the user's turn would begin
@@ -144,7 +144,7 @@ class ChatSession:
             self.conversation.turns.pop()
             return
         self.conversation.add("assistant", answer.text)
-        self.last_stats = answer.stats
+        self.last_stats, self.last_finish = answer.stats, answer.finish_reason
         self.totals["answers"] += 1
         self.totals["generated"] += answer.stats.generated_tokens
         self.totals["prefilled"] += answer.stats.prefilled_tokens
@@ -178,7 +178,7 @@ class ChatSession:
         from akunu import _blas
 
         if self.last_stats is not None:
-            self.view.console.print(display.stats_table(self.last_stats, "last answer"))
+            self.view.console.print(display.stats_table(self.last_stats, "last answer", self.last_finish))
         self.view.dim(
             f"session: {self.totals['answers']} answers, {self.totals['generated']} tokens generated, "
             f"{self.totals['prefilled']} prefilled; context {len(self.prompt_cache.tokens)}/{self.loaded.context_length} tokens"

@@ -37,7 +37,7 @@ def summary_line(stats, finish_reason: str | None) -> str:
     return " · ".join(parts)
 
 
-def stats_table(stats, title: str) -> Table:
+def stats_table(stats, title: str, finish_reason: str | None = None) -> Table:
     """Every number of one generation, for /stats and `generate --verbose`."""
     table = Table(title=title, show_header=False, box=None, title_justify="left", title_style="bold")
     table.add_column(style="cyan")
@@ -53,7 +53,7 @@ def stats_table(stats, title: str) -> Table:
         ("drafted / accepted", f"{stats.drafted} / {stats.accepted} ({stats.acceptance_rate:.0%})"),
         ("accepted lengths", histogram(stats.accepted_lengths) or "-"),
         ("peak memory", f"{stats.peak_memory_mb:.0f} MB"),
-        ("finish", f"{stats.finish_reason or '-'}"),
+        ("finish", f"{finish_reason or stats.finish_reason or '-'}"),
     ]
     for name, value in rows:
         table.add_row(name, value)

@@ -136,7 +136,7 @@ def report(stats, finish: str | None, verbose: bool) -> None:
         return
     err = stderr_console()
     if verbose:
-        err.print(display.stats_table(stats, "statistics"))
+        err.print(display.stats_table(stats, "statistics", finish))
     else:
         err.print(f"[dim]{display.summary_line(stats, finish)}[/]")
 

@@ -2,6 +2,7 @@
 
 import io
 import json
+import re
 
 import pytest
 from rich.console import Console
@@ -130,10 +131,11 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session_and_cache_consistent(fake
 
     monkeypatch.setattr(akunu.generate, "stream_generate", interrupt_first_answer)
     saved = tmp_path / "talk.json"
-    result = chat("--max-tokens", "12", "--save", str(saved), input="abcabcabc\nabcabc\n")
+    result = chat("--max-tokens", "12", "--save", str(saved), input="abcabcabc\n/stats\nabcabc\n")
     first, second = fake_engine.streams
     partial = fake_engine.loaded.tokenizer.decode(first["tokens"][:3])  # the fourth never reached the screen
     assert "⏹ interrupted" in result.stdout and "· interrupted" in result.stdout
+    assert re.search(r"finish\s+interrupted", result.stdout)  # /stats after the interrupt
     assert second["prompt"] == render(fake_engine.loaded, [user("abcabcabc"), assistant(partial), user("abcabc")])
     assert second["tokens"] == fresh_answer(fake_engine.loaded, second["prompt"], second["config"])
     assert fake_engine.finals[-1].stats.prefilled_tokens < len(second["prompt"]) - len(first["prompt"])
