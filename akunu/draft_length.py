@@ -19,7 +19,7 @@ import mlx.nn as nn
 from akunu.kv_cache import make_cache, rewind
 
 
-def measure_cost_curve(model: nn.Module, max_width: int = 16, context: int = 64, repeats: int = 3) -> list[float]:
+def measure_cost_curve(model: nn.Module, max_width: int = 16, context: int = 64, repeats: int = 2) -> list[float]:
     """Seconds of one forward pass of k = 1..max_width tokens after `context` tokens, median of repeats."""
     cache = make_cache(model)
     mx.eval(model(mx.zeros((1, context), mx.uint32), cache=cache))
@@ -49,7 +49,12 @@ def expected_tokens(acceptance: float, drafted: int) -> float:
 
 
 class DraftLength:
-    """Chooses the draft length each round; `adaptive=False` always asks for `max_draft`."""
+    """Chooses the draft length each round; `adaptive=False` always asks for `max_draft`.
+
+    Acceptance comes in runs (a copied passage is accepted token after token, then the text
+    departs from it), so it is estimated separately after a fully accepted round ("hot") and
+    after a rejection or a plain step ("cold"), each from discounted counts.
+    """
 
     def __init__(
         self,
@@ -57,7 +62,7 @@ class DraftLength:
         costs: Sequence[float] | None = None,
         *,
         adaptive: bool = True,
-        decay: float = 0.9,
+        decay: float = 0.8,
         prior: tuple[float, float] = (1.0, 1.0),
     ) -> None:
         self.max_draft = max_draft
@@ -67,12 +72,13 @@ class DraftLength:
         self.adaptive = adaptive
         self.decay = decay
         self.prior = prior
-        self.hits = 0.0  # discounted accepted drafts
-        self.misses = 0.0  # discounted rejections (rounds that stopped short)
+        self.hot = False  # was the last round's draft accepted whole?
+        self.hits = {False: 0.0, True: 0.0}  # discounted accepted drafts, per state
+        self.misses = {False: 0.0, True: 0.0}  # discounted rejections, per state
 
     @property
     def acceptance(self) -> float:
-        hits, misses = self.hits + self.prior[0], self.misses + self.prior[1]
+        hits, misses = self.hits[self.hot] + self.prior[0], self.misses[self.hot] + self.prior[1]
         return hits / (hits + misses)
 
     def choose(self) -> int:
@@ -83,13 +89,17 @@ class DraftLength:
         return max(widths, key=lambda n: expected_tokens(a, n) / self.costs[n])
 
     def observe(self, drafted: int, accepted: int) -> None:
-        # Every round decays old evidence, so after a run of plain steps the estimate drifts
-        # back to the prior and drafting is tried again.
-        self.hits = self.hits * self.decay + accepted
-        self.misses = self.misses * self.decay + (1 if accepted < drafted else 0)
+        # Old evidence decays, so after a run of plain steps the estimate drifts back to the
+        # prior and drafting is tried again.
+        state = self.hot
+        for table in (self.hits, self.misses):
+            table[state] *= self.decay
+        self.hits[state] += accepted
+        self.misses[state] += 1 if accepted < drafted else 0
+        self.hot = drafted > 0 and accepted == drafted
 
 
-def cached_cost_curve(model: nn.Module, key: str, directory: Path, max_width: int = 16) -> list[float]:
+def cached_cost_curve(model: nn.Module, key: str, directory: Path, max_width: int = 9) -> list[float]:
     """Relative pass costs for this model and backend, measured once and kept in `directory`.
 
     `key` names the model, dtype and backend (e.g. "smollm2-135m-float32-cpu-openblas"): the

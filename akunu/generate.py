@@ -130,19 +130,17 @@ def stream_generate(
         stats.peak_memory_mb = mx.get_peak_memory() / 1e6
         prompt_cache.tokens.append(token)
         if token in tokenizer.eos_ids:
-            stats.finish_reason = "stop"
+            stats.finish_reason, stats.ended_on_eos = "stop", True
             break
-        stats.generated_tokens += 1
         text, stopped = stops.feed(detokenizer.add(token))
         if stopped:
             stats.finish_reason, hit_stop_string = "stop", True
-            yield GenerationResponse(text, token, from_draft, stats)
-            break
-        if stats.generated_tokens >= budget:
+        elif stats.generated_tokens + 1 >= budget:
             stats.finish_reason = "length"
-            yield GenerationResponse(text, token, from_draft, stats)
-            break
+        stats.generated_tokens += 1  # counted as it is handed over, so an interrupt never over-counts
         yield GenerationResponse(text, token, from_draft, stats)
+        if stats.finish_reason:
+            break
     tail = ""
     if not hit_stop_string:  # text after a stop string is dropped; anything else still pending is emitted
         tail = stops.feed(detokenizer.flush())[0] + stops.flush()

@@ -19,6 +19,7 @@ class GenerationStats:
     decode_seconds: float = 0.0
     peak_memory_mb: float = 0.0
     finish_reason: str | None = None
+    ended_on_eos: bool = False  # the model's end token was produced (and not counted as generated)
 
     def record_round(self, drafted: int, accepted: int) -> None:
         self.forward_passes += 1
@@ -33,8 +34,8 @@ class GenerationStats:
 
     @property
     def tokens_per_pass(self) -> float:
-        """Tokens each decode pass produced; the first token comes from prefill."""
-        decoded = max(self.generated_tokens - 1, 0)
+        """Tokens each decode pass produced, the end token included; the first comes from prefill."""
+        decoded = max(self.generated_tokens + self.ended_on_eos - 1, 0)
         return decoded / self.forward_passes if self.forward_passes else 0.0
 
     @property
