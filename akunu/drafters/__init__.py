@@ -2,7 +2,8 @@
 
 Specs (the CLI's `--draft`): `ngram` (the default), `model:NAME|PATH` (a draft model with
 the same tokenizer), `layer-skip:N` (the target's first N layers), and `hybrid:SPEC`
-(n-grams where they match, otherwise SPEC, e.g. `hybrid:layer-skip:8`).
+(n-grams where they match, otherwise SPEC, e.g. `hybrid:layer-skip:8`), and `tree:N` (n-gram
+drafts verified as token trees of up to N nodes, the CLI's `--tree N`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from akunu.drafters.layer_skip import layer_skip_drafter
 from akunu.errors import OptionsError
 from akunu.sampling import SamplingParams
 
-SPEC_HELP = "ngram, model:NAME|PATH, layer-skip:N or hybrid:SPEC"
+SPEC_HELP = "ngram, model:NAME|PATH, layer-skip:N, hybrid:SPEC or tree:N"
 
 __all__ = ["HybridDrafter", "ModelDrafter", "SPEC_HELP", "make_drafter"]
 
@@ -30,11 +31,27 @@ def make_drafter(
     ngram_order: int = 4,
     window: int = 512,
     ngram_cache: Path | None = None,
+    tree: int | None = None,
     load: Callable | None = None,
 ) -> Drafter:
     """The drafter a spec names. `target` is the loaded target model (`.model`, `.tokenizer`);
-    `load(name, dtype=...)` loads a draft model (default: akunu.models.load_model)."""
+    `tree` (nodes per tree) verifies n-gram drafts as token trees; `load(name)` loads a draft
+    model (default: akunu.models.load_model)."""
     kind, _, argument = spec.partition(":")
+    if tree is not None:
+        if spec != "ngram" or ngram_cache is not None:
+            raise OptionsError("--tree works with the plain n-gram drafter only (no --draft, no --ngram-cache)")
+        if tree < 1:
+            raise OptionsError(f"--tree needs at least 1 node (got {tree})")
+        from akunu.tree import NGramTreeDrafter
+
+        return NGramTreeDrafter(max_order=ngram_order, window=window, max_nodes=tree)
+    if kind == "tree" and tree is None:  # `tree:N`, the bench's name for `ngram` with --tree N
+        try:
+            nodes = int(argument)
+        except ValueError:
+            raise OptionsError(f"tree:N needs a node count N, got {argument!r}") from None
+        return make_drafter("ngram", target, ngram_order=ngram_order, window=window, tree=nodes)
     if kind == "ngram" and not argument:
         return _ngram(ngram_order, window, ngram_cache)
     if kind == "hybrid" and argument:

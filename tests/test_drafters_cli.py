@@ -1,0 +1,64 @@
+"""`akunu generate --draft/--draft-model/--ngram-cache/--tree` reach the engine and keep greedy output."""
+
+import pytest
+
+from akunu.drafters import HybridDrafter, ModelDrafter
+from akunu.ngram_cache import CachedNGramDrafter
+from akunu.tree import NGramTreeDrafter
+from tests.test_cli_fakes import fake_engine  # noqa: F401  (fixture)
+from tests.test_cli_generate import invoke
+
+PROMPT = "abcabcabcabc"
+
+
+def plain_text():
+    result = invoke(PROMPT, "--no-spec", "--max-tokens", "24")
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+@pytest.mark.parametrize(
+    "options, kind",
+    [
+        (["--draft", "layer-skip:1"], ModelDrafter),
+        (["--draft", "hybrid:layer-skip:1"], HybridDrafter),
+        (["--draft-model", "tiny-model"], ModelDrafter),
+        (["--tree", "6"], NGramTreeDrafter),
+    ],
+    ids=["layer-skip", "hybrid", "draft-model", "tree"],
+)
+def test_drafter_options_reach_the_engine_and_keep_the_output(fake_engine, options, kind):
+    expected = plain_text()
+    result = invoke(PROMPT, "--max-tokens", "24", *options)
+    assert result.exit_code == 0, result.output
+    assert isinstance(fake_engine.streams[-1]["drafter"], kind)
+    assert result.stdout == expected
+
+
+def test_the_default_passes_no_drafter(fake_engine):
+    assert invoke(PROMPT).exit_code == 0
+    assert fake_engine.streams[-1]["drafter"] is None
+
+
+def test_the_ngram_cache_file_is_written_after_the_run(fake_engine, tmp_path):
+    path = tmp_path / "ngrams.cache"
+    expected = plain_text()
+    result = invoke(PROMPT, "--max-tokens", "24", "--ngram-cache", str(path))
+    assert result.exit_code == 0, result.output
+    assert isinstance(fake_engine.streams[-1]["drafter"], CachedNGramDrafter)
+    assert path.exists() and result.stdout == expected
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--no-spec", "--draft", "layer-skip:1"], "need speculative decoding"),
+        (["--draft", "layer-skip:1", "--draft-model", "x"], "either --draft-model or --draft"),
+        (["--draft", "warp-drive"], "unknown drafter"),
+        (["--tree", "4", "--draft", "layer-skip:1"], "--tree works with the plain n-gram drafter only"),
+    ],
+)
+def test_conflicting_or_unknown_drafter_options_are_one_line_errors(fake_engine, options, message):
+    result = invoke(PROMPT, *options)
+    assert result.exit_code == 2
+    assert message in result.output
