@@ -49,6 +49,29 @@ def generate(
     stop: options.Stop = None,
     spec: options.Spec = True,
     draft_tokens: options.DraftTokens = 4,
+    draft: Annotated[
+        str,
+        typer.Option(
+            rich_help_panel=options.SPEC_PANEL,
+            help="The drafter: ngram, model:NAME|PATH, layer-skip:N (the model's first N layers) or hybrid:SPEC"
+            " (n-grams where they match, else SPEC).",
+        ),
+    ] = "ngram",
+    draft_model: Annotated[
+        Optional[str],
+        typer.Option(rich_help_panel=options.SPEC_PANEL, help="A draft model with the same tokenizer (same as --draft model:NAME)."),
+    ] = None,
+    ngram_cache: Annotated[
+        Optional[Path],
+        typer.Option(
+            rich_help_panel=options.SPEC_PANEL,
+            help="Keep n-gram counts in this file across runs; drafts fall back on them (off by default).",
+        ),
+    ] = None,
+    tree: Annotated[
+        Optional[int],
+        typer.Option(min=1, max=32, rich_help_panel=options.SPEC_PANEL, help="Verify n-gram drafts as token trees of up to N nodes."),
+    ] = None,
     json_output: Annotated[
         bool, typer.Option("--json", rich_help_panel=OUTPUT_PANEL, help="Print one JSON object: text, token ids and stats.")
     ] = False,
@@ -75,9 +98,33 @@ def generate(
     loaded = runtime.load(model, dtype)
     config.sampling.validate(loaded.tokenizer.vocab_size)
     prompt_ids = runtime.encode_prompt(loaded.tokenizer, text, system=system, raw=raw)
+    drafter = make_drafter_for(loaded, config, draft, draft_model, ngram_cache, tree)
     if verbose:
         describe_run(loaded, config)
-    run(loaded, prompt_ids, config, json_output=json_output, verbose=verbose)
+    try:
+        run(loaded, prompt_ids, config, json_output=json_output, verbose=verbose, drafter=drafter)
+    finally:
+        if hasattr(drafter, "save"):  # the persistent n-gram cache learns from this run
+            drafter.save()
+
+
+def make_drafter_for(loaded, config, draft: str, draft_model: str | None, ngram_cache: Path | None, tree: int | None):
+    """The drafter the options ask for; None keeps the engine's default n-gram drafter."""
+    if draft_model is not None:
+        if draft != "ngram":
+            raise OptionsError("give either --draft-model or --draft, not both")
+        draft = f"model:{draft_model}"
+    if draft == "ngram" and ngram_cache is None and tree is None:
+        return None
+    if not config.spec.enabled:
+        raise OptionsError("--draft, --draft-model, --ngram-cache and --tree need speculative decoding; drop --no-spec")
+    from akunu.drafters import make_drafter
+
+    spec = config.spec
+    return make_drafter(
+        draft, loaded, params=config.sampling, ngram_order=spec.ngram_order, window=spec.window,
+        ngram_cache=ngram_cache, tree=tree,
+    )  # fmt: skip
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
@@ -100,12 +147,12 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     return text
 
 
-def run(loaded, prompt_ids: list[int], config, *, json_output: bool, verbose: bool) -> None:
+def run(loaded, prompt_ids: list[int], config, *, json_output: bool, verbose: bool, drafter=None) -> None:
     """Stream one generation to stdout; Ctrl-C keeps what was generated and exits 130."""
     out = stdout_console()
     pieces, tokens, stats, finish = [], [], None, None
     try:
-        for response in runtime.stream(loaded, prompt_ids, config, costs=runtime.costs_for(loaded, config)):
+        for response in runtime.stream(loaded, prompt_ids, config, costs=runtime.costs_for(loaded, config), drafter=drafter):
             pieces.append(response.text)
             if response.token is not None:
                 tokens.append(response.token)

@@ -96,8 +96,8 @@ def costs_for(loaded, config) -> list[float] | None:
     return None
 
 
-def stream(loaded, prompt_ids: list[int], config, *, prompt_cache=None, costs=None):
-    """The engine's response stream for one generation."""
+def stream(loaded, prompt_ids: list[int], config, *, prompt_cache=None, costs=None, drafter=None):
+    """The engine's response stream for one generation (`drafter`: None for the n-gram default)."""
     from akunu.generate import stream_generate
 
     return stream_generate(
@@ -108,6 +108,7 @@ def stream(loaded, prompt_ids: list[int], config, *, prompt_cache=None, costs=No
         prompt_cache=prompt_cache,
         context_length=loaded.context_length,
         costs=costs,
+        drafter=drafter,
     )
 
 
