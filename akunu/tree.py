@@ -207,13 +207,16 @@ def tree_mask(tree: TokenTree, prefix: int, window: int | None = None) -> mx.arr
 
 def tree_forward(model: nn.Module, cache: list, root: int, tree: TokenTree) -> mx.array:
     """Logits (1 + nodes, V) after the root and after each node; the cache gains 1 + nodes entries."""
+    inputs = mx.array([[root, *tree.tokens]], mx.uint32)
+    if tree.chain_length() == len(tree):  # a plain linear draft: the ordinary causal pass
+        return model(inputs, cache=cache)[0]
     prefix = cache[0].offset
     positions = prefix + mx.array([0, *tree.depths()], dtype=mx.int32)
     windows = {None, *(getattr(model.args, "sliding_window", None),)}
     masks = {w: tree_mask(tree, prefix, w) for w in windows}
     views = [_TreeCacheView(c, positions, masks) for c in cache]
     with _node_positions(model):
-        return model(mx.array([[root, *tree.tokens]], mx.uint32), cache=views)[0]
+        return model(inputs, cache=views)[0]
 
 
 def keep_path(cache: list, prefix: int, written: int, path: list[int]) -> None:
