@@ -15,10 +15,11 @@ from akunu.bench.runner import (
     Measurement,
     Mismatch,
     Run,
+    drafter_method,
     method_order,
     run_benchmark,
 )
-from akunu.bench.summary import CategorySummary, median_of_ratios, summarize
+from akunu.bench.summary import CategorySummary, DrafterSummary, median_of_ratios, summarize, summarize_drafters
 from akunu.bench.workloads import CATEGORIES, Prompt, WorkloadError, load_workload, select, shipped_workload
 
 __all__ = [
@@ -30,12 +31,14 @@ __all__ = [
     "SPEC_FIXED",
     "BenchResult",
     "CategorySummary",
+    "DrafterSummary",
     "Engine",
     "Measurement",
     "Mismatch",
     "Prompt",
     "Run",
     "WorkloadError",
+    "drafter_method",
     "load_workload",
     "median_of_ratios",
     "method_order",
@@ -43,4 +46,5 @@ __all__ = [
     "select",
     "shipped_workload",
     "summarize",
+    "summarize_drafters",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 
-from akunu.bench.runner import MLX_LM, PLAIN, SPEC, SPEC_FIXED, Run
+from akunu.bench.runner import DRAFTER_PREFIX, MLX_LM, PLAIN, SPEC, SPEC_FIXED, Run
 from akunu.bench.workloads import Prompt
 
 
@@ -45,6 +45,7 @@ class ModelEngine:
         self.costs, self.context_length = costs, context_length
         self.seed = seed if seed is not None else 0
         self._mlx_tokenizer = None
+        self._drafters: dict = {}
 
     def encode(self, prompt: Prompt) -> list[int]:
         """The prompt as the model sees it in a chat: the user message inside the chat template."""
@@ -55,12 +56,23 @@ class ModelEngine:
     def run(self, method: str, prompt_ids: list[int]) -> Run:
         if method == MLX_LM:
             return self._run_mlx_lm(prompt_ids)
+        if method.startswith(DRAFTER_PREFIX):
+            return self._run_akunu(prompt_ids, True, self._drafter(method[len(DRAFTER_PREFIX) :]))
         spec = {PLAIN: None, SPEC: True, SPEC_FIXED: False}
         if method not in spec:
             raise ValueError(f"unknown benchmark method {method!r}")
         return self._run_akunu(prompt_ids, spec[method])
 
-    def _run_akunu(self, prompt_ids: list[int], adaptive: bool | None) -> Run:
+    def _drafter(self, spec: str):
+        """One drafter per spec for the whole benchmark (a draft model loads once; `start` resets it)."""
+        from akunu.drafters import make_drafter
+        from akunu.sampling import SamplingParams
+
+        if spec not in self._drafters:
+            self._drafters[spec] = make_drafter(spec, self, params=SamplingParams(temp=self.temp))
+        return self._drafters[spec]
+
+    def _run_akunu(self, prompt_ids: list[int], adaptive: bool | None, drafter=None) -> Run:
         from akunu.generate import GenerationConfig, SpecConfig, stream_generate
         from akunu.sampling import SamplingParams
 
@@ -68,7 +80,8 @@ class ModelEngine:
         config = GenerationConfig(max_tokens=self.max_tokens, sampling=SamplingParams(temp=self.temp, seed=self.seed), spec=spec)
         start = time.perf_counter()
         responses = stream_generate(
-            self.model, self.tokenizer, prompt_ids, config, context_length=self.context_length, costs=self.costs
+            self.model, self.tokenizer, prompt_ids, config, context_length=self.context_length, costs=self.costs,
+            drafter=drafter,
         )
         stats = []
 

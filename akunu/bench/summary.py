@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from akunu.bench.runner import MLX_LM, PLAIN, SPEC, SPEC_FIXED, BenchResult, Measurement
+from akunu.bench.runner import DRAFTER_PREFIX, MLX_LM, PLAIN, SPEC, SPEC_FIXED, BenchResult, Measurement
 
 OVERALL = "overall"
 
@@ -120,3 +120,47 @@ def accepted_length_histogram(measurements: Iterable[Measurement], method: str =
             for length, count in m.run.accepted_lengths.items():
                 histogram[int(length)] += count
     return dict(sorted(histogram.items()))
+
+
+@dataclass
+class DrafterSummary:
+    """One `drafter:SPEC` method in one category, against plain decoding and the n-gram default."""
+
+    category: str
+    drafter: str  # the spec, e.g. "layer-skip:8"
+    tps: float | None
+    speedup: float | None  # vs plain: median of per-prompt ratios
+    vs_ngram: float | None  # vs the default adaptive n-gram run (SPEC)
+    acceptance: float | None
+    tokens_per_pass: float | None
+    mismatches: int
+
+    def to_dict(self) -> dict:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+def summarize_drafters(result: BenchResult) -> list[DrafterSummary]:
+    """A row per category and drafter method, then per drafter over every prompt."""
+    methods = list(dict.fromkeys(m.method for m in result.measurements if m.method.startswith(DRAFTER_PREFIX)))
+    by_category: dict[str, list[Measurement]] = defaultdict(list)
+    for m in result.measurements:
+        by_category[m.category].append(m)
+    groups = list(by_category.items()) + [(OVERALL, result.measurements)]
+    rows = []
+    for name, group in groups:
+        prompt_ids = {m.prompt_id for m in group}
+        for method in methods:
+            acceptance, tokens_per_pass = _pooled(group, method)
+            rows.append(
+                DrafterSummary(
+                    category=name,
+                    drafter=method[len(DRAFTER_PREFIX) :],
+                    tps=_median(per_prompt_tps(group, method).values()),
+                    speedup=median_of_ratios(per_prompt_ratios(group, method, PLAIN).values()),
+                    vs_ngram=median_of_ratios(per_prompt_ratios(group, method, SPEC).values()),
+                    acceptance=acceptance,
+                    tokens_per_pass=tokens_per_pass,
+                    mismatches=sum(m.method == method and m.prompt_id in prompt_ids for m in result.mismatches),
+                )
+            )
+    return rows
