@@ -71,6 +71,15 @@ def bench(
             help="The most tokens drafted per pass: the adaptive run's ceiling and the fixed-length run's length.",
         ),
     ] = 4,
+    drafters: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--drafter",
+            rich_help_panel=RUN_PANEL,
+            help="Also run speculation with this drafter (repeatable): layer-skip:N, hybrid:SPEC, model:NAME, tree:N."
+            " Each gets a row in a drafter table, against plain and the n-gram default.",
+        ),
+    ] = None,
     mlx_lm: Annotated[
         bool,
         typer.Option("--mlx-lm/--no-mlx-lm", rich_help_panel=RUN_PANEL, help="Also time mlx-lm's own plain decoding."),
@@ -125,12 +134,15 @@ def bench(
         costs=_costs(loaded), context_length=loaded.context_length, seed=seed,
     )  # fmt: skip
     methods = [lib.PLAIN, lib.SPEC, lib.SPEC_FIXED] + ([lib.MLX_LM] if mlx_lm and _has_mlx_lm_tokenizer(loaded) else [])
+    methods += [lib.drafter_method(spec) for spec in _split_categories(drafters) or []]
     result = _run_with_progress(prompts, engine, methods, repeats, check_tokens=temp == 0)
     summaries = lib.summarize(result)
     out = _table_console()
     if per_prompt:
         out.print(per_prompt_table(result))
     out.print(summary_table(summaries, has_mlx=lib.MLX_LM in methods))
+    if drafters:
+        out.print(drafter_table(lib.summarize_drafters(result)))
     _print_checks(out, result, temp)
     settings = {
         "max_tokens": max_tokens, "repeats": repeats, "temp": temp, "seed": seed, "draft_tokens": draft_tokens,
@@ -270,6 +282,25 @@ def summary_table(summaries, *, has_mlx: bool) -> Table:
             _speedup(s.vs_mlx) if has_mlx else "–",
             _number(s.prefill_tps, ".0f"),
             f"[bold red]{s.mismatches}[/]" if s.mismatches else "0",
+        )
+    return table
+
+
+def drafter_table(rows) -> Table:
+    """Other drafters per category: tok/s, speedup over plain and over the n-gram default."""
+    table = Table(title="drafters (adaptive draft length; speedups are medians of per-prompt ratios)", title_justify="left")
+    for name in ("category", "drafter", "tok/s", "vs plain", "vs n-gram", "accept", "tok/pass", "mismatches"):
+        table.add_column(name, justify="left" if name in ("category", "drafter") else "right", no_wrap=True)
+    for r in rows:
+        table.add_row(
+            f"[bold]{r.category}[/]" if r.category == "overall" else r.category,
+            r.drafter,
+            _number(r.tps, ".1f"),
+            _speedup(r.speedup),
+            _speedup(r.vs_ngram),
+            _number(r.acceptance and 100 * r.acceptance, ".0f", "%") if r.acceptance is not None else "–",
+            _number(r.tokens_per_pass, ".2f"),
+            f"[bold red]{r.mismatches}[/]" if r.mismatches else "0",
         )
     return table
 

@@ -27,3 +27,25 @@ def test_the_model_engine_runs_a_drafter_method_with_identical_greedy_tokens():
         run = engine.run(drafter_method(spec), ids)
         assert run.tokens == plain.tokens and run.forward_passes > 0, spec
     assert len(engine._drafters) == 3  # built once per spec
+
+
+def test_bench_drafter_option_adds_a_drafter_table(fake_engine, tmp_path):
+    import json
+    import re
+
+    from typer.testing import CliRunner
+
+    from akunu.cli.app import app
+
+    path = tmp_path / "tiny.jsonl"
+    path.write_text(json.dumps({"category": "copy", "prompt": "abc abc abc abc abc abc", "id": "copy-a"}) + "\n")
+    args = ["bench", "--workload", str(path), "--max-tokens", "12", "--drafter", "layer-skip:1", "--drafter", "tree:6"]
+    result = CliRunner().invoke(app, args)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", result.output)
+    assert result.exit_code == 0, text
+    assert "drafters (adaptive draft length" in text and "vs n-gram" in text
+    assert re.search(r"copy\s+│\s+layer-skip:1 ", text) and re.search(r"overall\s+│\s+tree:6 ", text)
+    assert "0 greedy mismatches" in text
+
+
+from tests.test_cli_fakes import fake_engine  # noqa: E402,F401  (fixture)
