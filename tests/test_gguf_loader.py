@@ -155,7 +155,7 @@ def _dense_weight(module: nn.Module) -> np.ndarray:
 # Mapping -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("matrix_type", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("matrix_type", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_1])
 def test_llama_weights_map_exactly_in_float32(tmp_path, matrix_type):
     path = tmp_path / "tiny.gguf"
     expected = write_tiny_gguf(path, matrix_type=matrix_type, tie=False)
