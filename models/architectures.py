@@ -70,7 +70,8 @@ def _required(gguf_file: GGUFFile, key: str) -> Any:
 def _int(gguf_file: GGUFFile, key: str, default: int | None = None) -> int:
     value = gguf_file.arch_value(key, default) if default is not None else _required(gguf_file, key)
     if not isinstance(value, (int, float)):
-        raise ModelError(f"{gguf_file.path.name}: per-layer values for {gguf_file.architecture}.{key} are not supported")
+        full_key = f"{gguf_file.architecture}.{key}"
+        raise ModelError(f"{gguf_file.path.name}: per-layer values for {full_key} are not supported")
     return int(value)
 
 
@@ -125,7 +126,8 @@ def _llama3_rope_scaling(gguf_file: GGUFFile, head_dim: int, base: float) -> dic
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": _int(gguf_file, "rope.scaling.original_context_length", 8192),
     }
-    if stored.size != head_dim // 2 or not np.allclose(stored, llama3_rope_divisors(head_dim, base, scaling), rtol=1e-3):
+    expected = llama3_rope_divisors(head_dim, base, scaling)
+    if stored.size != expected.size or not np.allclose(stored, expected, rtol=1e-3):
         raise ModelError(f"{gguf_file.path.name} has rope frequency factors akunu cannot map onto llama3 rope scaling")
     return scaling
 

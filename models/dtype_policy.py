@@ -44,7 +44,8 @@ def choose_dtype(requested: str = "auto", *, float32_bytes: int | None = None) -
     if requested != "auto":
         return DtypeChoice(requested, "requested")
     if float32_bytes is not None and float32_bytes > MEMORY_SHARE_FOR_FLOAT32 * physical_memory_bytes():
-        return DtypeChoice("quantized", f"float32 weights ({float32_bytes / 2**30:.1f} GiB) would not fit comfortably in memory")
+        size = f"{float32_bytes / 2**30:.1f} GiB"
+        return DtypeChoice("quantized", f"float32 weights ({size}) would not fit comfortably in memory")
     if mx.metal.is_available():
         return DtypeChoice("quantized", "Metal GPU: MLX quantized kernels are fastest")
     if sys.platform == "darwin":

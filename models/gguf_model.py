@@ -14,7 +14,9 @@ from akunu.models.gguf_file import GGUFFile
 from akunu.models.gguf_weights import GROUP_SIZE, Progress, check_supported_types, quantized_stems, read_weights
 
 
-def load_gguf_model(gguf_file: GGUFFile, *, quantized: bool, progress: Progress | None = None) -> tuple[nn.Module, dict[str, Any]]:
+def load_gguf_model(
+    gguf_file: GGUFFile, *, quantized: bool, progress: Progress | None = None
+) -> tuple[nn.Module, dict[str, Any]]:
     """The mlx-lm model for a parsed GGUF file (see `gguf_file.read_gguf`), and its mlx-lm config."""
     path = gguf_file.path
     architecture = architecture_of(gguf_file)
@@ -28,7 +30,8 @@ def load_gguf_model(gguf_file: GGUFFile, *, quantized: bool, progress: Progress 
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as error:
-        raise ModelError(f"{path.name}: weights do not match the {gguf_file.architecture} layout ({_first_line(error)})") from None
+        layout = f"the {gguf_file.architecture} layout"
+        raise ModelError(f"{path.name}: weights do not match {layout} ({_first_line(error)})") from None
     mx.eval(model.parameters())
     return model, config
 

@@ -104,7 +104,8 @@ def _load_mlx_folder(path: Path, name: str, dtype: str) -> LoadedModel:
     try:
         model, config = mlx_lm_load_model(path)
     except (FileNotFoundError, ValueError, KeyError) as error:
-        raise ModelError(f"cannot load the MLX model in {path}: {str(error).splitlines()[0] if str(error) else error!r}") from None
+        reason = str(error).splitlines()[0] if str(error) else repr(error)
+        raise ModelError(f"cannot load the MLX model in {path}: {reason}") from None
     choice = _folder_dtype(model, config, dtype)
     return LoadedModel(
         model=model,
