@@ -356,13 +356,12 @@ def _print_checks(out: Console, result, temp: float) -> None:
 
 def show_cost_curve(loaded, draft_tokens: int) -> None:
     """Measure afresh, print k / ms / relative cost / ms per token, and store the curve for adaptive drafting."""
-    from akunu.bench.cost_curve import cost_curve_dir, cost_curve_key, measure_and_save
-    from akunu.draft_length import DraftLength
+    from akunu.bench.cost_curve import best_draft_length, cost_curve_dir, cost_curve_key, measure_and_save
 
     key = cost_curve_key(loaded.name, loaded.dtype)
     with stderr_console().status("timing forward passes of 1..16 tokens…"):
         rows, path = measure_and_save(loaded.model, key, cost_curve_dir())
-    table = Table(title=f"forward-pass cost · {key}", title_justify="left")
+    table = Table(title="forward-pass time by width k", caption=key, title_justify="left")
     for name in ("k", "ms", "relative cost", "ms per token"):
         table.add_column(name, justify="right")
     for row in rows:
@@ -370,11 +369,7 @@ def show_cost_curve(loaded, draft_tokens: int) -> None:
     out = _table_console()
     out.print(table)
     costs = [row.relative for row in rows]
-    picks = []
-    for acceptance in (0.2, 0.4, 0.6, 0.8, 0.9):
-        policy = DraftLength(draft_tokens, costs)
-        policy.hits, policy.misses, policy.prior = acceptance * 100, (1 - acceptance) * 100, (0.0, 0.0)
-        picks.append(f"{acceptance:.0%} → {policy.choose()}")
+    picks = [f"{a:.0%} → {best_draft_length(a, costs, draft_tokens)}" for a in (0.2, 0.4, 0.6, 0.8, 0.9)]
     out.print(f"adaptive drafting with this curve (≤ {draft_tokens}) drafts, by acceptance: " + ", ".join(picks))
     out.print(f"[dim]saved to {path}; adaptive drafting reads it from there[/]")
 

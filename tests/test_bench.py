@@ -240,3 +240,17 @@ def test_json_record_holds_every_raw_measurement():
     assert record["mismatches"][0]["prompt_id"] == "a"
     assert record["summary"][-1]["category"] == OVERALL
     assert record["machine"] == {"cores": 2}
+
+
+def test_best_draft_length_follows_acceptance_and_cost():
+    from akunu.bench.cost_curve import best_draft_length, cost_rows
+
+    flat = [1.0 + 0.01 * k for k in range(16)]
+    assert best_draft_length(0.0, flat, 4) == 0  # nothing lands: a plain step
+    assert best_draft_length(0.95, flat, 4) == 4  # nearly everything lands: draft the most allowed
+    steep = [1.0 + k for k in range(16)]  # a k-token pass costs k plain steps
+    assert best_draft_length(0.9, steep, 8) == 0
+    rows = cost_rows([0.1, 0.15, 0.2])
+    assert [(r.tokens, round(r.ms, 3), r.relative, round(r.ms_per_token, 3)) for r in rows] == [
+        (1, 100.0, 1.0, 100.0), (2, 150.0, 1.5, 75.0), (3, 200.0, 2.0, 66.667)
+    ]

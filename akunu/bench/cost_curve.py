@@ -64,8 +64,16 @@ def cost_rows(seconds: list[float]) -> list[CostRow]:
     return [CostRow(k, s, s / seconds[0]) for k, s in enumerate(seconds, start=1)]
 
 
+def best_draft_length(acceptance: float, costs: list[float], max_draft: int) -> int:
+    """The draft length with the most tokens per unit of pass time at this per-token acceptance."""
+    from akunu.draft_length import expected_tokens
+
+    widths = range(min(max_draft, len(costs) - 1) + 1)
+    return max(widths, key=lambda n: expected_tokens(acceptance, n) / costs[n])
+
+
 def measure_and_save(
-    model, key: str, directory: Path, max_width: int = MAX_WIDTH, repeats: int = 5
+    model, key: str, directory: Path, max_width: int = MAX_WIDTH, repeats: int = 9
 ) -> tuple[list[CostRow], Path]:
     """Measure afresh (the cache is overwritten, not consulted) and store the result."""
     from akunu.draft_length import measure_cost_curve
