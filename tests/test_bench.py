@@ -251,6 +251,6 @@ def test_best_draft_length_follows_acceptance_and_cost():
     steep = [1.0 + k for k in range(16)]  # a k-token pass costs k plain steps
     assert best_draft_length(0.9, steep, 8) == 0
     rows = cost_rows([0.1, 0.15, 0.2])
-    assert [(r.tokens, round(r.ms, 3), r.relative, round(r.ms_per_token, 3)) for r in rows] == [
+    assert [(r.tokens, round(r.ms, 3), round(r.relative, 3), round(r.ms_per_token, 3)) for r in rows] == [
         (1, 100.0, 1.0, 100.0), (2, 150.0, 1.5, 75.0), (3, 200.0, 2.0, 66.667)
     ]
