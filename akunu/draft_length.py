@@ -7,38 +7,7 @@ using this backend's cost curve; n = 0 (a plain step) wins when drafts rarely la
 
 from __future__ import annotations
 
-import json
-import re
-import time
-from pathlib import Path
 from collections.abc import Sequence
-
-import mlx.core as mx
-import mlx.nn as nn
-
-from akunu.kv_cache import make_cache, rewind
-
-
-def measure_cost_curve(model: nn.Module, max_width: int = 16, context: int = 64, repeats: int = 2) -> list[float]:
-    """Seconds of one forward pass of k = 1..max_width tokens after `context` tokens, median of repeats."""
-    cache = make_cache(model)
-    mx.eval(model(mx.zeros((1, context), mx.uint32), cache=cache))
-    timings = []
-    for width in range(1, max_width + 1):
-        tokens = mx.zeros((1, width), mx.uint32)
-        samples = []
-        for _ in range(repeats + 1):  # the first pass of each width is a warm-up
-            start = time.perf_counter()
-            mx.eval(model(tokens, cache=cache))
-            samples.append(time.perf_counter() - start)
-            rewind(cache, width)
-        timings.append(sorted(samples[1:])[len(samples[1:]) // 2])
-    return timings
-
-
-def relative_costs(seconds: Sequence[float]) -> list[float]:
-    """Cost of a k-token pass in units of a 1-token pass."""
-    return [s / seconds[0] for s in seconds]
 
 
 def expected_tokens(acceptance: float, drafted: int) -> float:
@@ -46,6 +15,12 @@ def expected_tokens(acceptance: float, drafted: int) -> float:
     if acceptance >= 1.0:
         return drafted + 1.0
     return (1.0 - acceptance ** (drafted + 1)) / (1.0 - acceptance)
+
+
+def best_length(acceptance: float, costs: Sequence[float], max_draft: int) -> int:
+    """The draft length with the most tokens per unit of pass time; costs[k-1] is a k-token pass."""
+    widths = range(min(max_draft, len(costs) - 1) + 1)
+    return max(widths, key=lambda n: expected_tokens(acceptance, n) / costs[n])
 
 
 class DraftLength:
@@ -84,9 +59,7 @@ class DraftLength:
     def choose(self) -> int:
         if not self.adaptive:
             return self.max_draft
-        a = self.acceptance
-        widths = range(min(self.max_draft, len(self.costs) - 1) + 1)
-        return max(widths, key=lambda n: expected_tokens(a, n) / self.costs[n])
+        return best_length(self.acceptance, self.costs, self.max_draft)
 
     def observe(self, drafted: int, accepted: int) -> None:
         # Old evidence decays, so after a run of plain steps the estimate drifts back to the
@@ -97,24 +70,3 @@ class DraftLength:
         self.hits[state] += accepted
         self.misses[state] += 1 if accepted < drafted else 0
         self.hot = drafted > 0 and accepted == drafted
-
-
-def cached_cost_curve(model: nn.Module, key: str, directory: Path, max_width: int = 9) -> list[float]:
-    """Relative pass costs for this model and backend, measured once and kept in `directory`.
-
-    `key` names the model, dtype and backend (e.g. "smollm2-135m-float32-cpu-openblas"): the
-    curve is a property of all three. Measuring takes a few seconds the first time.
-    """
-    path = directory / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', key)}.json"
-    try:
-        saved = json.loads(path.read_text())
-        if len(saved["seconds"]) >= max_width:
-            return relative_costs(saved["seconds"])
-    except (OSError, ValueError, KeyError):
-        pass
-    seconds = measure_cost_curve(model, max_width)
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key, "seconds": seconds}))
-    tmp.replace(path)
-    return relative_costs(seconds)

@@ -131,7 +131,7 @@ def bench(
     machine = _print_header(loaded, config)
     engine = ModelEngine(
         loaded.model, loaded.tokenizer, max_tokens=max_tokens, temp=temp, draft_tokens=draft_tokens,
-        costs=_costs(loaded), context_length=loaded.context_length, seed=seed,
+        costs=runtime.cost_curve(loaded, draft_tokens), context_length=loaded.context_length, seed=seed,
     )  # fmt: skip
     methods = [lib.PLAIN, lib.SPEC, lib.SPEC_FIXED] + ([lib.MLX_LM] if mlx_lm and _has_mlx_lm_tokenizer(loaded) else [])
     methods += [lib.drafter_method(spec) for spec in _split_categories(drafters) or []]
@@ -185,17 +185,6 @@ def _has_mlx_lm_tokenizer(loaded) -> bool:
         print_note(f"no mlx-lm baseline for this model: {error or type(error).__name__}")
         return False
     return True
-
-
-def _costs(loaded) -> list[float]:
-    """The cached cost curve adaptive drafting uses (measured here the first time)."""
-    from akunu.bench.cost_curve import cost_curve_dir, cost_curve_key, cost_curve_path
-    from akunu.draft_length import cached_cost_curve
-
-    key, directory = cost_curve_key(loaded.name, loaded.dtype), cost_curve_dir()
-    if not cost_curve_path(key, directory).exists():
-        stderr_console().print("[dim]measuring forward-pass costs for adaptive drafting (once per model and backend)…[/]")
-    return cached_cost_curve(loaded.model, key, directory)
 
 
 def _table_console() -> Console:
@@ -356,11 +345,13 @@ def _print_checks(out: Console, result, temp: float) -> None:
 
 def show_cost_curve(loaded, draft_tokens: int) -> None:
     """Measure afresh, print k / ms / relative cost / ms per token, and store the curve for adaptive drafting."""
-    from akunu.bench.cost_curve import best_draft_length, cost_curve_dir, cost_curve_key, measure_and_save
+    from akunu import cost_curve
+    from akunu.bench.cost_curve import measure_and_save
+    from akunu.draft_length import best_length
 
-    key = cost_curve_key(loaded.name, loaded.dtype)
+    key = cost_curve.curve_key(loaded.name, loaded.dtype)
     with stderr_console().status("timing forward passes of 1..16 tokens…"):
-        rows, path = measure_and_save(loaded.model, key, cost_curve_dir())
+        rows, path = measure_and_save(loaded.model, key, cost_curve.default_dir())
     table = Table(title="forward-pass time by width k", caption=key, title_justify="left")
     for name in ("k", "ms", "relative cost", "ms per token"):
         table.add_column(name, justify="right")
@@ -369,7 +360,7 @@ def show_cost_curve(loaded, draft_tokens: int) -> None:
     out = _table_console()
     out.print(table)
     costs = [row.relative for row in rows]
-    picks = [f"{a:.0%} → {best_draft_length(a, costs, draft_tokens)}" for a in (0.2, 0.4, 0.6, 0.8, 0.9)]
+    picks = [f"{a:.0%} → {best_length(a, costs, draft_tokens)}" for a in (0.2, 0.4, 0.6, 0.8, 0.9)]
     out.print(f"adaptive drafting with this curve (≤ {draft_tokens}) drafts, by acceptance: " + ", ".join(picks))
     out.print(f"[dim]saved to {path}; adaptive drafting reads it from there[/]")
 

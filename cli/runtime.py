@@ -7,7 +7,6 @@ without MLX.
 from __future__ import annotations
 
 import contextlib
-import re
 import sys
 from collections.abc import Iterator
 
@@ -72,27 +71,23 @@ def encode_prompt(tokenizer, text: str, *, system: str | None = None, raw: bool 
     return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
 
-def cost_curve(loaded) -> list[float]:
-    """This model's measured pass-cost curve on this backend (measured once, then read from disk)."""
-    import mlx.core as mx
+def cost_curve(loaded, max_draft: int) -> list[float]:
+    """This model's relative pass costs on this backend, wide enough for `max_draft` drafts.
 
-    from akunu import _blas
-    from akunu.draft_length import cached_cost_curve
-    from akunu.models import catalogue
+    Measured once per model, dtype and backend (a few seconds), then read from disk.
+    """
+    from akunu import cost_curve
 
-    backend = str(mx.default_device()).replace("Device(", "").split(",")[0].strip(" )")
-    blas = _blas.describe().split()[0].lower()
-    key = f"{loaded.name}-{loaded.dtype}-{backend}-{blas}"
-    directory = catalogue.home() / "cost_curves"
-    if not (directory / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', key)}.json").exists() and stderr_console().is_terminal:
+    key, directory = cost_curve.curve_key(loaded.name, loaded.dtype), cost_curve.default_dir()
+    if not cost_curve.curve_path(key, directory).exists() and stderr_console().is_terminal:
         stderr_console().print("[dim]measuring forward-pass costs for adaptive drafting (once per model and backend)…[/]")
-    return cached_cost_curve(loaded.model, key, directory)
+    return cost_curve.cached(loaded.model, key, directory, max_width=max_draft + 1)
 
 
 def costs_for(loaded, config) -> list[float] | None:
     """The cost curve when the config drafts adaptively; None otherwise (no measuring needed)."""
     if config.spec.enabled and config.spec.adaptive:
-        return cost_curve(loaded)
+        return cost_curve(loaded, config.spec.draft_tokens)
     return None
 
 

@@ -9,12 +9,11 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-import akunu.draft_length
-from akunu.bench.cost_curve import cost_curve_dir, cost_curve_key, cost_curve_path, save_cost_curve
+import akunu.cost_curve
+from akunu.cost_curve import curve_key, curve_path, default_dir, save
 from akunu.bench.engine import ModelEngine
 from akunu.cli import runtime
 from akunu.cli.app import app
-from akunu.draft_length import cached_cost_curve as real_cached_cost_curve
 from tests.test_cli_fakes import FAKE_COSTS, fake_engine  # noqa: F401  (fixture)
 
 runner = CliRunner()
@@ -66,10 +65,11 @@ def test_bench_prints_the_table_and_writes_every_measurement(fake_engine, worklo
 def test_bench_uses_the_cli_cost_curve_key(fake_engine, workload):
     result, text = invoke("--workload", str(workload), "--limit", "1", "--categories", "open", "--max-tokens", "4")
     assert result.exit_code == 0, text
-    runtime.cost_curve(fake_engine.loaded)  # what `akunu generate` asks the cache for
+    runtime.cost_curve(fake_engine.loaded, 4)  # what `akunu generate` asks the cache for
     bench_call, generate_call = fake_engine.cost_curves
-    assert bench_call["key"] == generate_call["key"] == cost_curve_key("tiny", "float32")
-    assert bench_call["directory"] == generate_call["directory"] == cost_curve_dir()
+    assert bench_call["key"] == generate_call["key"] == curve_key("tiny", "float32")
+    assert bench_call["directory"] == generate_call["directory"] == default_dir()
+    assert bench_call["max_width"] == 5  # --draft-tokens 4 (the default) needs passes of up to 5 tokens
 
 
 def test_categories_limit_and_per_prompt(fake_engine, workload):
@@ -145,18 +145,32 @@ def test_plot_draws_a_png(fake_engine, workload, tmp_path):
 
 def test_cost_curve_is_measured_shown_and_stored_where_adaptive_drafting_reads_it(fake_engine, monkeypatch):
     seconds = [0.05 + 0.005 * k for k in range(16)]
-    monkeypatch.setattr(akunu.draft_length, "measure_cost_curve", lambda model, max_width=16, **kw: list(seconds))
+    monkeypatch.setattr(akunu.cost_curve, "measure", lambda model, max_width=16, sweeps=7: list(seconds))
     result, text = invoke("--cost-curve")
     assert result.exit_code == 0, text
     assert re.search(r"│\s+1 │\s+50\.0 │\s+1\.00 │\s+50\.0 │", text)
     assert re.search(r"│\s+16 │\s+125\.0 │\s+2\.50 │\s+7\.8 │", text)
     assert "drafts, by acceptance" in text
-    key = cost_curve_key("tiny", "float32")
-    assert cost_curve_path(key, cost_curve_dir()).exists()
-    relative = real_cached_cost_curve(None, key, cost_curve_dir())  # read from disk: no model needed
+    key = curve_key("tiny", "float32")
+    assert curve_path(key, default_dir()).exists()
+    relative = akunu.cost_curve.cached(None, key, default_dir())  # read from disk: no model needed
     assert relative == pytest.approx([s / seconds[0] for s in seconds])
 
 
 def test_saved_cost_curve_round_trips_through_the_engine_cache(tmp_path):
-    save_cost_curve("some model/float32 cpu", [0.1] + [0.2] * 15, tmp_path)
-    assert real_cached_cost_curve(None, "some model/float32 cpu", tmp_path) == pytest.approx([1.0] + [2.0] * 15)
+    save("some model/float32 cpu", [0.1] + [0.2] * 15, tmp_path)
+    assert akunu.cost_curve.cached(None, "some model/float32 cpu", tmp_path) == pytest.approx([1.0] + [2.0] * 15)
+
+
+def test_a_saved_curve_too_short_for_the_draft_length_is_measured_again(tmp_path):
+    from tests.tiny import tiny_llama
+
+    save("tiny", [0.1, 0.2], tmp_path)
+    assert len(akunu.cost_curve.cached(tiny_llama(), "tiny", tmp_path, max_width=4)) == 4
+
+
+def test_interleaved_measurement_times_every_width_on_a_tiny_model():
+    from tests.tiny import tiny_llama
+
+    seconds = akunu.cost_curve.measure(tiny_llama(), max_width=5, sweeps=2)
+    assert len(seconds) == 5 and all(s > 0 for s in seconds)

@@ -1,7 +1,7 @@
 """A tiny engine behind the CLI for its tests: a random tiny llama, a character tokenizer, recorders.
 
 `fake_engine` makes `akunu.models.load_model` return the tiny model and records every call the
-CLI makes into the engine (load_model, stream_generate, cached_cost_curve), so a test can
+CLI makes into the engine (load_model, stream_generate, cost_curve.cached), so a test can
 assert that each option reached it. The real `stream_generate` still runs.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import akunu.draft_length
+import akunu.cost_curve
 import akunu.generate
 import akunu.models
 from akunu.models import LoadedModel
@@ -105,11 +105,11 @@ def fake_engine(monkeypatch, isolated_home):
                 tokens.append(response.token)
             yield response
 
-    def cached_cost_curve(model, key, directory, max_width=16):
-        calls.cost_curves.append({"model": model, "key": key, "directory": directory})
+    def cached_cost_curve(model, key, directory, max_width=9):
+        calls.cost_curves.append({"model": model, "key": key, "directory": directory, "max_width": max_width})
         return list(FAKE_COSTS)
 
     monkeypatch.setattr(akunu.models, "load_model", load_model)
     monkeypatch.setattr(akunu.generate, "stream_generate", stream_generate)
-    monkeypatch.setattr(akunu.draft_length, "cached_cost_curve", cached_cost_curve)
+    monkeypatch.setattr(akunu.cost_curve, "cached", cached_cost_curve)
     return calls

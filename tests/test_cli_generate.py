@@ -64,6 +64,7 @@ def test_defaults_reach_the_engine_with_the_measured_cost_curve(fake_engine):
 def test_draft_tokens_reaches_the_engine_with_spec_on(fake_engine):
     assert invoke("hello", "--draft-tokens", "7", "--spec").exit_code == 0
     assert fake_engine.config.spec == SpecConfig(enabled=True, draft_tokens=7)
+    assert fake_engine.cost_curves[0]["max_width"] == 8  # the curve covers a pass of 7 drafts + 1
 
 
 def test_text_goes_to_stdout_and_stats_to_stderr(fake_engine):

@@ -1,0 +1,92 @@
+"""The cost curve: how long a forward pass of k = 1..16 tokens takes on this backend.
+
+Adaptive drafting weighs expected accepted tokens against it, so it is measured once per
+model, dtype and backend and kept on disk (`akunu bench --cost-curve` measures it afresh).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from akunu import _blas
+from akunu.kv_cache import make_cache, rewind
+
+MAX_WIDTH = 16
+
+
+def measure(model: nn.Module, max_width: int = MAX_WIDTH, sweeps: int = 7, context: int = 64) -> list[float]:
+    """Seconds of a k-token pass, k = 1..max_width, after `context` tokens.
+
+    Each sweep times every width once, alternating direction, so a burst of load from another
+    process lands on all widths alike; the fastest sample of each width is kept, since load
+    only ever adds time.
+    """
+    cache = make_cache(model)
+    mx.eval(model(mx.zeros((1, context), mx.uint32), cache=cache))
+    inputs = {width: mx.zeros((1, width), mx.uint32) for width in range(1, max_width + 1)}
+    samples: dict[int, list[float]] = {width: [] for width in inputs}
+    for sweep in range(sweeps + 1):  # sweep 0 warms every width up
+        widths = list(inputs) if sweep % 2 == 0 else list(reversed(inputs))
+        for width in widths:
+            start = time.perf_counter()
+            mx.eval(model(inputs[width], cache=cache))
+            if sweep:
+                samples[width].append(time.perf_counter() - start)
+            rewind(cache, width)
+    return [min(samples[width]) for width in inputs]
+
+
+def relative_costs(seconds: Sequence[float]) -> list[float]:
+    """Cost of a k-token pass in units of a 1-token pass."""
+    return [s / seconds[0] for s in seconds]
+
+
+def curve_key(model_name: str, dtype: str) -> str:
+    """e.g. "smollm2-135m-float32-cpu-openblas": the curve belongs to model, dtype and backend together."""
+    backend = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
+    blas = _blas.describe().split()[0].lower()
+    return f"{model_name}-{dtype}-{backend}-{blas}"
+
+
+def default_dir() -> Path:
+    from akunu.models import catalogue
+
+    return catalogue.home() / "cost_curves"
+
+
+def curve_path(key: str, directory: Path) -> Path:
+    return directory / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', key)}.json"
+
+
+def save(key: str, seconds: Sequence[float], directory: Path) -> Path:
+    """Write the curve where `cached` finds it, replacing any earlier measurement (atomically)."""
+    path = curve_path(key, directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "seconds": list(seconds)}))
+    tmp.replace(path)
+    return path
+
+
+def cached(model: nn.Module, key: str, directory: Path, max_width: int = 9) -> list[float]:
+    """Relative pass costs for k = 1..max_width (or more), measured once and then read from disk.
+
+    A first measurement uses few sweeps, so it takes a few seconds; a saved curve that is too
+    short for `max_width` is measured again.
+    """
+    try:
+        saved = json.loads(curve_path(key, directory).read_text())["seconds"]
+        if len(saved) >= max_width:
+            return relative_costs(saved)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    seconds = measure(model, max_width, sweeps=3)
+    save(key, seconds, directory)
+    return relative_costs(seconds)
