@@ -17,6 +17,7 @@ from akunu.cli.app import app
 from tests.test_cli_fakes import FAKE_COSTS, fake_engine  # noqa: F401  (fixture)
 
 runner = CliRunner()
+real_cached = akunu.cost_curve.cached  # the fake engine replaces it
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -153,7 +154,7 @@ def test_cost_curve_is_measured_shown_and_stored_where_adaptive_drafting_reads_i
     assert "drafts, by acceptance" in text
     key = curve_key("tiny", "float32")
     assert curve_path(key, default_dir()).exists()
-    relative = akunu.cost_curve.cached(None, key, default_dir())  # read from disk: no model needed
+    relative = real_cached(None, key, default_dir())  # read from disk: no model needed
     assert relative == pytest.approx([s / seconds[0] for s in seconds])
 
 
