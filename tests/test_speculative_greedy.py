@@ -88,3 +88,20 @@ def test_max_tokens_and_eos_stop_speculative_rounds_mid_way():
     config = GenerationConfig(max_tokens=50, spec=SpecConfig(draft_tokens=8, adaptive=False))
     text, fast, stats = generate(model, tokenizer, prompt, config)
     assert fast == plain[: plain.index(eos)] and stats.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("model_fn", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-sliding"])
+def test_a_wide_pass_computes_the_logits_of_one_token_steps(model_fn):
+    """Why greedy identity holds: verifying k tokens at once gives each position the logits a
+    1-token step gives it. On the CPU backend they are bit-identical; Metal's matrix-vector and
+    matrix-matrix kernels may round differently, so there only closeness is asserted."""
+    model = model_fn(seed=2)
+    tokens = [random.Random(1).randrange(64) for _ in range(24)]
+    cache = make_cache(model)
+    steps = mx.concatenate([model(mx.array([[t]]), cache=cache)[0] for t in tokens])  # (24, V)
+    for width in (2, 5, 9):
+        cache = make_cache(model)
+        wide = mx.concatenate([model(mx.array([tokens[i : i + width]]), cache=cache)[0] for i in range(0, 24, width)])
+        assert mx.allclose(wide, steps[: wide.shape[0]], atol=1e-4).item()
+        if mx.default_device().type == mx.DeviceType.cpu:
+            assert mx.array_equal(wide, steps[: wide.shape[0]]).item(), f"width {width}"
