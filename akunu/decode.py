@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from akunu.draft_length import DraftLength
+from akunu.draft_length import DraftLength, EntropyDraftLength
 from akunu.drafter import Drafter
 from akunu.kv_cache import rewind
 from akunu.sampling import SamplingParams, target_logprobs
@@ -60,7 +60,7 @@ def speculative_decode(
     params: SamplingParams,
     stats: GenerationStats,
     drafter: Drafter,
-    lengths: DraftLength,
+    lengths: DraftLength | EntropyDraftLength,
     budget: int,
 ) -> Iterator[tuple[int, bool]]:
     """Draft, verify in one pass, accept the agreeing prefix plus one token, rewind the rest.
@@ -75,10 +75,11 @@ def speculative_decode(
         n = min(lengths.choose(), max(budget - produced - 1, 0))
         draft = drafter.draft(n) if n else None
         if not draft:
-            token = choose(model(mx.array([[token]], mx.uint32), cache=cache)[0, -1], params).item()
+            logits = model(mx.array([[token]], mx.uint32), cache=cache)[0, -1]
+            token = choose(logits, params).item()
             accepted: list[int] = []
             stats.record_round(0, 0)
-            lengths.observe(0, 0)
+            lengths.observe(0, 0, logits)
         else:
             inputs = mx.array([[token, *draft.tokens]], mx.uint32)
             logits = model(inputs, cache=cache)[0]  # (n+1, V): predictions after each input
@@ -89,7 +90,7 @@ def speculative_decode(
             rewind(cache, len(draft) - verdict.accepted)  # drop rejected drafts' KV entries
             accepted, token = draft.tokens[: verdict.accepted], verdict.next_token
             stats.record_round(len(draft), verdict.accepted)
-            lengths.observe(len(draft), verdict.accepted)
+            lengths.observe(len(draft), verdict.accepted, logits[verdict.accepted])
         drafter.update([*accepted, token])
         produced += len(accepted) + 1
         for t in accepted:

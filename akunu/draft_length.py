@@ -7,7 +7,12 @@ using this backend's cost curve; n = 0 (a plain step) wins when drafts rarely la
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+
+import mlx.core as mx
+
+from akunu.errors import OptionsError
 
 
 def expected_tokens(acceptance: float, drafted: int) -> float:
@@ -61,7 +66,7 @@ class DraftLength:
             return self.max_draft
         return best_length(self.acceptance, self.costs, self.max_draft)
 
-    def observe(self, drafted: int, accepted: int) -> None:
+    def observe(self, drafted: int, accepted: int, logits: mx.array | None = None) -> None:
         # Old evidence decays, so after a run of plain steps the estimate drifts back to the
         # prior and drafting is tried again.
         state = self.hot
@@ -70,3 +75,43 @@ class DraftLength:
         self.hits[state] += accepted
         self.misses[state] += 1 if accepted < drafted else 0
         self.hot = drafted > 0 and accepted == drafted
+
+
+class EntropyDraftLength:
+    """EGAG (entropy-adaptive draft length, `002_*` section 7): draft more where the target is sure.
+
+    After each round it reads the normalised entropy H/log(V) of the target's distribution for
+    the token it just chose, smooths it (EMA), and drafts round(max_draft * (1 - H)) tokens.
+    The entropy is queued with the round's pass and read at the next choice, so it adds no stall.
+    """
+
+    def __init__(self, max_draft: int, *, beta: float = 0.5) -> None:
+        self.max_draft = max_draft
+        self.beta = beta
+        self.entropy = 0.0  # smoothed; starts sure, so the first rounds draft
+        self.pending: mx.array | None = None
+
+    def choose(self) -> int:
+        if self.pending is not None:
+            self.entropy = self.beta * self.entropy + (1 - self.beta) * self.pending.item()
+            self.pending = None
+        return round(self.max_draft * (1.0 - self.entropy))
+
+    def observe(self, drafted: int, accepted: int, logits: mx.array | None = None) -> None:
+        if logits is not None:  # (V,): the row the chosen token came from
+            logprobs = logits - mx.logsumexp(logits)
+            self.pending = -(mx.exp(logprobs) * logprobs).sum() / math.log(logits.shape[-1])
+            mx.async_eval(self.pending)
+
+
+LENGTH_POLICIES = ("acceptance", "entropy")
+
+
+def make_draft_length(policy: str, max_draft: int, costs: Sequence[float] | None, adaptive: bool):
+    """"acceptance" (acceptance against the cost curve) or "entropy" (EGAG); fixed if not adaptive."""
+    if policy == "entropy" and adaptive:
+        return EntropyDraftLength(max_draft)
+    if policy not in LENGTH_POLICIES:
+        raise OptionsError(f"unknown draft-length policy {policy!r}; expected {' or '.join(LENGTH_POLICIES)}")
+    return DraftLength(max_draft, costs, adaptive=adaptive)
+

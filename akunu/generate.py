@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from akunu.decode import plain_decode, prefill, speculative_decode
-from akunu.draft_length import DraftLength
+from akunu.draft_length import make_draft_length
 from akunu.drafter import Drafter, NGramDrafter
 from akunu.errors import OptionsError, PromptError
 from akunu.kv_cache import PromptCache, why_not_trimmable
@@ -27,7 +27,8 @@ from akunu.stats import GenerationStats
 class SpecConfig:
     enabled: bool = True
     draft_tokens: int = 4  # the most tokens drafted per round
-    adaptive: bool = True  # pick the length per round from acceptance and pass cost
+    adaptive: bool = True  # pick the length per round (else always draft_tokens)
+    length_policy: str = "acceptance"  # "acceptance" (against the cost curve) or "entropy" (EGAG)
     ngram_order: int = 4
     window: int = 512
 
@@ -156,7 +157,7 @@ def _decode_loop(model, cache, logits, prompt, config, stats, drafter, costs, bu
         raise OptionsError(f"{reason}; run with --no-spec")
     drafter = drafter or NGramDrafter(max_order=spec.ngram_order, window=spec.window)
     drafter.start(prompt)
-    lengths = DraftLength(spec.draft_tokens, costs, adaptive=spec.adaptive)
+    lengths = make_draft_length(spec.length_policy, spec.draft_tokens, costs, spec.adaptive)
     decode = getattr(drafter, "decode_loop", speculative_decode)  # a token-tree drafter brings its own
     return decode(model, cache, logits, params, stats, drafter, lengths, budget)
 

@@ -7,6 +7,7 @@ prints the tables.
 from __future__ import annotations
 
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -27,6 +28,12 @@ EXAMPLES = """[bold]Examples[/]
   akunu bench --cost-curve                         forward-pass time for 1..16 tokens on this backend"""
 
 WORKLOAD_PANEL, RUN_PANEL, OUTPUT_PANEL = "Workload", "Runs", "Output"
+
+class LengthPolicy(str, Enum):
+    acceptance = "acceptance"
+    entropy = "entropy"
+
+
 # Wide enough for every column when the table goes to a file or a pipe.
 FILE_WIDTH = 170
 
@@ -71,6 +78,14 @@ def bench(
             help="The most tokens drafted per pass: the adaptive run's ceiling and the fixed-length run's length.",
         ),
     ] = 4,
+    length_policy: Annotated[
+        LengthPolicy,
+        typer.Option(
+            rich_help_panel=RUN_PANEL,
+            help="How the adaptive run picks its draft length: acceptance (against the measured pass costs) or"
+            " entropy (EGAG: from the model's next-token entropy).",
+        ),
+    ] = LengthPolicy.acceptance,
     drafters: Annotated[
         Optional[list[str]],
         typer.Option(
@@ -96,7 +111,7 @@ def bench(
         typer.Option(
             "--plot",
             rich_help_panel=OUTPUT_PANEL,
-            help="Draw speedup by category and the accepted-length histogram into this PNG (needs akunu[plot]).",
+            help="Draw speedup by category and the accepted-length histogram into this PNG (needs akunu\\[plot]).",
         ),
     ] = None,
     cost_curve: Annotated[
@@ -127,10 +142,10 @@ def bench(
     if plot_path is not None:
         _require_matplotlib()
     loaded = runtime.load(model, dtype)
-    config = f"{'greedy' if temp == 0 else f'temp {temp}'} · {max_tokens} new tokens · {repeats} repeat(s) after a warm-up · drafts ≤ {draft_tokens}"
+    config = f"{'greedy' if temp == 0 else f'temp {temp}'} · {max_tokens} new tokens · {repeats} repeat(s) after a warm-up · drafts ≤ {draft_tokens} ({length_policy.value})"
     machine = _print_header(loaded, config)
     engine = ModelEngine(
-        loaded.model, loaded.tokenizer, max_tokens=max_tokens, temp=temp, draft_tokens=draft_tokens,
+        loaded.model, loaded.tokenizer, max_tokens=max_tokens, temp=temp, draft_tokens=draft_tokens, length_policy=length_policy.value,
         costs=runtime.cost_curve(loaded, draft_tokens), context_length=loaded.context_length, seed=seed,
     )  # fmt: skip
     methods = [lib.PLAIN, lib.SPEC, lib.SPEC_FIXED] + ([lib.MLX_LM] if mlx_lm and _has_mlx_lm_tokenizer(loaded) else [])
@@ -145,7 +160,7 @@ def bench(
         out.print(drafter_table(lib.summarize_drafters(result)))
     _print_checks(out, result, temp)
     settings = {
-        "max_tokens": max_tokens, "repeats": repeats, "temp": temp, "seed": seed, "draft_tokens": draft_tokens,
+        "max_tokens": max_tokens, "repeats": repeats, "temp": temp, "seed": seed, "draft_tokens": draft_tokens, "length_policy": length_policy.value,
         "methods": methods, "workload": str(workload) if workload else "shipped", "prompts": len(prompts),
         "command": " ".join(["akunu", *sys.argv[1:]]),
     }  # fmt: skip

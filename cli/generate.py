@@ -49,6 +49,7 @@ def generate(
     stop: options.Stop = None,
     spec: options.Spec = True,
     draft_tokens: options.DraftTokens = 4,
+    draft_length: options.DraftLength = options.DraftLengthPolicy.adaptive,
     draft: Annotated[
         str,
         typer.Option(
@@ -93,7 +94,7 @@ def generate(
     text = read_prompt(prompt, prompt_file)
     config = options.generation_config(
         max_tokens=max_tokens, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop, spec=spec,
-        draft_tokens=draft_tokens,
+        draft_tokens=draft_tokens, draft_length=draft_length,
     )  # fmt: skip
     loaded = runtime.load(model, dtype)
     config.sampling.validate(loaded.tokenizer.vocab_size)
@@ -195,5 +196,6 @@ def describe_run(loaded, config) -> None:
     err = stderr_console()
     err.print(f"[dim]{loaded.describe()} · {getattr(loaded, 'dtype_reason', '')} · BLAS: {_blas.describe()}[/]")
     spec = config.spec
-    mode = f"on, up to {spec.draft_tokens} drafts, {'adaptive' if spec.adaptive else 'fixed'}" if spec.enabled else "off"
+    policy = ("adaptive" if spec.length_policy == "acceptance" else spec.length_policy) if spec.adaptive else "fixed"
+    mode = f"on, up to {spec.draft_tokens} drafts, {policy}" if spec.enabled else "off"
     err.print(f"[dim]speculative decoding {mode}; accepted draft tokens are[/] [{display.DRAFT_STYLE}]highlighted[/]")

@@ -85,6 +85,23 @@ DraftTokens = Annotated[
 ]
 
 
+
+class DraftLengthPolicy(str, Enum):
+    adaptive = "adaptive"  # acceptance against this backend's pass-cost curve
+    entropy = "entropy"  # EGAG: more drafts where the model's next-token entropy is low
+    fixed = "fixed"  # always --draft-tokens
+
+
+DraftLength = Annotated[
+    DraftLengthPolicy,
+    typer.Option(
+        rich_help_panel=SPEC_PANEL,
+        help="How many tokens to draft each pass: adaptive (recent acceptance against measured pass costs),"
+        " entropy (EGAG: from the model's confidence) or fixed (always --draft-tokens).",
+    ),
+]
+
+
 def unescape(text: str) -> str:
     """`\\n`, `\\t` and `\\\\` typed in a shell argument, as the characters they name."""
     return text.replace("\\\\", "\0").replace("\\n", "\n").replace("\\t", "\t").replace("\0", "\\")
@@ -101,6 +118,7 @@ def generation_config(
     stop: list[str] | None,
     spec: bool,
     draft_tokens: int,
+    draft_length: DraftLengthPolicy = DraftLengthPolicy.adaptive,
 ):
     """The engine's GenerationConfig for the parsed options (imports the engine, hence MLX)."""
     from akunu.generate import GenerationConfig, SpecConfig
@@ -109,6 +127,11 @@ def generation_config(
     return GenerationConfig(
         max_tokens=max_tokens,
         sampling=SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed),
-        spec=SpecConfig(enabled=spec, draft_tokens=draft_tokens),
+        spec=SpecConfig(
+            enabled=spec,
+            draft_tokens=draft_tokens,
+            adaptive=draft_length != DraftLengthPolicy.fixed,
+            length_policy="entropy" if draft_length == DraftLengthPolicy.entropy else "acceptance",
+        ),
         stop=tuple(unescape(s) for s in stop or ()),
     )

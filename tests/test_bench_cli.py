@@ -63,6 +63,14 @@ def test_bench_prints_the_table_and_writes_every_measurement(fake_engine, worklo
     assert all(s["costs"] == FAKE_COSTS for s in speculative)
 
 
+def test_length_policy_reaches_the_adaptive_run_only(fake_engine, workload):
+    result, text = invoke("--workload", str(workload), "--limit", "1", "-c", "open", "--max-tokens", "4", "--length-policy", "entropy")
+    assert result.exit_code == 0, text
+    policies = {(s["config"].spec.adaptive, s["config"].spec.length_policy) for s in fake_engine.streams if s["config"].spec.enabled}
+    assert policies == {(True, "entropy"), (False, "entropy")}  # the fixed run ignores the policy
+    assert "(entropy)" in text
+
+
 def test_bench_uses_the_cli_cost_curve_key(fake_engine, workload):
     result, text = invoke("--workload", str(workload), "--limit", "1", "--categories", "open", "--max-tokens", "4")
     assert result.exit_code == 0, text

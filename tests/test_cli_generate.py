@@ -67,6 +67,14 @@ def test_draft_tokens_reaches_the_engine_with_spec_on(fake_engine):
     assert fake_engine.cost_curves[0]["max_width"] == 8  # the curve covers a pass of 7 drafts + 1
 
 
+@pytest.mark.parametrize(
+    "choice, adaptive, policy", [("adaptive", True, "acceptance"), ("entropy", True, "entropy"), ("fixed", False, "acceptance")]
+)
+def test_draft_length_policy_reaches_the_engine(fake_engine, choice, adaptive, policy):
+    assert invoke("hello", "--draft-length", choice).exit_code == 0
+    assert fake_engine.config.spec == SpecConfig(enabled=True, adaptive=adaptive, length_policy=policy)
+
+
 def test_text_goes_to_stdout_and_stats_to_stderr(fake_engine):
     text = json_of(invoke("hello", "--max-tokens", "12", "--json"))["text"]
     result = invoke("hello", "--max-tokens", "12")

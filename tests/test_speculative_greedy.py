@@ -33,7 +33,8 @@ def test_speculative_equals_plain_over_many_prompts(model_fn):
     for i in range(40):
         prompt = random_prompt(rng, 64, repetitive=i % 2 == 0)
         _, plain, _ = run(model, prompt, SpecConfig(enabled=False))
-        for spec in (SpecConfig(draft_tokens=4), SpecConfig(draft_tokens=7, adaptive=False)):
+        specs = (SpecConfig(draft_tokens=4), SpecConfig(draft_tokens=7, adaptive=False), SpecConfig(length_policy="entropy"))
+        for spec in specs:
             _, fast, stats = run(model, prompt, spec)
             assert fast == plain, f"prompt {i} {spec}"
             drafted += stats.accepted

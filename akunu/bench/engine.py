@@ -36,12 +36,14 @@ class ModelEngine:
         max_tokens: int = 128,
         temp: float = 0.0,
         draft_tokens: int = 4,
+        length_policy: str = "acceptance",
         costs: list[float] | None = None,
         context_length: int | None = None,
         seed: int | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.max_tokens, self.temp, self.draft_tokens = max_tokens, temp, draft_tokens
+        self.length_policy = length_policy  # of the adaptive runs
         self.costs, self.context_length = costs, context_length
         self.seed = seed if seed is not None else 0
         self._mlx_tokenizer = None
@@ -76,7 +78,9 @@ class ModelEngine:
         from akunu.generate import GenerationConfig, SpecConfig, stream_generate
         from akunu.sampling import SamplingParams
 
-        spec = SpecConfig(enabled=adaptive is not None, draft_tokens=self.draft_tokens, adaptive=bool(adaptive))
+        spec = SpecConfig(
+            enabled=adaptive is not None, draft_tokens=self.draft_tokens, adaptive=bool(adaptive), length_policy=self.length_policy
+        )
         config = GenerationConfig(max_tokens=self.max_tokens, sampling=SamplingParams(temp=self.temp, seed=self.seed), spec=spec)
         start = time.perf_counter()
         responses = stream_generate(
