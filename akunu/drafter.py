@@ -27,7 +27,7 @@ class Draft:
 
 class Drafter(Protocol):
     def start(self, context: Sequence[int]) -> None:
-        """Learn from the prompt (the whole conversation so far)."""
+        """Learn from the prompt (the whole conversation so far), forgetting any earlier generation."""
 
     def update(self, tokens: Sequence[int]) -> None:
         """Tokens just committed to the sequence, in order."""
@@ -37,12 +37,14 @@ class Drafter(Protocol):
 
 
 class NGramDrafter:
-    """The default drafter: akunu's n-gram predictor."""
+    """akunu's n-gram predictor (FNV tables of orders 2..4) as a drafter."""
 
     def __init__(self, max_order: int = 4, window: int = 512) -> None:
         self.predictor = NGramPredictor(max_order=max_order, window=window)
 
     def start(self, context: Sequence[int]) -> None:
+        # The context is the whole sequence so far, so tables from an earlier generation go.
+        self.predictor = NGramPredictor(max_order=self.predictor.max_order, window=self.predictor.window)
         self.predictor.update_batch(context)
 
     def update(self, tokens: Sequence[int]) -> None:
