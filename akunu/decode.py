@@ -73,7 +73,8 @@ def speculative_decode(
     yield token, False
     while True:
         n = min(lengths.choose(), max(budget - produced - 1, 0))
-        draft = drafter.draft(n) if n else None
+        with stats.drafting():
+            draft = drafter.draft(n) if n else None
         if not draft:
             logits = model(mx.array([[token]], mx.uint32), cache=cache)[0, -1]
             token = choose(logits, params).item()
@@ -91,7 +92,8 @@ def speculative_decode(
             accepted, token = draft.tokens[: verdict.accepted], verdict.next_token
             stats.record_round(len(draft), verdict.accepted)
             lengths.observe(len(draft), verdict.accepted, logits[verdict.accepted])
-        drafter.update([*accepted, token])
+        with stats.drafting():
+            drafter.update([*accepted, token])
         produced += len(accepted) + 1
         for t in accepted:
             yield t, True

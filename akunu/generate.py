@@ -16,7 +16,7 @@ import mlx.nn as nn
 
 from akunu.decode import plain_decode, prefill, speculative_decode
 from akunu.draft_length import make_draft_length
-from akunu.drafter import Drafter, NGramDrafter
+from akunu.drafter import Drafter
 from akunu.errors import OptionsError, PromptError
 from akunu.kv_cache import PromptCache, why_not_trimmable
 from akunu.sampling import SamplingParams
@@ -155,7 +155,10 @@ def _decode_loop(model, cache, logits, prompt, config, stats, drafter, costs, bu
     reason = why_not_trimmable(cache)
     if reason:
         raise OptionsError(f"{reason}; run with --no-spec")
-    drafter = drafter or NGramDrafter(max_order=spec.ngram_order, window=spec.window)
+    if drafter is None:
+        from akunu.drafters import DEFAULT_SPEC, make_drafter
+
+        drafter = make_drafter(DEFAULT_SPEC, ngram_order=spec.ngram_order, window=spec.window)
     drafter.start(prompt)
     lengths = make_draft_length(spec.length_policy, spec.draft_tokens, costs, spec.adaptive)
     decode = getattr(drafter, "decode_loop", speculative_decode)  # a token-tree drafter brings its own

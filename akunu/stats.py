@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 
@@ -17,6 +20,7 @@ class GenerationStats:
     accepted_lengths: Counter = field(default_factory=Counter)  # accepted drafts per verification
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    drafting_seconds: float = 0.0  # host time the drafter spent proposing and learning tokens
     peak_memory_mb: float = 0.0
     finish_reason: str | None = None
     ended_on_eos: bool = False  # the model's end token was produced (and not counted as generated)
@@ -27,6 +31,19 @@ class GenerationStats:
         self.accepted += accepted
         if drafted:
             self.accepted_lengths[accepted] += 1
+
+    @contextmanager
+    def drafting(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.drafting_seconds += time.perf_counter() - start
+
+    @property
+    def drafting_share(self) -> float:
+        """Drafting time as a share of decode time: what the drafter costs beside the forward passes."""
+        return self.drafting_seconds / self.decode_seconds if self.decode_seconds else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -56,6 +73,7 @@ class GenerationStats:
             "decode_tps": round(self.decode_tps, 2),
             "prefill_seconds": round(self.prefill_seconds, 4),
             "decode_seconds": round(self.decode_seconds, 4),
+            "drafting_seconds": round(self.drafting_seconds, 6),
             "peak_memory_mb": round(self.peak_memory_mb, 1),
             "forward_passes": self.forward_passes,
             "drafted": self.drafted,

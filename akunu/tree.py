@@ -306,7 +306,8 @@ def tree_decode(
     yield token, False
     while True:
         depth = min(lengths.choose(), max(budget - produced - 1, 0))
-        tree = drafter.draft_tree(depth, max(max_nodes, depth)) if depth else TokenTree([], [])
+        with stats.drafting():
+            tree = drafter.draft_tree(depth, max(max_nodes, depth)) if depth else TokenTree([], [])
         if not tree:
             token = choose(model(mx.array([[token]], mx.uint32), cache=cache)[0, -1], params).item()
             accepted: list[int] = []
@@ -323,7 +324,8 @@ def tree_decode(
             accepted, token = [tree.tokens[i - 1] for i in path[1:]], token_next
             stats.record_round(len(tree), len(accepted))
             lengths.observe(max(tree.depths()), len(accepted))
-        drafter.update([*accepted, token])
+        with stats.drafting():
+            drafter.update([*accepted, token])
         produced += len(accepted) + 1
         for t in accepted:
             yield t, True

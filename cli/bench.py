@@ -35,7 +35,7 @@ class LengthPolicy(str, Enum):
 
 
 # Wide enough for every column when the table goes to a file or a pipe.
-FILE_WIDTH = 170
+FILE_WIDTH = 185
 
 
 def bench(
@@ -91,8 +91,9 @@ def bench(
         typer.Option(
             "--drafter",
             rich_help_panel=RUN_PANEL,
-            help="Also run speculation with this drafter (repeatable): layer-skip:N, hybrid:SPEC, model:NAME, tree:N."
-            " Each gets a row in a drafter table, against plain and the n-gram default.",
+            help="Also run speculation with this drafter (repeatable): ngram, lookup, layer-skip:N, hybrid:SPEC, A+B,"
+            " model:NAME, tree:N."
+            " Each gets a row in a drafter table, against plain and the default drafter.",
         ),
     ] = None,
     mlx_lm: Annotated[
@@ -265,7 +266,7 @@ def summary_table(summaries, *, has_mlx: bool) -> Table:
     table = Table(title="decode tok/s (prefill excluded); speedups are medians of per-prompt ratios", title_justify="left")
     for name, justify in (
         ("category", "left"), ("prompts", "right"), ("plain tok/s", "right"), ("spec tok/s", "right"),
-        ("speedup", "right"), ("accept", "right"), ("tok/pass", "right"), ("fixed-draft speedup", "right"),
+        ("speedup", "right"), ("accept", "right"), ("tok/pass", "right"), ("drafting", "right"), ("fixed-draft speedup", "right"),
         ("mlx-lm tok/s", "right"), ("ours vs mlx-lm", "right"), ("prefill tok/s", "right"), ("mismatches", "right"),
     ):  # fmt: skip
         table.add_column(name, justify=justify, no_wrap=True)
@@ -281,6 +282,7 @@ def summary_table(summaries, *, has_mlx: bool) -> Table:
             _speedup(s.speedup),
             _number(s.acceptance and 100 * s.acceptance, ".0f", "%") if s.acceptance is not None else "–",
             _number(s.tokens_per_pass, ".2f"),
+            _number(None if s.drafting_share is None else 100 * s.drafting_share, ".2f", "%"),
             _speedup(s.fixed_speedup),
             _number(s.mlx_tps, ".1f") if has_mlx else "–",
             _speedup(s.vs_mlx) if has_mlx else "–",
@@ -291,9 +293,9 @@ def summary_table(summaries, *, has_mlx: bool) -> Table:
 
 
 def drafter_table(rows) -> Table:
-    """Other drafters per category: tok/s, speedup over plain and over the n-gram default."""
+    """Other drafters per category: tok/s, speedup over plain and over the default drafter."""
     table = Table(title="drafters (adaptive draft length; speedups are medians of per-prompt ratios)", title_justify="left")
-    for name in ("category", "drafter", "tok/s", "vs plain", "vs n-gram", "accept", "tok/pass", "mismatches"):
+    for name in ("category", "drafter", "tok/s", "vs plain", "vs default", "accept", "tok/pass", "mismatches"):
         table.add_column(name, justify="left" if name in ("category", "drafter") else "right", no_wrap=True)
     for r in rows:
         table.add_row(
@@ -301,7 +303,7 @@ def drafter_table(rows) -> Table:
             r.drafter,
             _number(r.tps, ".1f"),
             _speedup(r.speedup),
-            _speedup(r.vs_ngram),
+            _speedup(r.vs_default),
             _number(r.acceptance and 100 * r.acceptance, ".0f", "%") if r.acceptance is not None else "–",
             _number(r.tokens_per_pass, ".2f"),
             f"[bold red]{r.mismatches}[/]" if r.mismatches else "0",

@@ -52,6 +52,7 @@ def stats_table(stats, title: str, finish_reason: str | None = None) -> Table:
         ("tokens per pass", f"{stats.tokens_per_pass:.2f}"),
         ("drafted / accepted", f"{stats.drafted} / {stats.accepted} ({stats.acceptance_rate:.0%})"),
         ("accepted lengths", histogram(stats.accepted_lengths) or "-"),
+        ("drafting", f"{1000 * stats.drafting_seconds:.1f} ms ({stats.drafting_share:.2%} of decode)"),
         ("peak memory", f"{stats.peak_memory_mb:.0f} MB"),
         ("finish", f"{finish_reason or stats.finish_reason or '-'}"),
     ]
@@ -96,6 +97,7 @@ def result_json(model_name: str, text: str, tokens: list[int], stats, finish_rea
                 "acceptance_rate": numbers["acceptance_rate"],
                 "tokens_per_pass": numbers["tokens_per_pass"],
                 "accepted_lengths": numbers["accepted_lengths"],
+                "drafting_seconds": numbers["drafting_seconds"],
                 "peak_memory_mb": numbers["peak_memory_mb"],
             },
         },

@@ -54,10 +54,10 @@ def generate(
         str,
         typer.Option(
             rich_help_panel=options.SPEC_PANEL,
-            help="The drafter: ngram, model:NAME|PATH, layer-skip:N (the model's first N layers) or hybrid:SPEC"
-            " (n-grams where they match, else SPEC).",
+            help="The drafter: ngram (n-gram tables), lookup (continue the longest earlier match), model:NAME|PATH,"
+            " layer-skip:N (the model's first N layers), A+B (A where it has a draft, else B) or hybrid:SPEC (ngram+SPEC).",
         ),
-    ] = "ngram",
+    ] = "lookup+ngram",
     draft_model: Annotated[
         Optional[str],
         typer.Option(rich_help_panel=options.SPEC_PANEL, help="A draft model with the same tokenizer (same as --draft model:NAME)."),
@@ -110,17 +110,17 @@ def generate(
 
 
 def make_drafter_for(loaded, config, draft: str, draft_model: str | None, ngram_cache: Path | None, tree: int | None):
-    """The drafter the options ask for; None keeps the engine's default n-gram drafter."""
+    """The drafter the options ask for; None keeps the engine's default (lookup+ngram)."""
+    from akunu.drafters import DEFAULT_SPEC, make_drafter
+
     if draft_model is not None:
-        if draft != "ngram":
+        if draft != DEFAULT_SPEC:
             raise OptionsError("give either --draft-model or --draft, not both")
         draft = f"model:{draft_model}"
-    if draft == "ngram" and ngram_cache is None and tree is None:
+    if draft == DEFAULT_SPEC and ngram_cache is None and tree is None:
         return None
     if not config.spec.enabled:
         raise OptionsError("--draft, --draft-model, --ngram-cache and --tree need speculative decoding; drop --no-spec")
-    from akunu.drafters import make_drafter
-
     spec = config.spec
     return make_drafter(
         draft, loaded, params=config.sampling, ngram_order=spec.ngram_order, window=spec.window,

@@ -92,7 +92,7 @@ def costs_for(loaded, config) -> list[float] | None:
 
 
 def stream(loaded, prompt_ids: list[int], config, *, prompt_cache=None, costs=None, drafter=None):
-    """The engine's response stream for one generation (`drafter`: None for the n-gram default)."""
+    """The engine's response stream for one generation (`drafter`: None for the default drafter)."""
     from akunu.generate import stream_generate
 
     return stream_generate(

@@ -51,7 +51,8 @@ class FakeEngine:
         prompt_id = self.ids[tuple(prompt_ids)]
         self.calls.append((prompt_id, method))
         tps = self.speeds.get((prompt_id, method), self.default_tps)
-        spec = {"forward_passes": 5, "drafted": 8, "accepted": 6, "accepted_lengths": {0: 1, 2: 3}} if method in (SPEC, SPEC_FIXED) else {}
+        spec = {"forward_passes": 5, "drafted": 8, "accepted": 6, "accepted_lengths": {0: 1, 2: 3}, "drafting_seconds": 0.01}
+        spec = spec if method in (SPEC, SPEC_FIXED) else {}
         if method == PLAIN:
             spec = {"forward_passes": 10}
         return make_run(tps, self.tokens.get((prompt_id, method)), **spec)
@@ -166,6 +167,7 @@ def test_summary_per_category_and_overall_with_all_columns():
     assert code.mlx_tps == pytest.approx(8.0)
     assert code.acceptance == pytest.approx(6 / 8)
     assert code.tokens_per_pass == pytest.approx(10 / 5)
+    assert code.drafting_share == pytest.approx(0.01 / (10 / 30.0))
     assert code.prefill_tps == pytest.approx(100.0)
     assert rows["chat"].speedup == pytest.approx(0.9)
     assert rows[OVERALL].prompts == 2

@@ -1,4 +1,4 @@
-"""Draft-model, layer-skip and hybrid drafters: greedy identity, cache bookkeeping, refusals."""
+"""Draft-model, layer-skip, lookup and hybrid drafters: greedy identity, cache bookkeeping, refusals."""
 
 import random
 from types import SimpleNamespace
@@ -9,7 +9,7 @@ from mlx.utils import tree_map
 
 from akunu.decode import prefill
 from akunu.drafter import NGramDrafter
-from akunu.drafters import HybridDrafter, make_drafter
+from akunu.drafters import DEFAULT_SPEC, HybridDrafter, LookupDrafter, make_drafter
 from akunu.drafters.draft_model import check_same_vocabulary, model_drafter
 from akunu.drafters.layer_skip import layer_skip_drafter
 from akunu.errors import OptionsError
@@ -45,6 +45,9 @@ def prompts(count, vocab=64, seed=0):
 
 
 DRAFTERS = {
+    "ngram": lambda target, fn: NGramDrafter(),
+    "lookup": lambda target, fn: LookupDrafter(),
+    "lookup+ngram": lambda target, fn: make_drafter("lookup+ngram"),
     "model-close": lambda target, fn: model_drafter(perturbed(fn, 1, 0.02)),
     "model-unrelated": lambda target, fn: model_drafter(fn(seed=9)),
     "layer-skip": lambda target, fn: layer_skip_drafter(target, 1),
@@ -137,9 +140,40 @@ def test_a_draft_model_with_the_same_size_but_other_tokens_is_refused():
 def test_specs_parse_and_bad_ones_say_what_is_expected():
     target = SimpleNamespace(model=tiny_llama(layers=4), tokenizer=TOKENIZER)
     assert isinstance(make_drafter("ngram"), NGramDrafter)
+    default = make_drafter(DEFAULT_SPEC)
+    assert isinstance(default.first, LookupDrafter) and isinstance(default.fallback, NGramDrafter)
+    chain = make_drafter("lookup+ngram+layer-skip:2", target)
+    assert isinstance(chain.fallback, HybridDrafter) and len(chain.fallback.fallback.cache) == 2
     assert len(make_drafter("layer-skip:3", target).cache) == 3
     hybrid = make_drafter("hybrid:layer-skip:2", target)
     assert isinstance(hybrid, HybridDrafter) and len(hybrid.fallback.cache) == 2
-    for bad in ("layer-skip:x", "layer-skip:4", "layer-skip:0", "magic", "model:", "hybrid:"):
+    for bad in ("layer-skip:x", "layer-skip:4", "layer-skip:0", "magic", "model:", "hybrid:", "lookup+", "lookup:3"):
         with pytest.raises(OptionsError):
             make_drafter(bad, target)
+
+
+def test_lookup_continues_the_latest_occurrence_of_the_longest_match():
+    drafter = LookupDrafter(min_match=2, max_match=4)
+    drafter.start([1, 2, 3, 7, 8, 9, 5, 2, 3, 4, 4, 2, 3])
+    assert drafter.draft(3).tokens == [4, 4, 2]  # "2 3" last went on with 4 (not 7)
+    drafter.update([7, 5])  # "7 5" never occurred before
+    assert drafter.draft(3).tokens == []
+    drafter.start([1, 2, 3, 7, 8, 9, 5, 1, 2, 3])  # start forgets the earlier sequence
+    assert drafter.draft(5).tokens == [7, 8, 9, 5, 1]  # "1 2 3" (length 3) beats "2 3"
+    assert drafter.draft(50).tokens == [7, 8, 9, 5, 1, 2, 3]  # up to the end of what is known
+
+
+def test_lookup_prefers_a_long_match_over_a_recent_short_one():
+    drafter = LookupDrafter(min_match=2, max_match=8)
+    drafter.start([5, 6, 1, 2, 8, 0, 9, 1, 2, 3, 5, 6, 1, 2])
+    assert drafter.draft(2).tokens == [8, 0]  # "5 6 1 2" went on with 8; the latest "1 2" with 3
+
+
+def test_lookup_drafts_a_cycling_output_several_tokens_per_pass():
+    # Without attention the model is a bigram model whose greedy output cycles: lookup finds the cycle.
+    model = tiny_llama(seed=3, sharpness=4.0, attention=0.0)
+    prompt = [5, 6, 7, 8] * 4
+    _, plain, _ = run(model, prompt, SpecConfig(enabled=False), max_tokens=120)
+    _, fast, stats = run(model, prompt, SpecConfig(draft_tokens=8), max_tokens=120, drafter=LookupDrafter())
+    assert fast == plain
+    assert stats.tokens_per_pass > 3 and stats.acceptance_rate > 0.8

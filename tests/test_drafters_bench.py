@@ -9,14 +9,14 @@ from tests.tiny import FakeTokenizer, tiny_llama
 SKIP = drafter_method("layer-skip:8")
 
 
-def test_drafter_rows_compare_with_plain_and_the_ngram_default():
+def test_drafter_rows_compare_with_plain_and_the_default():
     engine = FakeEngine(speeds={("a", PLAIN): 10, ("a", SPEC): 20, ("a", SKIP): 15, ("b", SKIP): 5}, tokens={("b", SKIP): [1, 2]})
     result = run_benchmark(prompts("a", "b"), engine, methods=[PLAIN, SPEC, SKIP], warmup=False)
     assert [(m.method, m.prompt_id, m.informational) for m in result.mismatches] == [(SKIP, "b", False)]
     rows = {(r.category, r.drafter): r for r in summarize_drafters(result)}
     overall = rows[OVERALL, "layer-skip:8"]
     assert rows["code-edit", "layer-skip:8"].mismatches == 1
-    assert overall.speedup == (1.5 + 0.5) / 2 and overall.vs_ngram == (0.75 + 0.5) / 2
+    assert overall.speedup == (1.5 + 0.5) / 2 and overall.vs_default == (0.75 + 0.5) / 2
 
 
 def test_the_model_engine_runs_a_drafter_method_with_identical_greedy_tokens():
@@ -43,7 +43,7 @@ def test_bench_drafter_option_adds_a_drafter_table(fake_engine, tmp_path):
     result = CliRunner().invoke(app, args)
     text = re.sub(r"\x1b\[[0-9;]*m", "", result.output)
     assert result.exit_code == 0, text
-    assert "drafters (adaptive draft length" in text and "vs n-gram" in text
+    assert "drafters (adaptive draft length" in text and "vs default" in text
     assert re.search(r"copy\s+│\s+layer-skip:1 ", text) and re.search(r"overall\s+│\s+tree:6 ", text)
     assert "0 greedy mismatches" in text
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from akunu.drafters import HybridDrafter, ModelDrafter
+from akunu.drafter import NGramDrafter
+from akunu.drafters import DEFAULT_SPEC, HybridDrafter, LookupDrafter, ModelDrafter
 from akunu.ngram_cache import CachedNGramDrafter
 from akunu.tree import NGramTreeDrafter
 from tests.test_cli_fakes import fake_engine  # noqa: F401  (fixture)
@@ -24,8 +25,10 @@ def plain_text():
         (["--draft", "hybrid:layer-skip:1"], HybridDrafter),
         (["--draft-model", "tiny-model"], ModelDrafter),
         (["--tree", "6"], NGramTreeDrafter),
+        (["--draft", "ngram"], NGramDrafter),
+        (["--draft", "lookup"], LookupDrafter),
     ],
-    ids=["layer-skip", "hybrid", "draft-model", "tree"],
+    ids=["layer-skip", "hybrid", "draft-model", "tree", "ngram", "lookup"],
 )
 def test_drafter_options_reach_the_engine_and_keep_the_output(fake_engine, options, kind):
     expected = plain_text()
@@ -37,7 +40,8 @@ def test_drafter_options_reach_the_engine_and_keep_the_output(fake_engine, optio
 
 def test_the_default_passes_no_drafter(fake_engine):
     assert invoke(PROMPT).exit_code == 0
-    assert fake_engine.streams[-1]["drafter"] is None
+    assert invoke(PROMPT, "--draft", DEFAULT_SPEC).exit_code == 0  # the option's default is the engine's
+    assert [stream["drafter"] for stream in fake_engine.streams[-2:]] == [None, None]
 
 
 def test_the_ngram_cache_file_is_written_after_the_run(fake_engine, tmp_path):
@@ -45,7 +49,8 @@ def test_the_ngram_cache_file_is_written_after_the_run(fake_engine, tmp_path):
     expected = plain_text()
     result = invoke(PROMPT, "--max-tokens", "24", "--ngram-cache", str(path))
     assert result.exit_code == 0, result.output
-    assert isinstance(fake_engine.streams[-1]["drafter"], CachedNGramDrafter)
+    drafter = fake_engine.streams[-1]["drafter"]  # the default, lookup over the cached n-gram tables
+    assert isinstance(drafter, HybridDrafter) and isinstance(drafter.fallback, CachedNGramDrafter)
     assert path.exists() and result.stdout == expected
 
 

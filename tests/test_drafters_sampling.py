@@ -12,7 +12,7 @@ import pytest
 import akunu.decode
 
 from akunu.drafter import NGramDrafter
-from akunu.drafters import HybridDrafter
+from akunu.drafters import HybridDrafter, LookupDrafter
 from akunu.drafters.draft_model import model_drafter
 from akunu.drafters.layer_skip import layer_skip_drafter
 from akunu.generate import GenerationConfig, SpecConfig, generate
@@ -37,11 +37,13 @@ def drafters(target, params):
         "model": model_drafter(draft_model, params),
         "layer-skip": layer_skip_drafter(target, 1, params),
         "hybrid-model": HybridDrafter(NGramDrafter(), model_drafter(draft_model, params)),
+        "lookup": LookupDrafter(min_match=1),  # one-token matches, so it drafts on this short prompt
+        "ngram": NGramDrafter(),  # the engine's default is lookup+ngram; the tables alone too
     }
 
 
 @pytest.mark.parametrize("params", SETTINGS, ids=["temp1", "temp0.7-topk-topp-minp"])
-@pytest.mark.parametrize("kind", ["model", "layer-skip", "hybrid-model"])
+@pytest.mark.parametrize("kind", ["model", "layer-skip", "hybrid-model", "lookup", "ngram"])
 def test_sampling_drafters_keep_the_target_distribution(params, kind):
     target = tiny_llama(vocab=8, seed=7, sharpness=1.5)
     drafter = drafters(target, params)[kind]

@@ -45,11 +45,12 @@ def test_repetitive_generation_yields_several_tokens_per_pass():
     # Without attention the model is a bigram model: greedy output cycles; n-grams then predict it.
     model = tiny_llama(seed=3, sharpness=4.0, attention=0.0)
     prompt = [5, 6, 7, 8] * 4
-    _, plain, _ = run(model, prompt, SpecConfig(enabled=False), max_tokens=120)
+    _, plain, plain_stats = run(model, prompt, SpecConfig(enabled=False), max_tokens=120)
     _, fast, stats = run(model, prompt, SpecConfig(draft_tokens=6, adaptive=False), max_tokens=120)
     assert fast == plain
     assert stats.tokens_per_pass > 2
     assert stats.forward_passes < len(fast) / 2
+    assert plain_stats.drafting_seconds == 0 < stats.drafting_seconds < stats.decode_seconds
 
 
 def test_sliding_window_model_matches_mlx_lm_rotating_cache_past_the_window():

@@ -100,7 +100,7 @@ class ModelEngine:
         return Run(
             ids, len(prompt_ids), prefill_seconds, decode_seconds,
             forward_passes=s.forward_passes, drafted=s.drafted, accepted=s.accepted,
-            accepted_lengths={int(k): v for k, v in s.accepted_lengths.items()},
+            accepted_lengths={int(k): v for k, v in s.accepted_lengths.items()}, drafting_seconds=s.drafting_seconds,
         )  # fmt: skip
 
     def _run_mlx_lm(self, prompt_ids: list[int]) -> Run:

@@ -37,6 +37,7 @@ class Run:
     drafted: int = 0
     accepted: int = 0
     accepted_lengths: dict[int, int] = field(default_factory=dict)  # accepted drafts per verification
+    drafting_seconds: float = 0.0  # host time spent in the drafter
 
     @property
     def generated(self) -> int:

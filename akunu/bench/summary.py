@@ -25,6 +25,7 @@ class CategorySummary:
     speedup: float | None  # spec vs plain: median of per-prompt ratios
     acceptance: float | None  # accepted / drafted, pooled over the category's spec runs
     tokens_per_pass: float | None  # decoded tokens / decode passes, pooled
+    drafting_share: float | None  # drafter time / decode time, pooled
     fixed_speedup: float | None  # fixed-length spec vs plain
     mlx_tps: float | None
     vs_mlx: float | None  # our plain vs mlx-lm plain
@@ -69,20 +70,22 @@ def per_prompt_tps(measurements: Sequence[Measurement], method: str, *, prefill:
     return {prompt: statistics.median(values) for prompt, values in by_prompt.items()}
 
 
-def _pooled(measurements: Sequence[Measurement], method: str) -> tuple[float | None, float | None]:
-    """Acceptance rate and tokens per pass over all runs of `method`."""
+def _pooled(measurements: Sequence[Measurement], method: str) -> tuple[float | None, float | None, float | None]:
+    """Acceptance rate, tokens per pass and drafting share of decode time over all runs of `method`."""
     runs = [m.run for m in measurements if m.method == method]
     drafted = sum(r.drafted for r in runs)
     passes = sum(r.forward_passes for r in runs)
     decoded = sum(max(r.generated - 1, 0) for r in runs)
+    decode_seconds = sum(r.decode_seconds for r in runs)
     acceptance = sum(r.accepted for r in runs) / drafted if drafted else (0.0 if runs else None)
-    return acceptance, (decoded / passes if passes else None)
+    drafting = sum(r.drafting_seconds for r in runs) / decode_seconds if decode_seconds else None
+    return acceptance, (decoded / passes if passes else None), drafting
 
 
 def summarize_group(name: str, result: BenchResult, measurements: Sequence[Measurement]) -> CategorySummary:
     prompt_ids = {m.prompt_id for m in measurements}
     mismatches = [m for m in result.mismatches if m.prompt_id in prompt_ids]
-    acceptance, tokens_per_pass = _pooled(measurements, SPEC)
+    acceptance, tokens_per_pass, drafting_share = _pooled(measurements, SPEC)
     return CategorySummary(
         category=name,
         prompts=len(prompt_ids),
@@ -91,6 +94,7 @@ def summarize_group(name: str, result: BenchResult, measurements: Sequence[Measu
         speedup=median_of_ratios(per_prompt_ratios(measurements, SPEC, PLAIN).values()),
         acceptance=acceptance,
         tokens_per_pass=tokens_per_pass,
+        drafting_share=drafting_share,
         fixed_speedup=median_of_ratios(per_prompt_ratios(measurements, SPEC_FIXED, PLAIN).values()),
         mlx_tps=_median(per_prompt_tps(measurements, MLX_LM).values()),
         vs_mlx=median_of_ratios(per_prompt_ratios(measurements, PLAIN, MLX_LM).values()),
@@ -124,13 +128,13 @@ def accepted_length_histogram(measurements: Iterable[Measurement], method: str =
 
 @dataclass
 class DrafterSummary:
-    """One `drafter:SPEC` method in one category, against plain decoding and the n-gram default."""
+    """One `drafter:SPEC` method in one category, against plain decoding and the default drafter."""
 
     category: str
     drafter: str  # the spec, e.g. "layer-skip:8"
     tps: float | None
     speedup: float | None  # vs plain: median of per-prompt ratios
-    vs_ngram: float | None  # vs the default adaptive n-gram run (SPEC)
+    vs_default: float | None  # vs the default drafter's adaptive run (SPEC)
     acceptance: float | None
     tokens_per_pass: float | None
     mismatches: int
@@ -150,14 +154,14 @@ def summarize_drafters(result: BenchResult) -> list[DrafterSummary]:
     for name, group in groups:
         prompt_ids = {m.prompt_id for m in group}
         for method in methods:
-            acceptance, tokens_per_pass = _pooled(group, method)
+            acceptance, tokens_per_pass, _ = _pooled(group, method)
             rows.append(
                 DrafterSummary(
                     category=name,
                     drafter=method[len(DRAFTER_PREFIX) :],
                     tps=_median(per_prompt_tps(group, method).values()),
                     speedup=median_of_ratios(per_prompt_ratios(group, method, PLAIN).values()),
-                    vs_ngram=median_of_ratios(per_prompt_ratios(group, method, SPEC).values()),
+                    vs_default=median_of_ratios(per_prompt_ratios(group, method, SPEC).values()),
                     acceptance=acceptance,
                     tokens_per_pass=tokens_per_pass,
                     mismatches=sum(m.method == method and m.prompt_id in prompt_ids for m in result.mismatches),

@@ -1,9 +1,11 @@
 """Drafters beyond the plain n-gram predictor, and `make_drafter` to build one from a spec.
 
-Specs (the CLI's `--draft`): `ngram` (the default), `model:NAME|PATH` (a draft model with
-the same tokenizer), `layer-skip:N` (the target's first N layers), and `hybrid:SPEC`
-(n-grams where they match, otherwise SPEC, e.g. `hybrid:layer-skip:8`), and `tree:N` (n-gram
-drafts verified as token trees of up to N nodes, the CLI's `--tree N`).
+Specs (the CLI's `--draft`): `ngram` (the FNV n-gram tables), `lookup` (prompt lookup: the
+continuation of the longest recurring run of tokens), `model:NAME|PATH` (a draft model with
+the same tokenizer), `layer-skip:N` (the target's first N layers), `A+B` (A where it has a
+draft, otherwise B), `hybrid:SPEC` (short for `ngram+SPEC`, e.g. `hybrid:layer-skip:8`) and
+`tree:N` (n-gram drafts verified as token trees of up to N nodes, the CLI's `--tree N`).
+The default is `lookup+ngram`.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from akunu.drafter import Drafter, NGramDrafter
 from akunu.drafters.draft_model import ModelDrafter, check_same_vocabulary, model_drafter
 from akunu.drafters.hybrid import HybridDrafter
 from akunu.drafters.layer_skip import layer_skip_drafter
+from akunu.drafters.lookup import LookupDrafter
 from akunu.errors import OptionsError
 from akunu.sampling import SamplingParams
 
-SPEC_HELP = "ngram, model:NAME|PATH, layer-skip:N, hybrid:SPEC or tree:N"
+DEFAULT_SPEC = "lookup+ngram"
+SPEC_HELP = "ngram, lookup, model:NAME|PATH, layer-skip:N, A+B, hybrid:SPEC or tree:N"
 
-__all__ = ["HybridDrafter", "ModelDrafter", "SPEC_HELP", "make_drafter"]
+__all__ = ["DEFAULT_SPEC", "HybridDrafter", "LookupDrafter", "ModelDrafter", "SPEC_HELP", "make_drafter"]
 
 
 def make_drafter(
@@ -37,16 +41,20 @@ def make_drafter(
     """The drafter a spec names. `target` is the loaded target model (`.model`, `.tokenizer`);
     `tree` (nodes per tree) verifies n-gram drafts as token trees; `load(name)` loads a draft
     model (default: akunu.models.load_model)."""
-    kind, _, argument = spec.partition(":")
     if tree is not None:
-        if spec != "ngram" or ngram_cache is not None:
+        if spec not in (DEFAULT_SPEC, "ngram") or ngram_cache is not None:
             raise OptionsError("--tree works with the plain n-gram drafter only (no --draft, no --ngram-cache)")
         if tree < 1:
             raise OptionsError(f"--tree needs at least 1 node (got {tree})")
         from akunu.tree import NGramTreeDrafter
 
         return NGramTreeDrafter(max_order=ngram_order, window=window, max_nodes=tree)
-    if kind == "tree" and tree is None:  # `tree:N`, the bench's name for `ngram` with --tree N
+    same = dict(params=params, ngram_order=ngram_order, window=window, ngram_cache=ngram_cache, load=load)
+    first, plus, rest = spec.partition("+")
+    if plus and first and rest:
+        return HybridDrafter(make_drafter(first, target, **same), make_drafter(rest, target, **same))
+    kind, _, argument = spec.partition(":")
+    if kind == "tree":  # `tree:N`, the bench's name for `ngram` with --tree N
         try:
             nodes = int(argument)
         except ValueError:
@@ -54,9 +62,10 @@ def make_drafter(
         return make_drafter("ngram", target, ngram_order=ngram_order, window=window, tree=nodes)
     if kind == "ngram" and not argument:
         return _ngram(ngram_order, window, ngram_cache)
+    if kind == "lookup" and not argument:
+        return LookupDrafter()
     if kind == "hybrid" and argument:
-        fallback = make_drafter(argument, target, params=params, load=load)
-        return HybridDrafter(_ngram(ngram_order, window, ngram_cache), fallback)
+        return make_drafter(f"ngram+{argument}", target, **same)
     if target is None:
         raise OptionsError(f"--draft {spec} needs the target model")
     if kind == "layer-skip":
