@@ -1,7 +1,11 @@
-"""Decode speed of a GGUF model with quantized vs float32 weights (feeds the dtype policy).
+"""Plain decode speed with quantized vs float32 weights, akunu's loop beside mlx-lm's, in one process.
 
-Usage: python scripts/measure_dtype.py MODEL.gguf [--tokens 64] [--dtype quantized float32]
-Run it again with AKUNU_BLAS=none to measure without the OpenBLAS preload.
+    .venv/bin/python scripts/measure_dtype.py [--model smollm2-135m] [--tokens 64] [--rounds 3]
+    AKUNU_BLAS=none .venv/bin/python scripts/measure_dtype.py     # the same without OpenBLAS
+
+For each dtype the model is loaded once; then akunu's plain decoding (no speculation) and
+mlx-lm's `stream_generate` run on the same loaded model, alternating, and the median decode
+tok/s of each is printed as one JSON line. These numbers feed the `--dtype auto` policy.
 """
 
 from __future__ import annotations
@@ -10,48 +14,45 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
-import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
-
 from akunu import _blas
-from akunu.models.gguf_file import read_gguf
-from akunu.models.gguf_model import load_gguf_model
+from akunu.bench import Prompt
+from akunu.bench.engine import ModelEngine
+from akunu.models import load_model
 
-WARMUP_TOKENS = 8
+PROMPT = "Write a Python function that returns the fibonacci numbers up to n."
 
 
-def measure(path: Path, dtype: str, tokens: int) -> dict:
+def measure(name: str, dtype: str, tokens: int, rounds: int) -> dict:
     started = time.perf_counter()
-    model, _ = load_gguf_model(read_gguf(path), quantized=dtype == "quantized")
+    loaded = load_model(name, dtype=dtype)
     load_seconds = time.perf_counter() - started
-    cache = make_prompt_cache(model)
-    prompt = mx.array(list(range(100, 132)))[None]  # timing only: any 32 in-vocabulary ids
-    token = mx.argmax(model(prompt, cache=cache)[0, -1]).item()
-    step_seconds = []
-    for _ in range(WARMUP_TOKENS + tokens):
-        step_start = time.perf_counter()
-        token = mx.argmax(model(mx.array([[token]]), cache=cache)[0, -1]).item()
-        step_seconds.append(time.perf_counter() - step_start)
-    decode = step_seconds[WARMUP_TOKENS:]
-    ms_per_token = 1000 * statistics.mean(decode)
+    # Greedy; the token budget is the stop, so both loops decode the same number of tokens.
+    engine = ModelEngine(loaded.model, loaded.tokenizer, max_tokens=tokens, context_length=loaded.context_length)
+    ids = engine.encode(Prompt("fibonacci", "chat", PROMPT))
+    speeds: dict[str, list[float]] = {"akunu": [], "mlx-lm": []}
+    for method in ("plain", "mlx-lm"):  # warm-up
+        engine.run(method, ids)
+    for i in range(rounds):
+        for method in ("plain", "mlx-lm") if i % 2 == 0 else ("mlx-lm", "plain"):
+            run = engine.run(method, ids)
+            speeds["akunu" if method == "plain" else "mlx-lm"].append(run.decode_tps)
     return {
-        "model": path.name, "dtype": dtype, "blas": _blas.loaded_path or "reference",
-        "load_s": round(load_seconds, 2), "ms_per_token": round(ms_per_token, 1),
-        "median_ms": round(1000 * statistics.median(decode), 1), "tok_per_s": round(1000 / ms_per_token, 2),
-    }
+        "model": name, "dtype": loaded.dtype, "blas": _blas.loaded_path or "reference", "load_s": round(load_seconds, 2),
+        **{f"{who}_tok_per_s": round(statistics.median(values), 2) for who, values in speeds.items()},
+    }  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", type=Path)
+    parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", nargs="+", default=["quantized", "float32"])
     args = parser.parse_args()
     for dtype in args.dtype:
-        print(json.dumps(measure(args.model, dtype, args.tokens)), flush=True)
+        print(json.dumps(measure(args.model, dtype, args.tokens, args.rounds)), flush=True)
 
 
 if __name__ == "__main__":
