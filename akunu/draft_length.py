@@ -2,7 +2,8 @@
 
 With per-token acceptance a, a draft of n tokens yields (1 - a^(n+1)) / (1 - a) tokens
 from one (n+1)-token pass. The policy picks the n with the most tokens per unit of time,
-using this backend's cost curve; n = 0 (a plain step) wins when drafts rarely land.
+using this backend's cost curve (plus the drafter's own cost per token, for a drafter that
+runs a model); n = 0 (a plain step) wins when drafts rarely land.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ def expected_tokens(acceptance: float, drafted: int) -> float:
     return (1.0 - acceptance ** (drafted + 1)) / (1.0 - acceptance)
 
 
-def best_length(acceptance: float, costs: Sequence[float], max_draft: int) -> int:
-    """The draft length with the most tokens per unit of pass time; costs[k-1] is a k-token pass."""
+def best_length(acceptance: float, costs: Sequence[float], max_draft: int, draft_cost: float = 0.0) -> int:
+    """The draft length with the most tokens per unit of time; costs[k-1] is a k-token pass and
+    `draft_cost` the time to draft one token, both in units of a 1-token pass."""
     widths = range(min(max_draft, len(costs) - 1) + 1)
-    return max(widths, key=lambda n: expected_tokens(acceptance, n) / costs[n])
+    return max(widths, key=lambda n: expected_tokens(acceptance, n) / (costs[n] + n * draft_cost))
 
 
 class DraftLength:
@@ -44,8 +46,10 @@ class DraftLength:
         adaptive: bool = True,
         decay: float = 0.8,
         prior: tuple[float, float] = (1.0, 1.0),
+        draft_cost: float = 0.0,
     ) -> None:
         self.max_draft = max_draft
+        self.draft_cost = draft_cost  # drafting one token, in 1-token passes (0 for table lookups)
         # costs[k-1]: relative cost of a k-token pass. Without a measurement assume the
         # ~1.3x-for-5-tokens shape measured on CPU; a real curve should be passed in.
         self.costs = list(costs) if costs else [1.0 + 0.075 * k for k in range(max_draft + 1)]
@@ -64,7 +68,7 @@ class DraftLength:
     def choose(self) -> int:
         if not self.adaptive:
             return self.max_draft
-        return best_length(self.acceptance, self.costs, self.max_draft)
+        return best_length(self.acceptance, self.costs, self.max_draft, self.draft_cost)
 
     def observe(self, drafted: int, accepted: int, logits: mx.array | None = None) -> None:
         # Old evidence decays, so after a run of plain steps the estimate drifts back to the
@@ -107,11 +111,13 @@ class EntropyDraftLength:
 LENGTH_POLICIES = ("acceptance", "entropy")
 
 
-def make_draft_length(policy: str, max_draft: int, costs: Sequence[float] | None, adaptive: bool):
+def make_draft_length(
+    policy: str, max_draft: int, costs: Sequence[float] | None, adaptive: bool, draft_cost: float = 0.0
+):
     """"acceptance" (acceptance against the cost curve) or "entropy" (EGAG); fixed if not adaptive."""
     if policy == "entropy" and adaptive:
         return EntropyDraftLength(max_draft)
     if policy not in LENGTH_POLICIES:
         raise OptionsError(f"unknown draft-length policy {policy!r}; expected {' or '.join(LENGTH_POLICIES)}")
-    return DraftLength(max_draft, costs, adaptive=adaptive)
+    return DraftLength(max_draft, costs, adaptive=adaptive, draft_cost=draft_cost)
 

@@ -3,6 +3,8 @@
 A drafter proposes tokens; verification and rollback stay in one shared path. A drafter
 that samples from a distribution returns it as `probs`, and sampled verification then
 uses the general min(1, p/q) rule; a deterministic drafter leaves it None (one-hot q).
+A drafter that runs a model has a `cost_per_token` (in 1-token target passes), which the
+draft-length policy weighs; table lookups have none.
 """
 
 from __future__ import annotations

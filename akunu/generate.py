@@ -160,7 +160,8 @@ def _decode_loop(model, cache, logits, prompt, config, stats, drafter, costs, bu
 
         drafter = make_drafter(DEFAULT_SPEC, ngram_order=spec.ngram_order, window=spec.window)
     drafter.start(prompt)
-    lengths = make_draft_length(spec.length_policy, spec.draft_tokens, costs, spec.adaptive)
+    draft_cost = getattr(drafter, "cost_per_token", 0.0)  # a drafter that runs a model says what a token costs
+    lengths = make_draft_length(spec.length_policy, spec.draft_tokens, costs, spec.adaptive, draft_cost)
     decode = getattr(drafter, "decode_loop", speculative_decode)  # a token-tree drafter brings its own
     return decode(model, cache, logits, params, stats, drafter, lengths, budget)
 

@@ -3,7 +3,7 @@
 import mlx.core as mx
 import pytest
 
-from akunu.draft_length import DraftLength, EntropyDraftLength, make_draft_length
+from akunu.draft_length import DraftLength, EntropyDraftLength, best_length, make_draft_length
 from akunu.errors import OptionsError
 
 CPU_LIKE = [1.0, 1.17, 1.25, 1.35, 1.55]  # measured shape: a 5-token pass costs ~1.5 steps
@@ -18,6 +18,14 @@ def test_acceptance_policy_stops_drafting_when_drafts_miss_and_drafts_long_when_
         n = lengths.choose() or 1
         lengths.observe(n, n)
     assert lengths.choose() == 4
+
+
+def test_a_drafter_that_costs_a_forward_pass_drafts_only_when_drafts_land_often():
+    assert best_length(0.5, CPU_LIKE, 4) > 0  # table lookups are free: drafting pays at 50%
+    assert best_length(0.5, CPU_LIKE, 4, draft_cost=0.8) == 0  # a model costing 0.8 steps per draft does not
+    assert best_length(0.95, CPU_LIKE, 4, draft_cost=0.1) == 4
+    lengths = make_draft_length("acceptance", 4, CPU_LIKE, adaptive=True, draft_cost=0.8)
+    assert lengths.choose() == 0  # at the prior's 50%
 
 
 def test_fixed_policy_always_drafts_the_maximum():

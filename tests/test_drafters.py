@@ -177,3 +177,13 @@ def test_lookup_drafts_a_cycling_output_several_tokens_per_pass():
     _, fast, stats = run(model, prompt, SpecConfig(draft_tokens=8), max_tokens=120, drafter=LookupDrafter())
     assert fast == plain
     assert stats.tokens_per_pass > 3 and stats.acceptance_rate > 0.8
+
+
+def test_model_drafters_say_what_a_draft_token_costs():
+    target = tiny_llama(seed=3, layers=4)
+    costs = [layer_skip_drafter(target, n).cost_per_token for n in (1, 2, 3)]
+    assert 0 < costs[0] < costs[1] < costs[2] < 1  # every step also reads the embedding and head
+    small = tiny_llama(seed=3, layers=1)
+    assert 0 < model_drafter(small, target=target).cost_per_token < 1
+    assert model_drafter(target, target=target).cost_per_token == 1
+    assert model_drafter(small).cost_per_token == 0  # no target to compare with

@@ -16,6 +16,7 @@ from akunu.drafters import HybridDrafter, LookupDrafter
 from akunu.drafters.draft_model import model_drafter
 from akunu.drafters.layer_skip import layer_skip_drafter
 from akunu.generate import GenerationConfig, SpecConfig, generate
+from akunu.ngram_cache import CachedNGramDrafter, NGramCache
 from akunu.sampling import SamplingParams
 from tests.stats_tools import fits
 from tests.test_speculative_sampling import PROMPT, SETTINGS, exact_model_probs, resample_from_p_on_rejection
@@ -25,10 +26,10 @@ pytestmark = pytest.mark.slow
 RUNS = 2500
 
 
-def samples(target, drafter, params, runs=RUNS, length=3) -> Counter:
+def samples(target, drafter, params, runs=RUNS, length=3, prompt=PROMPT) -> Counter:
     mx.random.seed(4321)
     config = GenerationConfig(max_tokens=length, sampling=params, spec=SpecConfig(draft_tokens=3, adaptive=False))
-    return Counter(tuple(generate(target, FakeTokenizer(), PROMPT, config, drafter=drafter)[1]) for _ in range(runs))
+    return Counter(tuple(generate(target, FakeTokenizer(), prompt, config, drafter=drafter)[1]) for _ in range(runs))
 
 
 def drafters(target, params):
@@ -50,6 +51,21 @@ def test_sampling_drafters_keep_the_target_distribution(params, kind):
     counts = samples(target, drafter, params)
     ok, stat, critical = fits(counts, exact_model_probs(target, params), RUNS)
     assert ok, f"{kind}: chi2 {stat:.1f} >= {critical:.1f}"
+
+
+def test_the_persistent_ngram_cache_keeps_the_target_distribution(tmp_path):
+    # A two-token prompt leaves the live tables almost empty, so the drafts come from the cache.
+    params, prompt = SETTINGS[0], [0, 1]
+    cache = NGramCache()
+    cache.learn([(a * 3 + b) % 8 for a in range(8) for b in range(8)] * 2)  # every pair has a continuation
+    cache.save(tmp_path / "ngrams")
+    target = tiny_llama(vocab=8, seed=7, sharpness=1.5)
+    drafter = CachedNGramDrafter(tmp_path / "ngrams")
+    counts = samples(target, drafter, params, prompt=prompt)
+    ok, stat, critical = fits(counts, exact_model_probs(target, params, prompt=prompt), RUNS)
+    assert ok, f"chi2 {stat:.1f} >= {critical:.1f}"
+    config = GenerationConfig(max_tokens=3, sampling=params, spec=SpecConfig(draft_tokens=3, adaptive=False))
+    assert generate(target, FakeTokenizer(), prompt, config, drafter=CachedNGramDrafter(tmp_path / "ngrams"))[2].drafted > 0
 
 
 def test_resampling_from_p_on_rejection_fails_the_same_test(monkeypatch):

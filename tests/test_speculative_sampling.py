@@ -123,13 +123,13 @@ SETTINGS = [
 ]
 
 
-def exact_model_probs(model, params: SamplingParams, length: int = 3) -> dict:
+def exact_model_probs(model, params: SamplingParams, length: int = 3, prompt: list[int] = PROMPT) -> dict:
     """P(t1..tL | prompt) under the processed target distribution, by enumeration."""
     vocab = model.args.vocab_size
     probs = {(): 1.0}
     for _ in range(length):
         prefixes = list(probs)
-        batch = mx.array([PROMPT + list(p) for p in prefixes])
+        batch = mx.array([prompt + list(p) for p in prefixes])
         step = mx.exp(target_logprobs(model(batch)[:, -1], params)).tolist()
         probs = {p + (t,): probs[p] * step[i][t] for i, p in enumerate(prefixes) for t in range(vocab) if step[i][t] > 0}
     return probs

@@ -92,4 +92,4 @@ def _draft_model(name: str, target, params: SamplingParams, load: Callable | Non
         from akunu.models import load_model as load
     draft = load(name)
     check_same_vocabulary(target, draft, name)
-    return model_drafter(draft.model, params)
+    return model_drafter(draft.model, params, target=target.model)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from akunu.decode import prefill
 from akunu.drafter import Draft
@@ -28,10 +30,13 @@ class ModelDrafter:
     that distribution q is returned so verification can use min(1, p/q).
     """
 
-    def __init__(self, forward: Forward, cache: list, params: SamplingParams = SamplingParams()) -> None:
+    def __init__(
+        self, forward: Forward, cache: list, params: SamplingParams = SamplingParams(), cost_per_token: float = 0.0
+    ) -> None:
         self.forward = forward
         self.cache = cache
         self.params = params
+        self.cost_per_token = cost_per_token  # one draft step, in 1-token target passes
         self.sequence: list[int] = []  # the committed tokens
         self.fed = 0  # how many of them the cache holds
         self.pending: list[int] = []  # drafted tokens the cache holds past `fed`
@@ -121,6 +126,13 @@ def check_same_vocabulary(target, draft, draft_name: str) -> None:
         )
 
 
-def model_drafter(draft_model, params: SamplingParams = SamplingParams()) -> ModelDrafter:
-    """A drafter over a whole second model (an mlx-lm Model) with a fresh trimmable cache."""
-    return ModelDrafter(draft_model, make_cache(draft_model), params)
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of weights a forward pass reads: what a memory-bound decode step costs."""
+    return sum(array.nbytes for _, array in tree_flatten(module.parameters()))
+
+
+def model_drafter(draft_model, params: SamplingParams = SamplingParams(), target=None) -> ModelDrafter:
+    """A drafter over a whole second model (an mlx-lm Model) with a fresh trimmable cache; with the
+    `target` model, its draft steps are costed by weight bytes against the target's."""
+    cost = weight_bytes(draft_model) / weight_bytes(target) if target is not None else 0.0
+    return ModelDrafter(draft_model, make_cache(draft_model), params, cost)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import mlx.nn as nn
 
-from akunu.drafters.draft_model import ModelDrafter
+from akunu.drafters.draft_model import ModelDrafter, weight_bytes
 from akunu.errors import OptionsError
 from akunu.kv_cache import make_cache
 from akunu.sampling import SamplingParams
@@ -40,4 +40,7 @@ def layer_skip_drafter(model: nn.Module, layers: int, params: SamplingParams = S
     if not 1 <= layers < total:
         raise OptionsError(f"layer-skip:N needs 1 <= N < {total} (the model's layer count), got {layers}")
     cache = _FirstLayersCache(make_cache(model)[:layers])
-    return ModelDrafter(model, cache, params)  # the short cache is what makes it exit early
+    per_layer = [weight_bytes(layer) for layer in model.layers]
+    shared = weight_bytes(model) - sum(per_layer)  # embedding, final norm and head: every step reads them
+    cost = (sum(per_layer[:layers]) + shared) / (sum(per_layer) + shared)
+    return ModelDrafter(model, cache, params, cost)  # the short cache is what makes it exit early
