@@ -4,12 +4,14 @@ Policy for dtype="auto", from scripts/measure_dtype.py on a 2-core x86_64 Linux 
 MLX's CPU backend (greedy decode after warm-up, ms per token, quantized vs float32):
 
   SmolLM2-135M Q4_1    with OpenBLAS 102 vs  68    reference BLAS only 102 vs 192
+                       (a later run:     134 vs  65                        133 vs 129)
   Gemma-3-270M Q4_K_M  with OpenBLAS 214 vs 136    reference BLAS only 205 vs 365
 
 * Metal GPU available: quantized (MLX's quantized kernels are its fast path there).
 * CPU with an optimized BLAS (OpenBLAS preloaded on Linux, Accelerate on macOS): float32,
-  since float32 matmuls go to the BLAS and beat MLX's CPU quantized kernels by ~1.5x.
-* CPU with only the reference BLAS bundled with mlx: quantized (float32 is ~1.8x slower).
+  since float32 matmuls go to the BLAS and beat MLX's CPU quantized kernels by 1.5-2x.
+* CPU with only the reference BLAS bundled with mlx: quantized (float32 is no faster, up to
+  ~1.8x slower, and takes several times the memory).
 * Float32 weights that would take more than half of physical memory: quantized, whatever the backend.
 """
 
@@ -51,8 +53,8 @@ def choose_dtype(requested: str = "auto", *, float32_bytes: int | None = None) -
     if sys.platform == "darwin":
         return DtypeChoice("float32", "CPU backend: float32 matmuls through Accelerate beat quantized kernels")
     if _blas.loaded_path:
-        return DtypeChoice("float32", "CPU backend with OpenBLAS: float32 decodes ~1.5x faster than 4-bit")
-    return DtypeChoice("quantized", "CPU backend without OpenBLAS: quantized kernels beat the reference BLAS ~1.8x")
+        return DtypeChoice("float32", "CPU backend with OpenBLAS: float32 decodes 1.5-2x faster than 4-bit")
+    return DtypeChoice("quantized", "CPU backend without OpenBLAS: float32 would be no faster than 4-bit")
 
 
 def physical_memory_bytes() -> int:

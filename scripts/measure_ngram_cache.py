@@ -41,7 +41,7 @@ def main() -> None:
     results = defaultdict(list)
     with tempfile.TemporaryDirectory() as tmp:
         for category in args.categories.split(","):
-            prompts = [encode(p.prompt) for p in select(shipped_workload(), [category], args.limit)]
+            prompts = [encode(p.text) for p in select(shipped_workload(), [category], args.limit)]
             outputs = [generate(loaded.model, loaded.tokenizer, ids, GenerationConfig(max_tokens=args.max_tokens))[1] for ids in prompts]
             for index, ids in enumerate(prompts):
                 cache_file = Path(tmp) / f"{category}-{index}.ngrams"

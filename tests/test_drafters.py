@@ -8,7 +8,7 @@ import pytest
 from mlx.utils import tree_map
 
 from akunu.decode import prefill
-from akunu.drafter import NGramDrafter
+from akunu.drafter import Draft, NGramDrafter
 from akunu.drafters import DEFAULT_SPEC, HybridDrafter, LookupDrafter, make_drafter
 from akunu.drafters.draft_model import check_same_vocabulary, model_drafter
 from akunu.drafters.layer_skip import layer_skip_drafter
@@ -27,6 +27,12 @@ def perturbed(model_fn, seed, noise):
     model.update(tree_map(lambda p: p + noise * mx.random.normal(p.shape), model.parameters()))
     mx.eval(model.parameters())
     return model
+
+
+def free(drafter):
+    """The drafter with its cost ignored, so a hybrid always asks it (these tests are about exactness)."""
+    drafter.cost_per_token = 0.0
+    return drafter
 
 
 def run(model, prompt, spec=SpecConfig(draft_tokens=4), max_tokens=30, drafter=None):
@@ -51,7 +57,7 @@ DRAFTERS = {
     "model-close": lambda target, fn: model_drafter(perturbed(fn, 1, 0.02)),
     "model-unrelated": lambda target, fn: model_drafter(fn(seed=9)),
     "layer-skip": lambda target, fn: layer_skip_drafter(target, 1),
-    "hybrid-layer-skip": lambda target, fn: HybridDrafter(NGramDrafter(), layer_skip_drafter(target, 1)),
+    "hybrid-layer-skip": lambda target, fn: HybridDrafter(NGramDrafter(), free(layer_skip_drafter(target, 1))),
     "hybrid-model": lambda target, fn: HybridDrafter(NGramDrafter(), model_drafter(perturbed(fn, 1, 0.02))),
 }
 
@@ -187,3 +193,45 @@ def test_model_drafters_say_what_a_draft_token_costs():
     assert 0 < model_drafter(small, target=target).cost_per_token < 1
     assert model_drafter(target, target=target).cost_per_token == 1
     assert model_drafter(small).cost_per_token == 0  # no target to compare with
+
+
+class Scripted:
+    """A fallback that always drafts `tokens` and costs `cost_per_token` passes per token."""
+
+    def __init__(self, tokens, cost_per_token):
+        self.tokens, self.cost_per_token, self.asked = tokens, cost_per_token, 0
+
+    def start(self, context):
+        pass
+
+    def update(self, tokens):
+        pass
+
+    def draft(self, n):
+        self.asked += 1
+        return Draft(self.tokens[:n])
+
+
+def drafted_per_round(fallback, truth, rounds=30):
+    """Run a hybrid whose first drafter never speaks against a text that is always `truth`."""
+    hybrid, lengths = HybridDrafter(Scripted([], 0.0), fallback), []
+    hybrid.start([1, 2, 3])
+    for _ in range(rounds):
+        draft = hybrid.draft(4).tokens
+        accepted = next((i for i, (d, t) in enumerate(zip(draft, truth)) if d != t), len(draft))
+        hybrid.update(truth[: accepted + 1])
+        lengths.append(len(draft))
+    return lengths
+
+
+def test_a_costly_fallback_drafts_only_as_far_as_its_acceptance_pays():
+    right, wrong = [9, 9, 9, 9], [8, 8, 8, 8]
+    assert drafted_per_round(Scripted(right, 0.0), [9] * 5) == [4] * 30  # free: asked every round
+    assert drafted_per_round(Scripted(wrong, 0.0), [9] * 5) == [4] * 30
+    lengths = drafted_per_round(Scripted(right, 0.05), [9] * 5)
+    assert lengths[-10:] == [4] * 10  # cheap and always right: drafts the most it may
+    wrong_costly = Scripted(wrong, 0.3)
+    lengths = drafted_per_round(wrong_costly, [9] * 5)
+    assert max(lengths) == 1 and wrong_costly.asked <= 30 // 4  # costly and wrong: retried now and then
+    too_costly = Scripted(right, 2.0)
+    assert drafted_per_round(too_costly, [9] * 5) == [0] * 30 and too_costly.asked == 0

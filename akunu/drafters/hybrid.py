@@ -5,13 +5,19 @@ n-gram tables (short contexts, speak more often). `hybrid:SPEC` puts the n-gram 
 model-based drafter (a draft model or the layer-skip self-drafter), which covers novel text
 where the tables have nothing to offer. Both learn every committed token, so either is ready
 when its turn comes.
+
+A fallback that runs a model costs time per drafted token, which the tables do not, so it gets
+its own draft-length policy: it drafts only as far as its own recent acceptance pays for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from akunu.draft_length import DraftLength
 from akunu.drafter import Draft, Drafter
+
+MAX_FALLBACK_DRAFT = 15  # the engine's own ceiling still applies; this only bounds the policy
 
 
 class HybridDrafter:
@@ -19,12 +25,20 @@ class HybridDrafter:
         self.first = first
         self.fallback = fallback
         self.fallback_rounds = 0  # rounds the fallback drafted, for statistics
+        cost = getattr(fallback, "cost_per_token", 0.0)
+        self.fallback_length = DraftLength(MAX_FALLBACK_DRAFT, draft_cost=cost) if cost else None
+        self.fallback_draft: list[int] | None = None  # its last draft, until the round's outcome is known
 
     def start(self, context: Sequence[int]) -> None:
         self.first.start(context)
         self.fallback.start(context)
+        self.fallback_draft = None
 
     def update(self, tokens: Sequence[int]) -> None:
+        if self.fallback_draft is not None:  # tokens = the accepted drafts, then the pass's own token
+            accepted = _common_prefix(self.fallback_draft, tokens[:-1])
+            self.fallback_length.observe(len(self.fallback_draft), accepted)
+            self.fallback_draft = None
         self.first.update(tokens)
         self.fallback.update(tokens)
 
@@ -32,11 +46,23 @@ class HybridDrafter:
         draft = self.first.draft(n)
         if draft:
             return draft
+        if self.fallback_length is not None:
+            n = min(n, self.fallback_length.choose())
+            if not n:
+                self.fallback_length.observe(0, 0)  # a round without it: old evidence fades, so it is retried
+                return Draft([])
         self.fallback_rounds += 1
-        return self.fallback.draft(n)
+        draft = self.fallback.draft(n)
+        if self.fallback_length is not None and draft:
+            self.fallback_draft = list(draft.tokens)
+        return draft
 
     def save(self) -> None:
         """Write what a part keeps across runs (the persistent n-gram cache)."""
         for part in (self.first, self.fallback):
             if hasattr(part, "save"):
                 part.save()
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

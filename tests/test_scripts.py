@@ -1,0 +1,43 @@
+"""The measurement scripts BENCHMARKS.md tells people to run still run, on a tiny budget."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.real_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_script(*args: str, cwd: Path = ROOT) -> str:
+    done = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_measure_dtype_reports_both_loops(model_home):
+    line = run_script("scripts/measure_dtype.py", "--tokens", "4", "--rounds", "1", "--dtype", "float32")
+    record = json.loads(line.splitlines()[-1])
+    assert record["dtype"] == "float32" and record["akunu_tok_per_s"] > 0 and record["mlx-lm_tok_per_s"] > 0
+
+
+def test_measure_ngram_cache_reports_both_drafters(model_home):
+    out = run_script("scripts/measure_ngram_cache.py", "--categories", "chat", "--limit", "2", "--max-tokens", "6")
+    rows = [line.split() for line in out.splitlines()[1:]]
+    assert [row[:2] for row in rows] == [["chat", "ngram"], ["chat", "ngram-cache"]]
+    assert all(row[-1] == "yes" for row in rows)  # both keep the plain greedy output
+
+
+def test_copy_bound_reads_a_bench_record(model_home, tmp_path):
+    record = tmp_path / "bench.json"
+    subprocess.run(
+        [sys.executable, "-m", "akunu", "bench", "--categories", "code-edit", "--limit", "1", "--max-tokens", "12", "--no-mlx-lm", "--json", str(record)],
+        cwd=ROOT, capture_output=True, check=True, timeout=600,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in run_script("scripts/copy_bound.py", str(record)).splitlines()]
+    assert [row["category"] for row in rows] == ["code-edit"]
+    row = rows[0]
+    assert 0 <= row["copied"] <= 1 and 1 <= row["bound"] <= 5 and 1 <= row["lookup+ngram"] <= 5
