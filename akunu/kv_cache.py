@@ -34,6 +34,11 @@ def rewind(cache: list, n: int) -> None:
             c.trim(n)
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def cache_length(cache: list) -> int:
     return min(c.offset for c in cache) if cache else 0
 
@@ -52,10 +57,7 @@ class PromptCache:
 
     def reuse(self, prompt: Sequence[int]) -> list[int]:
         """Trim the cache to its longest prefix shared with `prompt`; return the tokens left to feed."""
-        shared = 0
-        limit = min(len(self.tokens), len(prompt), cache_length(self.cache), len(prompt) - 1)
-        while shared < limit and self.tokens[shared] == prompt[shared]:
-            shared += 1
+        shared = common_prefix(self.tokens[: cache_length(self.cache)], prompt[:-1])  # the last token is always fed
         for c in self.cache:  # per layer: an interrupt may have left layers at different offsets
             c.trim(c.offset - shared)
         self.tokens = list(prompt)

@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 from akunu.decode import prefill
 from akunu.drafter import Draft
 from akunu.errors import OptionsError
-from akunu.kv_cache import make_cache, rewind
+from akunu.kv_cache import common_prefix, make_cache, rewind
 from akunu.sampling import SamplingParams, target_logprobs
 
 Forward = Callable[..., mx.array]  # forward(tokens (1, L) uint32, cache=...) -> logits (1, L, V)
@@ -44,17 +44,11 @@ class ModelDrafter:
     def start(self, context: Sequence[int]) -> None:
         # Keep the cached prefix this context shares with the last one (a chat's earlier turns).
         self._trim_to(self.fed)  # drafts of an interrupted round
-        shared = 0
-        limit = min(self.fed, len(context) - 1)
-        while shared < limit and self.sequence[shared] == context[shared]:
-            shared += 1
-        self._trim_to(shared)
+        self._trim_to(common_prefix(self.sequence[: self.fed], context[:-1]))
         self.sequence = list(context)
 
     def update(self, tokens: Sequence[int]) -> None:
-        kept = 0
-        while kept < min(len(self.pending), len(tokens)) and self.pending[kept] == tokens[kept]:
-            kept += 1
+        kept = common_prefix(self.pending, tokens)
         rewind(self.cache, len(self.pending) - kept)  # drop the drafts the target rejected
         self.fed += kept
         self.pending = []

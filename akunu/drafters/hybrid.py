@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from akunu.draft_length import DraftLength
 from akunu.drafter import Draft, Drafter
+from akunu.kv_cache import common_prefix
 
 MAX_FALLBACK_DRAFT = 15  # the engine's own ceiling still applies; this only bounds the policy
 
@@ -36,7 +37,7 @@ class HybridDrafter:
 
     def update(self, tokens: Sequence[int]) -> None:
         if self.fallback_draft is not None:  # tokens = the accepted drafts, then the pass's own token
-            accepted = _common_prefix(self.fallback_draft, tokens[:-1])
+            accepted = common_prefix(self.fallback_draft, tokens[:-1])
             self.fallback_length.observe(len(self.fallback_draft), accepted)
             self.fallback_draft = None
         self.first.update(tokens)
@@ -62,7 +63,3 @@ class HybridDrafter:
         for part in (self.first, self.fallback):
             if hasattr(part, "save"):
                 part.save()
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
