@@ -20,3 +20,43 @@ def isolated_home(tmp_path, monkeypatch) -> Path:
     """An empty AKUNU_HOME, so a test never touches the user's state."""
     monkeypatch.setenv("AKUNU_HOME", str(tmp_path / "akunu-home"))
     return tmp_path / "akunu-home"
+
+
+@pytest.fixture
+def fake_engine(monkeypatch, isolated_home):
+    """The tiny model behind the CLI, and every engine call the CLI makes, recorded.
+
+    `akunu.models.load_model` returns `calls.loaded` (a test may replace it first); the real
+    `stream_generate` still runs; the cost curve is FAKE_COSTS.
+    """
+    # Imported here, so that a run of tests that need no model never loads MLX.
+    import akunu.cost_curve
+    import akunu.generate
+    import akunu.models
+    from tests.fakes import FAKE_COSTS, EngineCalls, make_loaded
+
+    calls = EngineCalls(loaded=make_loaded())
+    real_stream_generate = akunu.generate.stream_generate
+
+    def load_model(spec, *, dtype="auto", progress=None):
+        calls.loads.append({"spec": spec, "dtype": dtype, "progress": progress})
+        return calls.loaded
+
+    def stream_generate(model, tokenizer, prompt, config, **kwargs):
+        tokens: list[int] = []
+        calls.streams.append({"model": model, "prompt": list(prompt), "config": config, "tokens": tokens, **kwargs})
+        for response in real_stream_generate(model, tokenizer, prompt, config, **kwargs):
+            if response.token is None:
+                calls.finals.append(response)
+            else:
+                tokens.append(response.token)
+            yield response
+
+    def cached_cost_curve(model, key, directory, max_width=9):
+        calls.cost_curves.append({"model": model, "key": key, "directory": directory, "max_width": max_width})
+        return list(FAKE_COSTS)
+
+    monkeypatch.setattr(akunu.models, "load_model", load_model)
+    monkeypatch.setattr(akunu.generate, "stream_generate", stream_generate)
+    monkeypatch.setattr(akunu.cost_curve, "cached", cached_cost_curve)
+    return calls

@@ -1,9 +1,15 @@
-"""Goodness-of-fit helpers for the distribution tests (no scipy needed)."""
+"""For the distribution tests: goodness of fit (no scipy needed), exact sequence probabilities
+of a model, and a deliberately wrong verification rule the tests must catch."""
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+
+import mlx.core as mx
+
+from akunu.sampling import SamplingParams, target_logprobs
+from akunu.verify import Verdict, verify_sampled
 
 
 def chi_square_critical(df: int, z: float = 3.719) -> float:
@@ -35,3 +41,32 @@ def fits(observed: Counter, expected_probs: dict, n: int) -> tuple[bool, float, 
     stat, df = chi_square_gof(observed, expected_probs, n)
     critical = chi_square_critical(df)
     return stat < critical, stat, critical
+
+
+# Exact probabilities of the engine's sampled generation on a tiny model.
+
+PROMPT = list(range(8)) * 2 + [0, 1]  # every token has a seen continuation, so each round drafts
+SETTINGS = [
+    SamplingParams(temp=1.0),
+    SamplingParams(temp=0.7, top_k=5, top_p=0.9, min_p=0.05),
+]
+
+
+def exact_model_probs(model, params: SamplingParams, length: int = 3, prompt: list[int] = PROMPT) -> dict:
+    """P(t1..tL | prompt) under the processed target distribution, by enumeration."""
+    vocab = model.args.vocab_size
+    probs = {(): 1.0}
+    for _ in range(length):
+        prefixes = list(probs)
+        batch = mx.array([prompt + list(p) for p in prefixes])
+        step = mx.exp(target_logprobs(model(batch)[:, -1], params)).tolist()
+        probs = {p + (t,): probs[p] * step[i][t] for i, p in enumerate(prefixes) for t in range(vocab) if step[i][t] > 0}
+    return probs
+
+
+def resample_from_p_on_rejection(target_logprobs, draft, draft_probs=None):
+    """Broken: on rejection draws from p instead of max(p - q, 0), over-weighting the draft."""
+    v = verify_sampled(target_logprobs, draft, draft_probs)
+    if v.accepted < len(draft):
+        return Verdict(v.accepted, mx.random.categorical(target_logprobs[v.accepted]).item())
+    return v

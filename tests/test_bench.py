@@ -14,7 +14,6 @@ from akunu.bench import (
     SPEC_FIXED,
     BenchResult,
     Measurement,
-    Prompt,
     Run,
     median_of_ratios,
     method_order,
@@ -24,42 +23,7 @@ from akunu.bench import (
 from akunu.bench.report import result_record
 from akunu.bench.runner import first_difference
 from akunu.bench.summary import OVERALL, accepted_length_histogram, per_prompt_ratios
-
-
-def make_run(tps: float, tokens: list[int] | None = None, **spec) -> Run:
-    """A run of `tokens` (default 11) whose decode takes exactly (n - 1) / tps seconds."""
-    tokens = tokens if tokens is not None else list(range(11))
-    return Run(tokens, prompt_tokens=50, prefill_seconds=0.5, decode_seconds=(len(tokens) - 1) / tps, **spec)
-
-
-class FakeEngine:
-    """Decode speed per (prompt, method) from a table; records every call in order."""
-
-    def __init__(self, speeds: dict[tuple[str, str], float] | None = None, tokens=None, default_tps: float = 10.0):
-        self.speeds = speeds or {}
-        self.tokens = tokens or {}  # (prompt id, method) -> token list; default: the same for all
-        self.default_tps = default_tps
-        self.calls: list[tuple[str, str]] = []
-        self.ids: dict[tuple[int, ...], str] = {}
-
-    def encode(self, prompt: Prompt) -> list[int]:
-        ids = [ord(c) for c in prompt.id]
-        self.ids[tuple(ids)] = prompt.id
-        return ids
-
-    def run(self, method: str, prompt_ids: list[int]) -> Run:
-        prompt_id = self.ids[tuple(prompt_ids)]
-        self.calls.append((prompt_id, method))
-        tps = self.speeds.get((prompt_id, method), self.default_tps)
-        spec = {"forward_passes": 5, "drafted": 8, "accepted": 6, "accepted_lengths": {0: 1, 2: 3}, "drafting_seconds": 0.01}
-        spec = spec if method in (SPEC, SPEC_FIXED) else {}
-        if method == PLAIN:
-            spec = {"forward_passes": 10}
-        return make_run(tps, self.tokens.get((prompt_id, method)), **spec)
-
-
-def prompts(*ids: str, category: str = "code-edit") -> list[Prompt]:
-    return [Prompt(i, category, f"text of {i}") for i in ids]
+from tests.fakes import FakeEngine, make_run, prompts
 
 
 # Order -----------------------------------------------------------------------------------

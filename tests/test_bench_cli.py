@@ -1,4 +1,4 @@
-"""`akunu bench` through CliRunner, on the tiny random model of tests/test_cli_fakes.py."""
+"""`akunu bench` through CliRunner, on the tiny random model of the `fake_engine` fixture."""
 
 from __future__ import annotations
 
@@ -7,23 +7,14 @@ import json
 import re
 
 import pytest
-from typer.testing import CliRunner
 
 import akunu.cost_curve
 from akunu.cost_curve import curve_key, curve_path, default_dir, save
 from akunu.bench.engine import ModelEngine
 from akunu.cli import runtime
-from akunu.cli.app import app
-from tests.test_cli_fakes import FAKE_COSTS, fake_engine  # noqa: F401  (fixture)
+from tests.fakes import ANSI, FAKE_COSTS, invoke
 
-runner = CliRunner()
 real_cached = akunu.cost_curve.cached  # the fake engine replaces it
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def invoke(*args):
-    result = runner.invoke(app, ["bench", *args])
-    return result, ANSI.sub("", result.output)
 
 
 @pytest.fixture
@@ -41,7 +32,8 @@ def workload(tmp_path):
 
 def test_bench_prints_the_table_and_writes_every_measurement(fake_engine, workload, tmp_path):
     out = tmp_path / "bench.json"
-    result, text = invoke("--workload", str(workload), "--max-tokens", "12", "--repeats", "2", "--json", str(out))
+    result = invoke("bench", "--workload", str(workload), "--max-tokens", "12", "--repeats", "2", "--json", str(out))
+    text = ANSI.sub("", result.output)
     assert result.exit_code == 0, text
     assert "smollm2" not in text and "model tiny" in text
     for column in ("plain tok/s", "spec tok/s", "speedup", "accept", "tok/pass", "fixed-draft speedup", "mismatches"):
@@ -64,7 +56,8 @@ def test_bench_prints_the_table_and_writes_every_measurement(fake_engine, worklo
 
 
 def test_length_policy_reaches_the_adaptive_run_only(fake_engine, workload):
-    result, text = invoke("--workload", str(workload), "--limit", "1", "-c", "open", "--max-tokens", "4", "--length-policy", "entropy")
+    result = invoke("bench", "--workload", str(workload), "--limit", "1", "-c", "open", "--max-tokens", "4", "--length-policy", "entropy")
+    text = ANSI.sub("", result.output)
     assert result.exit_code == 0, text
     policies = {(s["config"].spec.adaptive, s["config"].spec.length_policy) for s in fake_engine.streams if s["config"].spec.enabled}
     assert policies == {(True, "entropy"), (False, "entropy")}  # the fixed run ignores the policy
@@ -72,7 +65,8 @@ def test_length_policy_reaches_the_adaptive_run_only(fake_engine, workload):
 
 
 def test_bench_uses_the_cli_cost_curve_key(fake_engine, workload):
-    result, text = invoke("--workload", str(workload), "--limit", "1", "--categories", "open", "--max-tokens", "4")
+    result = invoke("bench", "--workload", str(workload), "--limit", "1", "--categories", "open", "--max-tokens", "4")
+    text = ANSI.sub("", result.output)
     assert result.exit_code == 0, text
     runtime.cost_curve(fake_engine.loaded, 4)  # what `akunu generate` asks the cache for
     bench_call, generate_call = fake_engine.cost_curves
@@ -82,7 +76,8 @@ def test_bench_uses_the_cli_cost_curve_key(fake_engine, workload):
 
 
 def test_categories_limit_and_per_prompt(fake_engine, workload):
-    result, text = invoke("--workload", str(workload), "-c", "copy,open", "--limit", "1", "--max-tokens", "4", "--per-prompt")
+    result = invoke("bench", "--workload", str(workload), "-c", "copy,open", "--limit", "1", "--max-tokens", "4", "--per-prompt")
+    text = ANSI.sub("", result.output)
     assert result.exit_code == 0, text
     assert "copy-a" in text and "open-a" in text and "copy-b" not in text
 
@@ -97,13 +92,15 @@ def test_a_mismatch_is_loud_and_fails_the_command(fake_engine, workload, monkeyp
         return run
 
     monkeypatch.setattr(ModelEngine, "run", corrupt_speculation)
-    result, text = invoke("--workload", str(workload), "--limit", "1", "-c", "copy", "--max-tokens", "6")
+    result = invoke("bench", "--workload", str(workload), "--limit", "1", "-c", "copy", "--max-tokens", "6")
+    text = ANSI.sub("", result.output)
     assert result.exit_code == 1
     assert "MISMATCH" in text and "1 GREEDY MISMATCH" in text and "at token 2" in text
 
 
 def test_sampling_skips_the_token_check(fake_engine, workload):
-    result, text = invoke("--workload", str(workload), "--limit", "1", "-c", "open", "--max-tokens", "4", "--temp", "0.8", "--seed", "3")
+    result = invoke("bench", "--workload", str(workload), "--limit", "1", "-c", "open", "--max-tokens", "4", "--temp", "0.8", "--seed", "3")
+    text = ANSI.sub("", result.output)
     assert result.exit_code == 0, text
     assert "tokens not compared" in text
     assert {s["config"].sampling.temp for s in fake_engine.streams} == {0.8}
@@ -117,7 +114,8 @@ def test_sampling_skips_the_token_check(fake_engine, workload):
     ],
 )
 def test_workload_errors_come_before_loading_the_model(fake_engine, args, message):
-    result, text = invoke(*args)
+    result = invoke("bench", *args)
+    text = ANSI.sub("", result.output)
     assert result.exit_code == 2 and message in text and "Traceback" not in text
     assert fake_engine.loads == []
 
@@ -125,7 +123,8 @@ def test_workload_errors_come_before_loading_the_model(fake_engine, args, messag
 def test_a_bad_workload_line_is_named(fake_engine, tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"category": "a", "prompt": "b"}\n{"category": "a"}\n')
-    result, text = invoke("--workload", str(path))
+    result = invoke("bench", "--workload", str(path))
+    text = ANSI.sub("", result.output)
     assert result.exit_code == 2
     assert f"{path}:2: missing 'prompt'" in text.replace("\n", "")
 
@@ -139,7 +138,8 @@ def test_plot_without_matplotlib_fails_before_the_run(fake_engine, workload, mon
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
-    result, text = invoke("--workload", str(workload), "--plot", str(tmp_path / "b.png"))
+    result = invoke("bench", "--workload", str(workload), "--plot", str(tmp_path / "b.png"))
+    text = ANSI.sub("", result.output)
     assert result.exit_code == 2 and "pip install 'akunu[plot]'" in text
     assert fake_engine.loads == []
 
@@ -147,7 +147,8 @@ def test_plot_without_matplotlib_fails_before_the_run(fake_engine, workload, mon
 def test_plot_draws_a_png(fake_engine, workload, tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "bench.png"
-    result, text = invoke("--workload", str(workload), "--max-tokens", "6", "--plot", str(png))
+    result = invoke("bench", "--workload", str(workload), "--max-tokens", "6", "--plot", str(png))
+    text = ANSI.sub("", result.output)
     assert result.exit_code == 0, text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -155,7 +156,8 @@ def test_plot_draws_a_png(fake_engine, workload, tmp_path):
 def test_cost_curve_is_measured_shown_and_stored_where_adaptive_drafting_reads_it(fake_engine, monkeypatch):
     seconds = [0.05 + 0.005 * k for k in range(16)]
     monkeypatch.setattr(akunu.cost_curve, "measure", lambda model, max_width=16, sweeps=7: list(seconds))
-    result, text = invoke("--cost-curve")
+    result = invoke("bench", "--cost-curve")
+    text = ANSI.sub("", result.output)
     assert result.exit_code == 0, text
     assert re.search(r"│\s+1 │\s+50\.0 │\s+1\.00 │\s+50\.0 │", text)
     assert re.search(r"│\s+16 │\s+125\.0 │\s+2\.50 │\s+7\.8 │", text)

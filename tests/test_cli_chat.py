@@ -6,23 +6,20 @@ import re
 
 import pytest
 from rich.console import Console
-from typer.testing import CliRunner
 
 import akunu.generate
 from akunu.cli import runtime
-from akunu.cli.app import app
 from akunu.cli.chat_view import ChatView
 from akunu.generate import GenerationConfig, SpecConfig
 from akunu.sampling import SamplingParams
-from tests.test_cli_fakes import FAKE_COSTS, fake_engine, make_loaded  # noqa: F401  (fixture)
+from tests.fakes import FAKE_COSTS, invoke, make_loaded
 from tests.tiny import tiny_llama
 
-runner = CliRunner()
 REAL_STREAM_GENERATE = akunu.generate.stream_generate  # taken before any test replaces it
 
 
 def chat(*args, input: str):
-    result = runner.invoke(app, ["chat", *args], input=input)
+    result = invoke("chat", *args, input=input)
     assert result.exit_code == 0, result.output
     return result
 
@@ -178,10 +175,10 @@ def test_slash_save_writes_the_file(fake_engine, tmp_path):
 def test_a_bad_conversation_file_is_one_line(fake_engine, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"messages": [{"role": "wizard", "content": 3}]}')
-    result = runner.invoke(app, ["chat", "--load", str(bad)], input="")
+    result = invoke("chat", "--load", str(bad), input="")
     assert result.exit_code == 1
     assert result.stderr == f"error: {bad} is not a conversation: expected a list of {{'role', 'content'}} messages\n"
-    missing = runner.invoke(app, ["chat", "--load", str(tmp_path / "none.json")], input="")
+    missing = invoke("chat", "--load", str(tmp_path / "none.json"), input="")
     assert missing.stderr == f"error: cannot read the conversation {tmp_path / 'none.json'}: No such file or directory\n"
     assert fake_engine.loads == []  # the file is checked before the model loads
 

@@ -4,22 +4,13 @@ import json
 import re
 
 import pytest
-from typer.testing import CliRunner
 
 import akunu.generate
-from akunu.cli.app import app
 from akunu.errors import ModelError
 from akunu.generate import GenerationConfig, SpecConfig
 from akunu.sampling import SamplingParams
-from tests.test_cli_fakes import FAKE_COSTS, fake_engine, make_loaded  # noqa: F401  (fixture)
+from tests.fakes import ANSI, FAKE_COSTS, invoke, make_loaded
 from tests.tiny import tiny_llama
-
-runner = CliRunner()
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def invoke(*args, input=None, env=None):
-    return runner.invoke(app, ["generate", *args], input=input, env=env)
 
 
 def chat_prompt(loaded, text, system=None):
@@ -30,7 +21,7 @@ def chat_prompt(loaded, text, system=None):
 
 def test_every_option_reaches_the_engine(fake_engine):
     result = invoke(
-        "hello there", "--model", "tiny-model", "--dtype", "quantized", "--system", "be brief",
+        "generate", "hello there", "--model", "tiny-model", "--dtype", "quantized", "--system", "be brief",
         "--max-tokens", "9", "--temp", "0.7", "--top-k", "5", "--top-p", "0.9", "--min-p", "0.05", "--seed", "7",
         "--stop", "zz", "--stop", "a\\nb", "--no-spec", "--draft-tokens", "3",
     )  # fmt: skip
@@ -49,7 +40,7 @@ def test_every_option_reaches_the_engine(fake_engine):
 
 
 def test_defaults_reach_the_engine_with_the_measured_cost_curve(fake_engine):
-    result = invoke("hello")
+    result = invoke("generate", "hello")
     assert result.exit_code == 0, result.output
     assert [(c["spec"], c["dtype"]) for c in fake_engine.loads] == [("smollm2-135m", "auto")]
     (call,) = fake_engine.streams
@@ -62,7 +53,7 @@ def test_defaults_reach_the_engine_with_the_measured_cost_curve(fake_engine):
 
 
 def test_draft_tokens_reaches_the_engine_with_spec_on(fake_engine):
-    assert invoke("hello", "--draft-tokens", "7", "--spec").exit_code == 0
+    assert invoke("generate", "hello", "--draft-tokens", "7", "--spec").exit_code == 0
     assert fake_engine.config.spec == SpecConfig(enabled=True, draft_tokens=7)
     assert fake_engine.cost_curves[0]["max_width"] == 8  # the curve covers a pass of 7 drafts + 1
 
@@ -71,13 +62,13 @@ def test_draft_tokens_reaches_the_engine_with_spec_on(fake_engine):
     "choice, adaptive, policy", [("adaptive", True, "acceptance"), ("entropy", True, "entropy"), ("fixed", False, "acceptance")]
 )
 def test_draft_length_policy_reaches_the_engine(fake_engine, choice, adaptive, policy):
-    assert invoke("hello", "--draft-length", choice).exit_code == 0
+    assert invoke("generate", "hello", "--draft-length", choice).exit_code == 0
     assert fake_engine.config.spec == SpecConfig(enabled=True, adaptive=adaptive, length_policy=policy)
 
 
 def test_text_goes_to_stdout_and_stats_to_stderr(fake_engine):
-    text = json_of(invoke("hello", "--max-tokens", "12", "--json"))["text"]
-    result = invoke("hello", "--max-tokens", "12")
+    text = json_of(invoke("generate", "hello", "--max-tokens", "12", "--json"))["text"]
+    result = invoke("generate", "hello", "--max-tokens", "12")
     assert result.exit_code == 0
     assert result.stdout == with_newline(text)
     assert fake_engine.finals[-1].stats.generated_tokens == 12
@@ -86,7 +77,7 @@ def test_text_goes_to_stdout_and_stats_to_stderr(fake_engine):
 
 
 def test_json_prints_nothing_else(fake_engine):
-    result = invoke("abc", "--json", "--max-tokens", "3")
+    result = invoke("generate", "abc", "--json", "--max-tokens", "3")
     assert result.stderr == ""
     assert result.stdout.count("\n") == 1 and json.loads(result.stdout)["generated_tokens"] == 3
 
@@ -102,7 +93,7 @@ def json_of(result) -> dict:
 
 def test_json_is_one_object_whose_numbers_are_the_engines(fake_engine):
     fake_engine.loaded = make_loaded(model=tiny_llama(vocab=64, seed=3, sharpness=4.0, attention=0.0))
-    data = json_of(invoke("abcabcabcabc", "--max-tokens", "40", "--json"))
+    data = json_of(invoke("generate", "abcabcabcabc", "--max-tokens", "40", "--json"))
     stats = fake_engine.finals[-1].stats
     numbers = stats.to_dict()
     for key in (
@@ -132,13 +123,13 @@ def test_json_is_one_object_whose_numbers_are_the_engines(fake_engine):
 
 
 def test_raw_sends_the_prompt_verbatim(fake_engine):
-    assert invoke("QuserQhi\nQassistantQ", "--raw").exit_code == 0
+    assert invoke("generate", "QuserQhi\nQassistantQ", "--raw").exit_code == 0
     assert fake_engine.streams[-1]["prompt"] == fake_engine.loaded.tokenizer.encode("QuserQhi\nQassistantQ")
 
 
 def test_a_model_without_chat_template_gets_raw_text_and_one_note(fake_engine):
     fake_engine.loaded = make_loaded(template=False)
-    result = invoke("hello", "--system", "be brief")
+    result = invoke("generate", "hello", "--system", "be brief")
     assert result.exit_code == 0
     assert fake_engine.streams[-1]["prompt"] == fake_engine.loaded.tokenizer.encode("be brief\n\nhello")
     assert result.stderr.count("note: this model has no chat template; the prompt is sent as raw text") == 1
@@ -146,21 +137,21 @@ def test_a_model_without_chat_template_gets_raw_text_and_one_note(fake_engine):
 
 @pytest.mark.parametrize("args", [[], ["-"]], ids=["no-argument", "dash"])
 def test_prompt_from_stdin(fake_engine, args):
-    assert invoke(*args, input="from stdin\n").exit_code == 0
+    assert invoke("generate", *args, input="from stdin\n").exit_code == 0
     assert fake_engine.streams[-1]["prompt"] == chat_prompt(fake_engine.loaded, "from stdin\n")
 
 
 def test_prompt_from_file(fake_engine, tmp_path):
     path = tmp_path / "prompt.txt"
     path.write_text("from a file")
-    assert invoke("--prompt-file", str(path)).exit_code == 0
+    assert invoke("generate", "--prompt-file", str(path)).exit_code == 0
     assert fake_engine.streams[-1]["prompt"] == chat_prompt(fake_engine.loaded, "from a file")
 
 
 def test_verbose_tints_accepted_drafts_and_prints_every_statistic(fake_engine):
     fake_engine.loaded = make_loaded(model=tiny_llama(vocab=64, seed=3, sharpness=4.0, attention=0.0))
-    plain = json_of(invoke("abcabcabcabc", "--max-tokens", "40", "--json"))
-    result = invoke("abcabcabcabc", "--max-tokens", "40", "--verbose", env={"FORCE_COLOR": "1", "COLUMNS": "200"})
+    plain = json_of(invoke("generate", "abcabcabcabc", "--max-tokens", "40", "--json"))
+    result = invoke("generate", "abcabcabcabc", "--max-tokens", "40", "--verbose", env={"FORCE_COLOR": "1", "COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "\x1b[30;42m" in result.stdout  # black on green: accepted draft tokens
     assert ANSI.sub("", result.stdout) == with_newline(plain["text"])
@@ -171,7 +162,7 @@ def test_verbose_tints_accepted_drafts_and_prints_every_statistic(fake_engine):
 
 
 def test_ctrl_c_keeps_what_was_generated_and_exits_130(fake_engine, monkeypatch):
-    full = json_of(invoke("hello", "--max-tokens", "20", "--json"))["text"]
+    full = json_of(invoke("generate", "hello", "--max-tokens", "20", "--json"))["text"]
     real = akunu.generate.stream_generate
 
     def interrupted(*args, **kwargs):
@@ -181,11 +172,11 @@ def test_ctrl_c_keeps_what_was_generated_and_exits_130(fake_engine, monkeypatch)
             yield response
 
     monkeypatch.setattr(akunu.generate, "stream_generate", interrupted)
-    result = invoke("hello", "--max-tokens", "20")
+    result = invoke("generate", "hello", "--max-tokens", "20")
     assert result.exit_code == 130
     assert result.stdout == with_newline(full[:5])
     assert result.stderr.strip().endswith("· interrupted")
-    cut = json.loads(invoke("hello", "--max-tokens", "20", "--json").stdout)
+    cut = json.loads(invoke("generate", "hello", "--max-tokens", "20", "--json").stdout)
     assert (cut["text"], cut["finish_reason"]) == (full[:5], "interrupted")
 
 
@@ -208,40 +199,40 @@ def one_error_line(result, code: int, message: str) -> None:
     ],
 )
 def test_user_mistakes_are_one_line(fake_engine, args, code, message):
-    one_error_line(invoke(*args, input=""), code, message)
+    one_error_line(invoke("generate", *args, input=""), code, message)
 
 
 def test_usage_errors_are_one_line(fake_engine):
-    result = invoke("hi", "--temp", "-1")
+    result = invoke("generate", "hi", "--temp", "-1")
     assert result.exit_code == 2
     assert result.stderr.startswith("error: Invalid value for '--temp'") and result.stderr.count("\n") == 1
     assert result.stderr.rstrip().endswith("(see 'akunu generate --help')")
-    assert invoke("hi", "--no-such-option").stderr.startswith("error: No such option: --no-such-option")
+    assert invoke("generate", "hi", "--no-such-option").stderr.startswith("error: No such option: --no-such-option")
     assert fake_engine.loads == []
 
 
 def test_a_prompt_longer_than_the_context_is_one_line(fake_engine):
     fake_engine.loaded = make_loaded(context_length=16)
-    one_error_line(invoke("x" * 40, "--raw"), 1, "the prompt has 40 tokens but the model's context is 16")
+    one_error_line(invoke("generate", "x" * 40, "--raw"), 1, "the prompt has 40 tokens but the model's context is 16")
 
 
 def test_unknown_model_name_suggests_close_ones(isolated_home):
-    result = invoke("hi", "--model", "smollm2-13m")
+    result = invoke("generate", "hi", "--model", "smollm2-13m")
     assert result.exit_code == 1
     assert result.stderr.startswith("error: unknown model 'smollm2-13m'; did you mean smollm2-135m?")
     assert result.stderr.count("\n") == 1
 
 
 def test_missing_and_corrupt_model_files_are_one_line(isolated_home, tmp_path):
-    one_error_line(invoke("hi", "--model", str(tmp_path / "absent.gguf")), 1, f"no such model file: {tmp_path / 'absent.gguf'}")
+    one_error_line(invoke("generate", "hi", "--model", str(tmp_path / "absent.gguf")), 1, f"no such model file: {tmp_path / 'absent.gguf'}")
     corrupt = tmp_path / "corrupt.gguf"
     corrupt.write_bytes(b"GGUF" + b"\x00" * 50)
-    result = invoke("hi", "--model", str(corrupt))
+    result = invoke("generate", "hi", "--model", str(corrupt))
     assert result.exit_code == 1 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
     assert "Traceback" not in result.output
 
 
 def test_akunu_debug_shows_the_traceback(isolated_home, tmp_path):
-    result = invoke("hi", "--model", str(tmp_path / "absent.gguf"), env={"AKUNU_DEBUG": "1"})
+    result = invoke("generate", "hi", "--model", str(tmp_path / "absent.gguf"), env={"AKUNU_DEBUG": "1"})
     assert isinstance(result.exception, ModelError)
     assert result.stderr == ""

@@ -15,7 +15,8 @@ from akunu.drafters.layer_skip import layer_skip_drafter
 from akunu.errors import OptionsError
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import make_cache
-from tests.tiny import FakeTokenizer, tiny_gemma3, tiny_llama
+from tests.fakes import FakeTokenizer
+from tests.tiny import tiny_gemma3, tiny_llama
 
 TOKENIZER = FakeTokenizer()
 

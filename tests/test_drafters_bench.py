@@ -3,8 +3,8 @@
 from akunu.bench import PLAIN, SPEC, drafter_method, run_benchmark, summarize_drafters
 from akunu.bench.engine import ModelEngine
 from akunu.bench.summary import OVERALL
-from tests.test_bench import FakeEngine, prompts
-from tests.tiny import FakeTokenizer, tiny_llama
+from tests.fakes import ANSI, FakeEngine, FakeTokenizer, invoke, prompts
+from tests.tiny import tiny_llama
 
 SKIP = drafter_method("layer-skip:8")
 
@@ -33,19 +33,13 @@ def test_bench_drafter_option_adds_a_drafter_table(fake_engine, tmp_path):
     import json
     import re
 
-    from typer.testing import CliRunner
-
-    from akunu.cli.app import app
-
     path = tmp_path / "tiny.jsonl"
     path.write_text(json.dumps({"category": "copy", "prompt": "abc abc abc abc abc abc", "id": "copy-a"}) + "\n")
     args = ["bench", "--workload", str(path), "--max-tokens", "12", "--drafter", "layer-skip:1", "--drafter", "tree:6"]
-    result = CliRunner().invoke(app, args)
-    text = re.sub(r"\x1b\[[0-9;]*m", "", result.output)
+    result = invoke(*args)
+    text = ANSI.sub("", result.output)
     assert result.exit_code == 0, text
     assert "drafters (adaptive draft length" in text and "vs default" in text
     assert re.search(r"copy\s+│\s+layer-skip:1 ", text) and re.search(r"overall\s+│\s+tree:6 ", text)
     assert "0 greedy mismatches" in text
 
-
-from tests.test_cli_fakes import fake_engine  # noqa: E402,F401  (fixture)

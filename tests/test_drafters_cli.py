@@ -6,14 +6,13 @@ from akunu.drafter import NGramDrafter
 from akunu.drafters import DEFAULT_SPEC, HybridDrafter, LookupDrafter, ModelDrafter
 from akunu.ngram_cache import CachedNGramDrafter
 from akunu.tree import NGramTreeDrafter
-from tests.test_cli_fakes import fake_engine  # noqa: F401  (fixture)
-from tests.test_cli_generate import invoke
+from tests.fakes import invoke
 
 PROMPT = "abcabcabcabc"
 
 
 def plain_text():
-    result = invoke(PROMPT, "--no-spec", "--max-tokens", "24")
+    result = invoke("generate", PROMPT, "--no-spec", "--max-tokens", "24")
     assert result.exit_code == 0, result.output
     return result.stdout
 
@@ -32,22 +31,22 @@ def plain_text():
 )
 def test_drafter_options_reach_the_engine_and_keep_the_output(fake_engine, options, kind):
     expected = plain_text()
-    result = invoke(PROMPT, "--max-tokens", "24", *options)
+    result = invoke("generate", PROMPT, "--max-tokens", "24", *options)
     assert result.exit_code == 0, result.output
     assert isinstance(fake_engine.streams[-1]["drafter"], kind)
     assert result.stdout == expected
 
 
 def test_the_default_passes_no_drafter(fake_engine):
-    assert invoke(PROMPT).exit_code == 0
-    assert invoke(PROMPT, "--draft", DEFAULT_SPEC).exit_code == 0  # the option's default is the engine's
+    assert invoke("generate", PROMPT).exit_code == 0
+    assert invoke("generate", PROMPT, "--draft", DEFAULT_SPEC).exit_code == 0  # the option's default is the engine's
     assert [stream["drafter"] for stream in fake_engine.streams[-2:]] == [None, None]
 
 
 def test_the_ngram_cache_file_is_written_after_the_run(fake_engine, tmp_path):
     path = tmp_path / "ngrams.cache"
     expected = plain_text()
-    result = invoke(PROMPT, "--max-tokens", "24", "--ngram-cache", str(path))
+    result = invoke("generate", PROMPT, "--max-tokens", "24", "--ngram-cache", str(path))
     assert result.exit_code == 0, result.output
     drafter = fake_engine.streams[-1]["drafter"]  # the default, lookup over the cached n-gram tables
     assert isinstance(drafter, HybridDrafter) and isinstance(drafter.fallback, CachedNGramDrafter)
@@ -64,6 +63,6 @@ def test_the_ngram_cache_file_is_written_after_the_run(fake_engine, tmp_path):
     ],
 )
 def test_conflicting_or_unknown_drafter_options_are_one_line_errors(fake_engine, options, message):
-    result = invoke(PROMPT, *options)
+    result = invoke("generate", PROMPT, *options)
     assert result.exit_code == 2
     assert message in result.output

@@ -17,10 +17,9 @@ from akunu.drafters.draft_model import model_drafter
 from akunu.drafters.layer_skip import layer_skip_drafter
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.ngram_cache import CachedNGramDrafter, NGramCache
-from akunu.sampling import SamplingParams
-from tests.stats_tools import fits
-from tests.test_speculative_sampling import PROMPT, SETTINGS, exact_model_probs, resample_from_p_on_rejection
-from tests.tiny import FakeTokenizer, tiny_llama
+from tests.fakes import FakeTokenizer
+from tests.stats_tools import PROMPT, SETTINGS, exact_model_probs, fits, resample_from_p_on_rejection
+from tests.tiny import tiny_llama
 
 pytestmark = pytest.mark.slow
 RUNS = 2500

@@ -5,7 +5,8 @@ import pytest
 from akunu.errors import OptionsError
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.ngram_cache import CachedNGramDrafter, NGramCache
-from tests.tiny import FakeTokenizer, tiny_llama
+from tests.fakes import FakeTokenizer
+from tests.tiny import tiny_llama
 
 
 def test_counts_predict_the_most_frequent_continuation_of_the_longest_context():

@@ -8,7 +8,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import PromptCache, cache_length, make_cache
-from tests.tiny import FakeTokenizer, tiny_gemma3, tiny_llama
+from tests.fakes import FakeTokenizer
+from tests.tiny import tiny_gemma3, tiny_llama
 
 TOKENIZER = FakeTokenizer()
 

@@ -12,10 +12,10 @@ import pytest
 
 import akunu.decode
 from akunu.generate import GenerationConfig, SpecConfig, generate
-from akunu.sampling import SamplingParams, target_logprobs
 from akunu.verify import Verdict, verify_sampled
-from tests.stats_tools import fits
-from tests.tiny import FakeTokenizer, tiny_llama
+from tests.fakes import FakeTokenizer
+from tests.stats_tools import PROMPT, SETTINGS, exact_model_probs, fits, resample_from_p_on_rejection
+from tests.tiny import tiny_llama
 
 V = 6  # vocabulary of the synthetic chain
 
@@ -70,14 +70,6 @@ def make_sampling_drafter(seed):
     return drafter
 
 
-def resample_from_p_on_rejection(target_logprobs, draft, draft_probs=None):
-    """Broken: on rejection draws from p instead of max(p - q, 0), over-weighting the draft."""
-    v = verify_sampled(target_logprobs, draft, draft_probs)
-    if v.accepted < len(draft):
-        return Verdict(v.accepted, mx.random.categorical(target_logprobs[v.accepted]).item())
-    return v
-
-
 def accept_by_inverted_ratio(target_logprobs, draft, draft_probs=None):
     """Broken: accepts with probability min(1, q/p) instead of min(1, p/q)."""
     n = len(draft)
@@ -115,25 +107,6 @@ def test_the_harness_rejects_a_wrong_acceptance_rule(broken_rule, drafter_kind):
 
 
 # End to end: the engine's sampled generation on a tiny model against exact probabilities.
-
-PROMPT = list(range(8)) * 2 + [0, 1]  # every token has a seen continuation, so each round drafts
-SETTINGS = [
-    SamplingParams(temp=1.0),
-    SamplingParams(temp=0.7, top_k=5, top_p=0.9, min_p=0.05),
-]
-
-
-def exact_model_probs(model, params: SamplingParams, length: int = 3, prompt: list[int] = PROMPT) -> dict:
-    """P(t1..tL | prompt) under the processed target distribution, by enumeration."""
-    vocab = model.args.vocab_size
-    probs = {(): 1.0}
-    for _ in range(length):
-        prefixes = list(probs)
-        batch = mx.array([prompt + list(p) for p in prefixes])
-        step = mx.exp(target_logprobs(model(batch)[:, -1], params)).tolist()
-        probs = {p + (t,): probs[p] * step[i][t] for i, p in enumerate(prefixes) for t in range(vocab) if step[i][t] > 0}
-    return probs
-
 
 def engine_samples(model, params, spec: bool, runs: int, length: int = 3) -> Counter:
     tokenizer = FakeTokenizer()

@@ -115,7 +115,7 @@ def test_tree_decoding_equals_plain_greedy_decoding(name, monkeypatch):
 
 def test_stream_generate_runs_the_tree_loop_for_a_tree_drafter():
     from akunu.generate import GenerationConfig, SpecConfig, generate
-    from tests.tiny import FakeTokenizer
+    from tests.fakes import FakeTokenizer
 
     model = tiny_llama(seed=3, sharpness=4.0, attention=0.0)
     prompt = [5, 6, 7, 8] * 4

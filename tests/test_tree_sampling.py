@@ -6,10 +6,11 @@ import mlx.core as mx
 import pytest
 
 import akunu.tree
-from akunu.sampling import SamplingParams, target_logprobs
-from akunu.tree import TokenTree, verify_tree_sampled
-from tests.stats_tools import fits
-from tests.test_tree import run_tree
+from akunu.generate import GenerationConfig, SpecConfig, generate
+from akunu.sampling import SamplingParams
+from akunu.tree import NGramTreeDrafter, TokenTree, verify_tree_sampled
+from tests.fakes import FakeTokenizer
+from tests.stats_tools import exact_model_probs, fits
 from tests.tiny import tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -17,18 +18,15 @@ PROMPT = [0, 1, 2, 0, 1, 3, 0, 1, 2, 0, 1, 4, 5, 1, 6, 0, 1]  # "0 1" and "1" ea
 RUNS = 2500
 
 
-def exact_probs(model, params, length=3):
-    probs = {(): 1.0}
-    for _ in range(length):
-        prefixes = list(probs)
-        step = mx.exp(target_logprobs(model(mx.array([PROMPT + list(p) for p in prefixes]))[:, -1], params)).tolist()
-        probs = {p + (t,): probs[p] * step[i][t] for i, p in enumerate(prefixes) for t in range(8) if step[i][t] > 0}
-    return probs
+def exact_probs(model, params):
+    return exact_model_probs(model, params, prompt=PROMPT)
 
 
 def tree_samples(model, params):
     mx.random.seed(99)
-    return Counter(tuple(run_tree(model, PROMPT, 3, params, max_nodes=6, depth=3, adaptive=False)[0]) for _ in range(RUNS))
+    config = GenerationConfig(max_tokens=3, sampling=params, spec=SpecConfig(draft_tokens=3, adaptive=False))
+    runs = (generate(model, FakeTokenizer(), PROMPT, config, drafter=NGramTreeDrafter(max_nodes=6)) for _ in range(RUNS))
+    return Counter(tuple(tokens) for _, tokens, _ in runs)
 
 
 def fall_back_to_p_itself(logprobs, tree: TokenTree):

@@ -1,4 +1,4 @@
-"""Tiny random-weight models and a stand-in tokenizer for engine tests."""
+"""Tiny random-weight models for engine tests (their tokenizer is `tests.fakes.FakeTokenizer`)."""
 
 from __future__ import annotations
 
@@ -53,26 +53,3 @@ def tiny_gemma3(vocab: int = 64, layers: int = 4, window: int = 8, seed: int = 0
     model.update(tree_map(lambda p: p * 2.0, model.parameters()))
     mx.eval(model.parameters())
     return model
-
-
-class _Detokenizer:
-    def __init__(self) -> None:
-        self.text = ""
-
-    def add(self, token: int) -> str:
-        piece = f"<{token}>"
-        self.text += piece
-        return piece
-
-    def flush(self) -> str:
-        return ""
-
-
-class FakeTokenizer:
-    """Token i reads as "<i>"; `eos_ids` is configurable."""
-
-    def __init__(self, eos_ids: frozenset[int] = frozenset()) -> None:
-        self.eos_ids = eos_ids
-
-    def detokenizer(self) -> _Detokenizer:
-        return _Detokenizer()
