@@ -52,10 +52,3 @@ def target_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
         logprobs = apply_top_k(logprobs, params.top_k)
     scaled = logprobs * (1.0 / params.temp)
     return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
-
-
-def sample(logprobs: mx.array, params: SamplingParams) -> mx.array:
-    """One token per row of `logprobs` (..., V) -> (...,) uint32."""
-    if params.greedy:
-        return mx.argmax(logprobs, axis=-1).astype(mx.uint32)
-    return mx.random.categorical(logprobs, axis=-1).astype(mx.uint32)

@@ -13,16 +13,14 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-try:  # typer >= 0.20 carries its own copy of click
-    from typer._click.core import Command, Context
-    from typer._click.exceptions import ClickException
-except ImportError:
-    from click import ClickException, Command, Context
-
 from akunu import __version__
 from akunu.cli import chat, generate, models_command
 from akunu.cli.console import debug_enabled, print_error
 from akunu.errors import AkunuError
+
+# Every usage error. typer >= 0.20 raises those of its private copy of click, so the class is
+# found through a public subclass rather than imported.
+ClickException = next(base for base in typer.BadParameter.__mro__ if base.__name__ == "ClickException")
 
 # Commands whose module is imported only when they run, with the short help shown until then.
 LAZY_COMMANDS = {
@@ -38,7 +36,7 @@ class AkunuGroup(TyperGroup):
         for name, (_, short_help) in LAZY_COMMANDS.items():
             self.commands.setdefault(name, _Placeholder(name, help=short_help))
 
-    def resolve_command(self, ctx: Context, args: list[str]):
+    def resolve_command(self, ctx: typer.Context, args: list[str]):
         name = args[0] if args else None
         if isinstance(self.commands.get(name), _Placeholder):
             self.commands[name] = _import_command(name)
@@ -68,7 +66,7 @@ class _Placeholder(TyperCommand):
     """Stands in for a lazy command in `akunu --help` without importing it."""
 
 
-def _import_command(name: str) -> Command:
+def _import_command(name: str) -> TyperCommand | TyperGroup:
     module_name = LAZY_COMMANDS[name][0]
     try:
         module = importlib.import_module(module_name)

@@ -141,7 +141,9 @@ def bench(
         lib.load_workload(workload) if workload else lib.shipped_workload(), _split_categories(categories), limit
     )
     if plot_path is not None:
-        _require_matplotlib()
+        from akunu.bench.report import require_matplotlib
+
+        require_matplotlib()  # before the long run, not after it
     loaded = runtime.load(model, dtype)
     config = f"{'greedy' if temp == 0 else f'temp {temp}'} · {max_tokens} new tokens · {repeats} repeat(s) after a warm-up · drafts ≤ {draft_tokens} ({length_policy.value})"
     machine = _print_header(loaded, config)
@@ -182,16 +184,6 @@ def bench(
 def _split_categories(values: list[str] | None) -> list[str] | None:
     names = [name.strip() for value in values or [] for name in value.split(",") if name.strip()]
     return names or None
-
-
-def _require_matplotlib() -> None:
-    """Fail before the long run, not after it."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        from akunu.errors import OptionsError
-
-        raise OptionsError("--plot needs matplotlib: pip install 'akunu[plot]'") from None
 
 
 def _has_mlx_lm_tokenizer(loaded) -> bool:

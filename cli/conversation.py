@@ -34,7 +34,7 @@ class Conversation:
         Rendered in full every turn; the prompt cache finds the part already prefilled.
         """
         if tokenizer.has_chat_template:
-            return tokenizer.encode(tokenizer.apply_chat_template(self.messages(), add_generation_prompt=True))
+            return tokenizer.encode_chat(self.messages())
         lines = [f"{self.system}\n"] if self.system else []
         lines += [f"{turn['role'].capitalize()}: {turn['content']}" for turn in self.turns]
         return tokenizer.encode("\n".join(lines) + "\nAssistant:")

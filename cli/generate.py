@@ -12,6 +12,7 @@ from rich.text import Text
 
 from akunu.cli import display, options, runtime
 from akunu.cli.console import stderr_console, stdout_console
+from akunu.drafter_specs import DEFAULT_SPEC
 from akunu.errors import OptionsError, PromptError
 
 EXAMPLES = """[bold]Examples[/]
@@ -57,7 +58,7 @@ def generate(
             help="The drafter: ngram (n-gram tables), lookup (continue the longest earlier match), model:NAME|PATH,"
             " layer-skip:N (the model's first N layers), A+B (A where it has a draft, else B) or hybrid:SPEC (ngram+SPEC).",
         ),
-    ] = "lookup+ngram",
+    ] = DEFAULT_SPEC,
     draft_model: Annotated[
         Optional[str],
         typer.Option(rich_help_panel=options.SPEC_PANEL, help="A draft model with the same tokenizer (same as --draft model:NAME)."),
@@ -111,7 +112,7 @@ def generate(
 
 def make_drafter_for(loaded, config, draft: str, draft_model: str | None, ngram_cache: Path | None, tree: int | None):
     """The drafter the options ask for; None keeps the engine's default (lookup+ngram)."""
-    from akunu.drafters import DEFAULT_SPEC, make_drafter
+    from akunu.drafters import make_drafter
 
     if draft_model is not None:
         if draft != DEFAULT_SPEC:

@@ -68,7 +68,7 @@ def encode_prompt(tokenizer, text: str, *, system: str | None = None, raw: bool 
         print_note("this model has no chat template; the prompt is sent as raw text")
         return tokenizer.encode(f"{system}\n\n{text}" if system else text)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return tokenizer.encode_chat(messages)
 
 
 def cost_curve(loaded, max_draft: int) -> list[float]:

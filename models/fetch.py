@@ -21,7 +21,8 @@ from typing import Callable
 
 from akunu.errors import ModelError
 
-Progress = Callable[[str, int, int], None]  # (stage, done, total); stages: "download", "extract"
+# The progress callback of the whole load: (stage, done, total); stages "download" and "extract" (bytes), "load" (tensors).
+Progress = Callable[[str, int, int], None]
 CHUNK_BYTES = 1 << 20
 POLL_SECONDS = 0.25
 

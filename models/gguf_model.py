@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.utils import _get_classes
 
 from akunu.errors import ModelError
 from akunu.models.architectures import architecture_of
@@ -37,8 +37,9 @@ def load_gguf_model(
 
 
 def _instantiate(config: dict[str, Any]) -> nn.Module:
-    model_class, args_class = _get_classes(config)
-    return model_class(args_class.from_dict(config))
+    # mlx-lm's public layout: one module per model type, each with its Model and ModelArgs.
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    return module.Model(module.ModelArgs.from_dict(config))
 
 
 def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:

@@ -19,18 +19,15 @@ Weight policy (the README quotes this):
 
 from __future__ import annotations
 
-from typing import Callable
-
 import mlx.core as mx
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from akunu.errors import ModelError
+from akunu.models.fetch import Progress
 from akunu.models.ggml_blocks import exact_triple
 from akunu.models.gguf_file import GGUFFile, TensorInfo
-
-Progress = Callable[[str, int, int], None]
 
 GROUP_SIZE = 32
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}

@@ -15,12 +15,14 @@ from akunu.errors import ModelError
 from akunu.models import catalogue
 from akunu.models.dtype_policy import DtypeChoice, choose_dtype
 from akunu.models.gguf_file import read_gguf
-from akunu.models.gguf_weights import Progress
+from akunu.models.fetch import Progress
 
 if TYPE_CHECKING:
     from akunu.models.tokenizer import Tokenizer
 
 HF_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What `_load_mlx_folder` reads: config.json, tokenizer.json and other configs, the weights, a chat template.
+MLX_FOLDER_FILES = ["*.json", "model*.safetensors", "chat_template.jinja"]
 
 
 @dataclass
@@ -156,11 +158,11 @@ def _context_length(config: dict[str, Any]) -> int:
 
 
 def _download_from_hub(repo_id: str) -> Path:
-    """Fetch an MLX model repo with mlx-lm's own downloader (huggingface_hub underneath)."""
-    from mlx_lm.utils import _download
+    """Fetch the files of an MLX model repo that `_load_mlx_folder` reads."""
+    from huggingface_hub import snapshot_download
 
     try:
-        return Path(_download(repo_id))
+        return Path(snapshot_download(repo_id, allow_patterns=MLX_FOLDER_FILES))
     except Exception as error:  # noqa: BLE001  (hub errors come in many classes)
         raise ModelError(_hub_failure(repo_id, error)) from None
 

@@ -220,6 +220,10 @@ class Tokenizer:
             eos_token=self._special_text(self.eos_id),
         )
 
+    def encode_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+        """The prompt ids of a conversation inside the chat template (check `has_chat_template` first)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+
     def _special_text(self, token_id: int | None) -> str:
         return self._pieces[token_id] if token_id is not None and 0 <= token_id < self.vocab_size else ""
 

@@ -35,9 +35,7 @@ def main() -> None:
     loaded = load_model(args.model)
     costs = cost_curve.cached(loaded.model, cost_curve.curve_key(loaded.name, loaded.dtype), cost_curve.default_dir())
     config = GenerationConfig(max_tokens=args.max_tokens, spec=SpecConfig(enabled=True))
-    encode = lambda text: loaded.tokenizer.encode(  # noqa: E731
-        loaded.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    )
+    encode = lambda text: loaded.tokenizer.encode_chat([{"role": "user", "content": text}])  # noqa: E731
     results = defaultdict(list)
     with tempfile.TemporaryDirectory() as tmp:
         for category in args.categories.split(","):

@@ -400,12 +400,12 @@ def test_folder_without_config(tmp_path):
 
 
 def test_hub_without_network_is_one_line(monkeypatch):
-    import mlx_lm.utils
+    import huggingface_hub
 
     def offline(repo, *args, **kwargs):
         raise ConnectionError(f"Max retries exceeded with url: /api/models/{repo}")
 
-    monkeypatch.setattr(mlx_lm.utils, "_download", offline)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(ModelError, match="^no network to fetch mlx-community/Some-Model from the Hugging Face hub$"):
         load_model("mlx-community/Some-Model")
 

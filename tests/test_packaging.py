@@ -1,5 +1,10 @@
-"""The wheel ships every package of the source tree (an editable install would hide a missing one)."""
+"""The wheel ships every package of the source tree (an editable install would hide a missing one), and
+the code imports only declared dependencies, through their public names."""
 
+import ast
+import importlib.metadata
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,3 +34,43 @@ def test_shipped_workloads_are_package_data():
     patterns = config["package-data"]["akunu.data"]
     workloads = sorted((ROOT / "akunu" / "data").glob("workload-*.jsonl"))
     assert workloads and all(any(path.match(pattern) for pattern in patterns) for path in workloads)
+
+
+def third_party_imports() -> list[tuple[str, str]]:
+    """(file, dotted name) of every import in akunu/, cli/ and models/ from outside the stdlib and akunu."""
+    found = []
+    for folder in ("akunu", "cli", "models"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    names = [f"{node.module}.{alias.name}" for alias in node.names]
+                else:
+                    continue
+                top = names[0].split(".")[0]
+                if top not in sys.stdlib_module_names and top != "akunu":
+                    found += [(str(path.relative_to(ROOT)), name) for name in names]
+    return found
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_every_third_party_import_is_a_declared_dependency():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    declared = {normalize(re.match(r"[A-Za-z0-9_.-]+", requirement).group()) for requirement in requirements}
+    distributions = importlib.metadata.packages_distributions()
+    undeclared = sorted(
+        f"{path}: {name}"
+        for path, name in third_party_imports()
+        if not {normalize(d) for d in distributions.get(name.split(".")[0], [name.split(".")[0]])} & declared
+    )
+    assert undeclared == [], "declare these in pyproject.toml [project] dependencies, or stop importing them"
+
+
+def test_no_private_name_of_another_package_is_imported():
+    private = [f"{path}: {name}" for path, name in third_party_imports() if any(p.startswith("_") for p in name.split("."))]
+    assert private == [], "private names move without notice between releases; use a public API"

@@ -262,6 +262,17 @@ def test_smollm2_chatml_rendering(smollm2):
 
 
 @pytest.mark.real_model
+def test_encode_chat_is_the_rendered_conversation_ready_for_the_answer(smollm2, gemma3):
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    ids = smollm2.encode_chat(messages)
+    assert ids == smollm2.encode(smollm2.apply_chat_template(messages))
+    assert smollm2.decode(ids).endswith("What is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+    assert smollm2.decode(smollm2.encode_chat(messages, add_generation_prompt=False)).endswith("<|im_end|>\n")
+    with pytest.raises(ModelError, match="no chat template"):
+        gemma3.encode_chat(messages)
+
+
+@pytest.mark.real_model
 def test_gemma3_metadata_and_special_tokens(gemma3):
     assert gemma3.vocab_size == 262144 and gemma3.bos_id == 2 and gemma3.eos_id == 1 and gemma3.add_bos
     assert gemma3.eos_ids == frozenset({1, 106})  # <eos> and <end_of_turn>

@@ -53,7 +53,7 @@ class ModelEngine:
         """The prompt as the model sees it in a chat: the user message inside the chat template."""
         if not getattr(self.tokenizer, "has_chat_template", False):
             return self.tokenizer.encode(prompt.text)
-        return self.tokenizer.encode(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}]))
+        return self.tokenizer.encode_chat([{"role": "user", "content": prompt.text}])
 
     def run(self, method: str, prompt_ids: list[int]) -> Run:
         if method == MLX_LM:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from akunu.bench.runner import SPEC, SPEC_FIXED, BenchResult
 from akunu.bench.summary import OVERALL, CategorySummary, accepted_length_histogram
-from akunu.errors import AkunuError
+from akunu.errors import OptionsError
 
 
 def result_record(result: BenchResult, summaries: list[CategorySummary], machine: dict, settings: dict) -> dict:
@@ -25,12 +25,18 @@ def write_json(path: Path, record: dict) -> None:
     path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
 
 
-def write_plot(path: Path, result: BenchResult, summaries: list[CategorySummary], title: str = "") -> None:
-    """Speedup by category (adaptive and fixed drafting) beside the accepted-length histogram."""
+def require_matplotlib():
+    """The matplotlib module, or an error saying how to install it (`--plot` is optional)."""
     try:
         import matplotlib
     except ImportError:
-        raise AkunuError("--plot needs matplotlib: pip install 'akunu[plot]'") from None
+        raise OptionsError("--plot needs matplotlib: pip install 'akunu[plot]'") from None
+    return matplotlib
+
+
+def write_plot(path: Path, result: BenchResult, summaries: list[CategorySummary], title: str = "") -> None:
+    """Speedup by category (adaptive and fixed drafting) beside the accepted-length histogram."""
+    matplotlib = require_matplotlib()
     matplotlib.use("Agg")  # files only; never a window
     import matplotlib.pyplot as plt
 

@@ -111,10 +111,11 @@ def method_order(pass_index: int, methods: Sequence[str]) -> list[str]:
 
 
 def first_difference(reference: Sequence[int], other: Sequence[int]) -> int | None:
-    for index, (a, b) in enumerate(zip(reference, other)):
-        if a != b:
-            return index
-    return None if len(reference) == len(other) else min(len(reference), len(other))
+    """The first index where the two differ (a length difference counts); None if they are equal."""
+    from akunu.kv_cache import common_prefix  # here: the bench library loads MLX only when it runs a model
+
+    shared = common_prefix(reference, other)
+    return None if shared == len(reference) == len(other) else shared
 
 
 def compare_tokens(prompt: Prompt, repeat: int, runs: dict[str, Run]) -> list[Mismatch]:

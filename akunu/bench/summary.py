@@ -38,14 +38,13 @@ class CategorySummary:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
-def median_of_ratios(ratios: Iterable[float]) -> float | None:
-    values = list(ratios)
-    return statistics.median(values) if values else None
-
-
-def _median(values: Iterable[float]) -> float | None:
+def median(values: Iterable[float]) -> float | None:
+    """The median; None when there are no values (a method that did not run)."""
     values = list(values)
     return statistics.median(values) if values else None
+
+
+median_of_ratios = median  # speedups are medians of per-prompt ratios, never ratios of medians
 
 
 def _decode_tps_by_pass(measurements: Sequence[Measurement], method: str) -> dict[tuple[str, int], float]:
@@ -89,17 +88,17 @@ def summarize_group(name: str, result: BenchResult, measurements: Sequence[Measu
     return CategorySummary(
         category=name,
         prompts=len(prompt_ids),
-        plain_tps=_median(per_prompt_tps(measurements, PLAIN).values()),
-        spec_tps=_median(per_prompt_tps(measurements, SPEC).values()),
+        plain_tps=median(per_prompt_tps(measurements, PLAIN).values()),
+        spec_tps=median(per_prompt_tps(measurements, SPEC).values()),
         speedup=median_of_ratios(per_prompt_ratios(measurements, SPEC, PLAIN).values()),
         acceptance=acceptance,
         tokens_per_pass=tokens_per_pass,
         drafting_share=drafting_share,
         fixed_speedup=median_of_ratios(per_prompt_ratios(measurements, SPEC_FIXED, PLAIN).values()),
-        mlx_tps=_median(per_prompt_tps(measurements, MLX_LM).values()),
+        mlx_tps=median(per_prompt_tps(measurements, MLX_LM).values()),
         vs_mlx=median_of_ratios(per_prompt_ratios(measurements, PLAIN, MLX_LM).values()),
-        prefill_tps=_median(per_prompt_tps(measurements, PLAIN, prefill=True).values()),
-        mlx_prefill_tps=_median(per_prompt_tps(measurements, MLX_LM, prefill=True).values()),
+        prefill_tps=median(per_prompt_tps(measurements, PLAIN, prefill=True).values()),
+        mlx_prefill_tps=median(per_prompt_tps(measurements, MLX_LM, prefill=True).values()),
         mismatches=sum(not m.informational for m in mismatches),
         mlx_mismatches=sum(m.informational for m in mismatches),
     )
@@ -159,7 +158,7 @@ def summarize_drafters(result: BenchResult) -> list[DrafterSummary]:
                 DrafterSummary(
                     category=name,
                     drafter=method[len(DRAFTER_PREFIX) :],
-                    tps=_median(per_prompt_tps(group, method).values()),
+                    tps=median(per_prompt_tps(group, method).values()),
                     speedup=median_of_ratios(per_prompt_ratios(group, method, PLAIN).values()),
                     vs_default=median_of_ratios(per_prompt_ratios(group, method, SPEC).values()),
                     acceptance=acceptance,

@@ -14,15 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from akunu.drafter import Drafter, NGramDrafter
+from akunu.drafter_specs import DEFAULT_SPEC, SPEC_HELP
 from akunu.drafters.draft_model import ModelDrafter, check_same_vocabulary, model_drafter
 from akunu.drafters.hybrid import HybridDrafter
 from akunu.drafters.layer_skip import layer_skip_drafter
 from akunu.drafters.lookup import LookupDrafter
 from akunu.errors import OptionsError
 from akunu.sampling import SamplingParams
-
-DEFAULT_SPEC = "lookup+ngram"
-SPEC_HELP = "ngram, lookup, model:NAME|PATH, layer-skip:N, A+B, hybrid:SPEC or tree:N"
 
 __all__ = ["DEFAULT_SPEC", "HybridDrafter", "LookupDrafter", "ModelDrafter", "SPEC_HELP", "make_drafter"]
 
