@@ -11,8 +11,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from akunu.cli.app import app
 from akunu.bench import PLAIN, SPEC, SPEC_FIXED, Prompt, Run
+from akunu.cli.app import app
 from akunu.models import LoadedModel
 from tests.tiny import tiny_llama
 
