@@ -63,8 +63,6 @@ class AkunuGroup(TyperGroup):
                 _fail(f"{error.format_message()}{hint}", "usage", json_target, code)
         except typer.Abort:
             code = 130
-            if json_target is not None:
-                _fail("interrupted", "interrupted", json_target, code)
         except OSError as error:  # the machine's refusal (a full disk, a file where a folder should be), not a bug
             if debug_enabled():
                 raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from rich.text import Text
 
 from akunu.cli import display, options, runtime
 from akunu.cli.console import print_note, stderr_console, stdout_console
-from akunu.errors import OptionsError, PromptError
+from akunu.errors import Interrupted, OptionsError, PromptError
 
 EXAMPLES = """[bold]Examples[/]
   akunu generate "Write a Python function that returns the fibonacci numbers up to n."
@@ -99,10 +100,11 @@ def generate(
         max_tokens=max_tokens, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop, spec=spec,
         draft_tokens=draft_tokens, draft_length=draft_length,
     )  # fmt: skip
-    loaded = runtime.load(model, dtype)
-    config.sampling.validate(loaded.tokenizer.vocab_size)
-    prompt_ids = runtime.encode_prompt(loaded.tokenizer, text, system=system, raw=raw)
-    drafter = make_drafter_for(loaded, config, draft, draft_model, ngram_cache, tree)
+    with _interrupt_as_error(json_output):
+        loaded = runtime.load(model, dtype)
+        config.sampling.validate(loaded.tokenizer.vocab_size)
+        prompt_ids = runtime.encode_prompt(loaded.tokenizer, text, system=system, raw=raw)
+        drafter = make_drafter_for(loaded, config, draft, draft_model, ngram_cache, tree)
     if verbose:
         describe_run(loaded, config)
     try:
@@ -110,6 +112,17 @@ def generate(
     finally:
         if hasattr(drafter, "save"):  # the persistent n-gram cache learns from this run
             _save_ngram_cache(drafter, ngram_cache)
+
+
+@contextlib.contextmanager
+def _interrupt_as_error(json_output: bool):
+    """With --json, Ctrl-C before any output is an error object, so a script reading stdout never gets nothing."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if not json_output:
+            raise
+        raise Interrupted("interrupted") from None
 
 
 def _save_ngram_cache(drafter, path: Path) -> None:
@@ -181,6 +194,8 @@ def run(loaded, prompt_ids: list[int], config, *, json_output: bool, verbose: bo
         finish = "interrupted"
     text = "".join(pieces)
     if json_output:
+        if stats is None and finish == "interrupted":
+            raise Interrupted("interrupted")
         if stats is not None:
             typer.echo(json.dumps(display.result_json(loaded.name, text, tokens, stats, finish, config), ensure_ascii=False))
     else:

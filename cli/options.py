@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from enum import Enum
 from pathlib import Path
@@ -41,8 +42,17 @@ Dtype = Annotated[
 System = Annotated[
     Optional[str], typer.Option("--system", "-s", rich_help_panel=MODEL_PANEL, help="System prompt for the chat template.")
 ]
+def _finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
 Temp = Annotated[
-    float, typer.Option("--temp", "-t", min=0.0, rich_help_panel=SAMPLING_PANEL, help="Temperature; 0 is greedy.")
+    float,
+    typer.Option(
+        "--temp", "-t", min=0.0, callback=_finite, rich_help_panel=SAMPLING_PANEL, help="Temperature; 0 is greedy."
+    ),
 ]
 TopK = Annotated[int, typer.Option(min=0, rich_help_panel=SAMPLING_PANEL, help="Keep the k likeliest tokens; 0 keeps all.")]
 TopP = Annotated[

@@ -239,6 +239,28 @@ def test_generate_json_errors_are_one_json_object_on_stdout(isolated_home, args,
     assert result.stderr == f"error: {error['message']}\n"
 
 
+@pytest.mark.parametrize("where", ["load", "prefill"])
+def test_generate_json_interrupted_before_any_token_is_a_json_error(fake_engine, monkeypatch, where):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    def interrupt_stream(*args, **kwargs):
+        yield interrupt()
+
+    if where == "load":
+        monkeypatch.setattr("akunu.cli.runtime.load", interrupt)
+    else:
+        monkeypatch.setattr("akunu.generate.stream_generate", interrupt_stream)
+    result = runner.invoke(app, ["generate", "--json", "hi"])
+    assert result.exit_code == 130
+    assert json.loads(result.stdout) == {"error": {"message": "interrupted", "kind": "interrupted"}}
+
+
+def test_a_temperature_that_is_not_finite_is_one_line(fake_engine):
+    assert_one_line(runner.invoke(app, ["generate", "--temp", "inf", "hi"]), 2, "Invalid value for '--temp'")
+    assert fake_engine.loads == []
+
+
 def test_bench_json_errors_land_in_the_json_file(isolated_home, tmp_path):
     target = tmp_path / "bench.json"
     result = runner.invoke(app, ["bench", "--json", str(target), "--workload", str(tmp_path / "absent.jsonl")])
