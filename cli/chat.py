@@ -74,6 +74,8 @@ def chat(
     )  # fmt: skip
     loaded = runtime.load(model, dtype)
     config.sampling.validate(loaded.tokenizer.vocab_size)
+    if load:
+        conversation.check_continues(loaded.tokenizer, load)
     session = ChatSession(loaded, config, conversation, ChatView(), save_path=save)
     session.greet(loaded_from=load)
     session.run()

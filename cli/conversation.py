@@ -68,6 +68,14 @@ class Conversation:
         except OSError as error:
             raise AkunuError(f"cannot save the conversation to {path}: {error.strerror or error}") from None
 
+    def check_continues(self, tokenizer, path: Path) -> None:
+        """Fail once at load, not at every turn, if the model's template refuses this history and a next question."""
+        probe = Conversation(self.system, [*self.turns, {"role": "user", "content": "?"}], self.first)
+        try:
+            probe.prompt_ids(tokenizer)
+        except AkunuError as error:
+            raise AkunuError(f"{path} cannot go on with this model: {error}") from None
+
     @classmethod
     def load(cls, path: Path) -> Conversation:
         """Read a file written by `save`, or a bare list of {"role", "content"} messages."""

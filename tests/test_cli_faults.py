@@ -219,6 +219,22 @@ def test_a_history_with_a_non_text_system_prompt_is_refused_at_load(fake_engine,
     assert fake_engine.loads == []
 
 
+def test_a_history_the_template_refuses_is_refused_at_load(fake_engine, tmp_path):
+    alternating = "{% for m in messages %}{% if (m.role == 'user') != loop.index0 is even %}" + (
+        "{{ raise_exception('roles must alternate') }}{% endif %}{{ m.content }}{% endfor %}"
+    )
+    fake_engine.loaded.tokenizer = TemplateTokenizer(alternating)
+    doubled = tmp_path / "doubled.json"
+    doubled.write_text(json.dumps([user("one"), user("two")]))
+    result = runner.invoke(app, ["chat", "--load", str(doubled)], input="hi\n")
+    message = f"{doubled} cannot go on with this model: the model's chat template rejected the conversation: roles"
+    assert_one_line(result, 1, message)
+    assert fake_engine.streams == []
+    doubled.write_text(json.dumps([user("one"), assistant("two")]))  # the same template takes a proper history
+    assert runner.invoke(app, ["chat", "--load", str(doubled), "--max-tokens", "2"], input="hi\n").exit_code == 0
+    assert len(fake_engine.streams) == 1
+
+
 # -- --json: errors are JSON too ------------------------------------------------------------------
 
 
