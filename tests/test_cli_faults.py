@@ -215,7 +215,7 @@ def test_a_history_with_a_non_text_system_prompt_is_refused_at_load(fake_engine,
     bad = tmp_path / "bad.json"
     bad.write_text('{"system": 5, "messages": []}')
     result = runner.invoke(app, ["chat", "--load", str(bad)], input="hi\n")
-    assert_one_line(result, 1, f"{bad} is not a conversation: its \"system\" is a int, not text")
+    assert_one_line(result, 1, f"{bad} is not a conversation: its \"system\" must be text, not int")
     assert fake_engine.loads == []
 
 
