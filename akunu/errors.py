@@ -15,6 +15,12 @@ class PromptError(AkunuError):
     """The prompt is empty or longer than the model's context."""
 
 
+class Interrupted(AkunuError):
+    """Ctrl-C before there was anything to show."""
+
+    exit_code = 130
+
+
 class OptionsError(AkunuError):
     """Options conflict or are out of range."""
 

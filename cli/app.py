@@ -6,8 +6,11 @@ and the model loader when it runs.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import json
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -43,23 +46,61 @@ class AkunuGroup(TyperGroup):
         return super().resolve_command(ctx, args)
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra: Any):
+        args = list(sys.argv[1:] if args is None else args)
+        json_target = _json_target(args)
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except AkunuError as error:
             if debug_enabled():
                 raise
-            print_error(str(error))
-            code = error.exit_code
+            code = _fail(str(error), _kind(error), json_target, error.exit_code)
         except ClickException as error:  # usage errors: one line, and where to look
+            code = error.exit_code
             if error.format_message():  # empty after a bare `akunu`, whose help is already shown
                 hint = f" (see '{error.ctx.command_path} --help')" if getattr(error, "ctx", None) else ""
-                print_error(f"{error.format_message()}{hint}")
-            code = error.exit_code
+                _fail(f"{error.format_message()}{hint}", "usage", json_target, code)
         except typer.Abort:
             code = 130
+        except OSError as error:  # the machine's refusal (a full disk, a file where a folder should be), not a bug
+            if debug_enabled():
+                raise
+            where = f": {error.filename}" if error.filename else ""
+            code = _fail(f"{error.strerror or error}{where}", "system", json_target, 1)
         if not standalone_mode:
             return code
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def _json_target(args: list[str]) -> str | Path | None:
+    """Where `--json` sends its output, so that an error lands there as JSON too: stdout (generate) or the file (bench)."""
+    words = args[: args.index("--")] if "--" in args else args
+    command = words[0] if words else None
+    for index, word in enumerate(words):
+        if command == "generate" and word == "--json":
+            return "stdout"
+        if command == "bench" and word.startswith("--json="):
+            return Path(word.partition("=")[2])
+        if command == "bench" and word == "--json" and index + 1 < len(words):
+            return Path(words[index + 1])
+    return None
+
+
+def _fail(message: str, kind: str, json_target: str | Path | None, code: int) -> int:
+    """One `error:` line on stderr, and with --json the same error as one JSON object."""
+    print_error(message)
+    document = json.dumps({"error": {"message": message, "kind": kind}}, ensure_ascii=False)
+    if json_target == "stdout":
+        typer.echo(document)
+    elif json_target is not None:
+        with contextlib.suppress(OSError):
+            Path(json_target).write_text(document + "\n", encoding="utf-8")
+    return code
+
+
+def _kind(error: AkunuError) -> str:
+    """`model`, `prompt`, `options`, `workload`...: the error's class without `Error`."""
+    name = type(error).__name__.removesuffix("Error").lower()
+    return "error" if name == "akunu" else name
 
 
 class _Placeholder(TyperCommand):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from akunu.cli import display, options, runtime
 from akunu.cli.chat_view import ChatView
@@ -62,6 +63,8 @@ def chat(
 
     A live line under the answer shows tok/s, draft acceptance, tokens per forward pass and memory; a summary follows each answer.
     """
+    if save is not None:
+        options.check_writable_file(save, "--save")
     conversation = Conversation.load(load) if load else Conversation()
     if system is not None:
         conversation.system = system
@@ -71,6 +74,8 @@ def chat(
     )  # fmt: skip
     loaded = runtime.load(model, dtype)
     config.sampling.validate(loaded.tokenizer.vocab_size)
+    if load:
+        conversation.check_continues(loaded.tokenizer, load)
     session = ChatSession(loaded, config, conversation, ChatView(), save_path=save)
     session.greet(loaded_from=load)
     session.run()
@@ -88,11 +93,12 @@ class ChatSession:
         self.last_stats, self.last_finish = None, None
         self.totals = {"answers": 0, "generated": 0, "prefilled": 0}
         self._costs: list[float] | None = None
+        self._shift_noted = False
         if not loaded.tokenizer.has_chat_template:  # a plain transcript: stop where the user's turn would begin
             self.config = dataclasses.replace(config, stop=(*config.stop, PLAIN_USER_PREFIX))
 
     def greet(self, loaded_from: Path | None = None) -> None:
-        self.view.say(f"[bold]akunu chat[/] · {self.loaded.describe()} · speculative decoding {self._spec_state()}")
+        self.view.say(f"[bold]akunu chat[/] · {escape(self.loaded.describe())} · speculative decoding {self._spec_state()}")
         if not self.loaded.tokenizer.has_chat_template:
             self.view.say("[yellow]note:[/] this model has no chat template; the conversation is sent as a plain transcript")
         if loaded_from:
@@ -103,6 +109,7 @@ class ChatSession:
         """Read lines until Ctrl-D or /exit."""
         if runtime.stdin_is_terminal():
             import readline  # noqa: F401  (line editing and history for input())
+        runtime.tolerant_stdin()
         while True:
             try:
                 line = read(">>> ")
@@ -114,9 +121,14 @@ class ChatSession:
                 self.view.dim("(Ctrl-D or /exit quits)")
                 continue
             if not runtime.stdin_is_terminal():
-                self.view.say(line)  # echo piped input, so the transcript reads like a session
+                self.view.echo(line.encode("utf-8", "replace").decode())  # so the transcript reads like a session
             line = line.strip()
             if not line:
+                continue
+            try:
+                runtime.check_utf8(line, "that line")
+            except AkunuError as error:
+                self.view.error(f"{error}; it was not sent")
                 continue
             if line.startswith("/"):
                 if not self.command(line):
@@ -124,24 +136,26 @@ class ChatSession:
                 continue
             try:
                 self.ask(line)
-            except KeyboardInterrupt:  # outside the answer's stream, e.g. while measuring pass costs
-                if self.conversation.turns and self.conversation.turns[-1]["role"] == "user":
-                    self.conversation.turns.pop()
+            except KeyboardInterrupt:  # the question was forgotten
                 self.view.say("[yellow]⏹ interrupted[/]")
 
     def ask(self, text: str) -> None:
         """One turn: prefill what the cache lacks, stream the answer, keep it (even a partial one)."""
+        first = self.conversation.first
         self.conversation.add("user", text)
         try:
-            prompt_ids = self.conversation.prompt_ids(self.loaded.tokenizer)
+            prompt_ids = self._prompt_ids()
             responses = runtime.stream(self.loaded, prompt_ids, self.config, prompt_cache=self.prompt_cache, costs=self._costs_now())
             answer = self.view.stream(responses)
         except AkunuError as error:
-            self.conversation.turns.pop()
-            self.view.say(f"[bold red]error:[/] {error}")
+            self._forget_question(first)
+            self.view.error(str(error))
             return
+        except KeyboardInterrupt:  # outside the answer's stream, e.g. while measuring pass costs
+            self._forget_question(first)
+            raise
         if answer.stats is None:  # interrupted before the first token: forget the question
-            self.conversation.turns.pop()
+            self._forget_question(first)
             return
         self.conversation.add("assistant", answer.text)
         self.last_stats, self.last_finish = answer.stats, answer.finish_reason
@@ -149,7 +163,35 @@ class ChatSession:
         self.totals["generated"] += answer.stats.generated_tokens
         self.totals["prefilled"] += answer.stats.prefilled_tokens
         if self.save_path:
+            self._autosave()
+
+    def _prompt_ids(self) -> list[int]:
+        """The conversation's prompt; when it outgrows the context, the oldest turns leave the prompt (not the history)."""
+        tokenizer, context = self.loaded.tokenizer, self.loaded.context_length
+        prompt = self.conversation.prompt_ids(tokenizer)
+        if len(prompt) + min(self.config.max_tokens, context // 4) <= context:  # room for an answer
+            return prompt
+        first = self.conversation.first
+        prompt = self.conversation.shift(tokenizer, context // 2)
+        if self.conversation.first != first and not self._shift_noted:
+            self._shift_noted = True
+            self.view.warn(
+                "the conversation outgrew the model's context: the oldest turns are left out of the prompt from now on"
+                " (the system prompt stays; /save keeps everything; /reset starts afresh)"
+            )
+        return prompt
+
+    def _forget_question(self, first: int) -> None:
+        """The question got no answer: it leaves the history, and the prompt starts where it did before."""
+        self.conversation.turns.pop()
+        self.conversation.first = first
+
+    def _autosave(self) -> None:
+        """A failed save is a warning: the conversation goes on, and the next answer tries again."""
+        try:
             self.conversation.save(self.save_path, self.loaded.name)
+        except AkunuError as error:
+            self.view.warn(f"{error}; the chat goes on (/save FILE saves elsewhere)")
 
     def command(self, line: str) -> bool:
         """Run a slash command; False means quit."""
@@ -160,7 +202,7 @@ class ChatSession:
         handlers = {"/help": self._help, "/reset": self._reset, "/stats": self._stats, "/spec": self._spec, "/save": self._save}
         handler = handlers.get(name)
         if handler is None:
-            self.view.say(f"[yellow]unknown command {name}[/]; /help lists them")
+            self.view.echo(f"unknown command {name}; /help lists them", style="yellow")
         else:
             handler(argument)
         return True
@@ -170,6 +212,7 @@ class ChatSession:
 
     def _reset(self, _: str) -> None:
         self.conversation.clear()
+        self._shift_noted = False
         self.prompt_cache.reset()
         self.last_stats = None
         self.view.dim("new conversation" + (" (system prompt kept)" if self.conversation.system else ""))
@@ -202,7 +245,7 @@ class ChatSession:
         try:
             self.conversation.save(path, self.loaded.name)
         except AkunuError as error:
-            self.view.say(f"[bold red]error:[/] {error}")
+            self.view.error(str(error))
             return
         self.view.dim(f"saved {len(self.conversation.turns)} messages to {path}")
 

@@ -29,10 +29,21 @@ class ChatView:
         self.live = self.console.is_terminal  # no redraws when stdout is a file or a pipe
 
     def say(self, markup: str) -> None:
+        """Our own markup only; anything else goes through echo, error or warn."""
         self.console.print(markup)
 
     def dim(self, text: str) -> None:
         self.console.print(Text(text, style="dim"))
+
+    def echo(self, text: str, style: str = "") -> None:
+        """Text that is not ours (the user's, a model's, a path): never read as markup."""
+        self.console.print(Text(text, style=style))
+
+    def error(self, message: str) -> None:
+        self.console.print(Text.assemble(("error:", "bold red"), " ", message))
+
+    def warn(self, message: str) -> None:
+        self.console.print(Text.assemble(("warning:", "yellow"), " ", message))
 
     def stream(self, responses) -> Answer:
         """Show the answer as it comes; Ctrl-C ends it early and keeps what was generated."""

@@ -18,15 +18,34 @@ PLAIN_USER_PREFIX = "\nUser:"
 class Conversation:
     system: str | None = None
     turns: list[dict[str, str]] = field(default_factory=list)  # {"role": "user"|"assistant", "content": ...}
+    first: int = 0  # turns before this one outgrew the context: kept and saved, no longer in the prompt
 
     def messages(self) -> list[dict[str, str]]:
-        return ([{"role": "system", "content": self.system}] if self.system else []) + self.turns
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.turns[self.first :]
 
     def add(self, role: str, content: str) -> None:
         self.turns.append({"role": role, "content": content})
 
     def clear(self) -> None:
         self.turns.clear()
+        self.first = 0
+
+    def shift(self, tokenizer, target: int) -> list[int]:
+        """Leave the oldest exchanges out of the prompt until it has at most `target` tokens; the prompt ids.
+
+        The system prompt and the last turn always stay. Like llama.cpp's context shift, the caller drops
+        to half the context at once, so the prompt cache is rebuilt rarely, not every turn.
+        """
+        prompt = self.prompt_ids(tokenizer)
+        while len(prompt) > target and (start := self._next_user_turn()) is not None:
+            self.first = start
+            prompt = self.prompt_ids(tokenizer)
+        return prompt
+
+    def _next_user_turn(self) -> int | None:
+        """Where the prompt starts once its first exchange is dropped (templates expect a user turn first)."""
+        later = [i for i in range(self.first + 1, len(self.turns)) if self.turns[i]["role"] == "user"]
+        return later[0] if later else None
 
     def prompt_ids(self, tokenizer) -> list[int]:
         """The whole conversation, ready for the assistant's next answer.
@@ -36,7 +55,7 @@ class Conversation:
         if tokenizer.has_chat_template:
             return tokenizer.encode_chat(self.messages())
         lines = [f"{self.system}\n"] if self.system else []
-        lines += [f"{turn['role'].capitalize()}: {turn['content']}" for turn in self.turns]
+        lines += [f"{turn['role'].capitalize()}: {turn['content']}" for turn in self.turns[self.first :]]
         return tokenizer.encode("\n".join(lines) + "\nAssistant:")
 
     def save(self, path: Path, model: str) -> None:
@@ -48,6 +67,14 @@ class Conversation:
             os.replace(temporary, path)
         except OSError as error:
             raise AkunuError(f"cannot save the conversation to {path}: {error.strerror or error}") from None
+
+    def check_continues(self, tokenizer, path: Path) -> None:
+        """Fail once at load, not at every turn, if the model's template refuses this history and a next question."""
+        probe = Conversation(self.system, [*self.turns, {"role": "user", "content": "?"}], self.first)
+        try:
+            probe.prompt_ids(tokenizer)
+        except AkunuError as error:
+            raise AkunuError(f"{path} cannot go on with this model: {error}") from None
 
     @classmethod
     def load(cls, path: Path) -> Conversation:
@@ -62,6 +89,8 @@ class Conversation:
         system = document.get("system") if isinstance(document, dict) else None
         if not isinstance(messages, list) or not all(_is_message(m) for m in messages):
             raise AkunuError(f"{path} is not a conversation: expected a list of {{'role', 'content'}} messages")
+        if system is not None and not isinstance(system, str):
+            raise AkunuError(f"{path} is not a conversation: its \"system\" must be text, not {type(system).__name__}")
         turns = []
         for message in messages:
             if message["role"] == "system":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -11,9 +12,9 @@ import typer
 from rich.text import Text
 
 from akunu.cli import display, options, runtime
-from akunu.cli.console import stderr_console, stdout_console
+from akunu.cli.console import print_note, stderr_console, stdout_console
 from akunu.drafter_specs import DEFAULT_SPEC
-from akunu.errors import OptionsError, PromptError
+from akunu.errors import Interrupted, OptionsError, PromptError
 
 EXAMPLES = """[bold]Examples[/]
   akunu generate "Write a Python function that returns the fibonacci numbers up to n."
@@ -24,6 +25,7 @@ EXAMPLES = """[bold]Examples[/]
   akunu generate --verbose "Repeat this list: apples, pears, plums"   (accepted drafts highlighted)"""
 
 OUTPUT_PANEL = "Input and output"
+CONVERT_HINT = "; convert it to UTF-8 first, e.g. with iconv -f latin1 -t utf-8"
 
 
 def generate(
@@ -93,21 +95,43 @@ def generate(
     if raw and system:
         raise OptionsError("--system needs the chat template, which --raw turns off")
     text = read_prompt(prompt, prompt_file)
+    if ngram_cache is not None:
+        options.check_writable_file(ngram_cache, "--ngram-cache")
     config = options.generation_config(
         max_tokens=max_tokens, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop, spec=spec,
         draft_tokens=draft_tokens, draft_length=draft_length,
     )  # fmt: skip
-    loaded = runtime.load(model, dtype)
-    config.sampling.validate(loaded.tokenizer.vocab_size)
-    prompt_ids = runtime.encode_prompt(loaded.tokenizer, text, system=system, raw=raw)
-    drafter = make_drafter_for(loaded, config, draft, draft_model, ngram_cache, tree)
+    with _interrupt_as_error(json_output):
+        loaded = runtime.load(model, dtype)
+        config.sampling.validate(loaded.tokenizer.vocab_size)
+        prompt_ids = runtime.encode_prompt(loaded.tokenizer, text, system=system, raw=raw)
+        drafter = make_drafter_for(loaded, config, draft, draft_model, ngram_cache, tree)
     if verbose:
         describe_run(loaded, config)
     try:
         run(loaded, prompt_ids, config, json_output=json_output, verbose=verbose, drafter=drafter)
     finally:
         if hasattr(drafter, "save"):  # the persistent n-gram cache learns from this run
-            drafter.save()
+            _save_ngram_cache(drafter, ngram_cache)
+
+
+@contextlib.contextmanager
+def _interrupt_as_error(json_output: bool):
+    """With --json, Ctrl-C before any output is an error object, so a script reading stdout never gets nothing."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if not json_output:
+            raise
+        raise Interrupted("interrupted") from None
+
+
+def _save_ngram_cache(drafter, path: Path) -> None:
+    """The answer is out already: a failed save is a note, not an error."""
+    try:
+        drafter.save()
+    except OSError as error:
+        print_note(f"cannot save the n-gram cache to {path}: {error.strerror or error}")
 
 
 def make_drafter_for(loaded, config, draft: str, draft_model: str | None, ngram_cache: Path | None, tree: int | None):
@@ -141,9 +165,10 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     elif prompt is None or prompt == "-":
         if runtime.stdin_is_terminal() and prompt is None:
             raise OptionsError("no prompt: give it as an argument, with --prompt-file, or on stdin ('-')")
-        text = sys.stdin.read()
+        runtime.tolerant_stdin()
+        text = runtime.check_utf8(sys.stdin.read(), "the prompt on stdin", CONVERT_HINT)
     else:
-        text = prompt
+        text = runtime.check_utf8(prompt, "the prompt", CONVERT_HINT)
     if not text.strip():
         raise PromptError("the prompt is empty")
     return text
@@ -170,6 +195,8 @@ def run(loaded, prompt_ids: list[int], config, *, json_output: bool, verbose: bo
         finish = "interrupted"
     text = "".join(pieces)
     if json_output:
+        if stats is None and finish == "interrupted":
+            raise Interrupted("interrupted")
         if stats is not None:
             typer.echo(json.dumps(display.result_json(loaded.name, text, tokens, stats, finish, config), ensure_ascii=False))
     else:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import os
 from enum import Enum
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -39,8 +42,17 @@ Dtype = Annotated[
 System = Annotated[
     Optional[str], typer.Option("--system", "-s", rich_help_panel=MODEL_PANEL, help="System prompt for the chat template.")
 ]
+def _finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
 Temp = Annotated[
-    float, typer.Option("--temp", "-t", min=0.0, rich_help_panel=SAMPLING_PANEL, help="Temperature; 0 is greedy.")
+    float,
+    typer.Option(
+        "--temp", "-t", min=0.0, callback=_finite, rich_help_panel=SAMPLING_PANEL, help="Temperature; 0 is greedy."
+    ),
 ]
 TopK = Annotated[int, typer.Option(min=0, rich_help_panel=SAMPLING_PANEL, help="Keep the k likeliest tokens; 0 keeps all.")]
 TopP = Annotated[
@@ -61,7 +73,11 @@ MinP = Annotated[
         help="Drop tokens less likely than this fraction of the likeliest; 0 keeps all.",
     ),
 ]
-Seed = Annotated[Optional[int], typer.Option(rich_help_panel=SAMPLING_PANEL, help="Random seed, for repeatable sampling.")]
+MAX_SEED = 2**64 - 1  # MLX seeds are unsigned 64-bit
+Seed = Annotated[
+    Optional[int],
+    typer.Option(min=0, max=MAX_SEED, rich_help_panel=SAMPLING_PANEL, help="Random seed, for repeatable sampling."),
+]
 Stop = Annotated[
     Optional[list[str]],
     typer.Option(
@@ -100,6 +116,19 @@ DraftLength = Annotated[
         " entropy (EGAG: from the model's confidence) or fixed (always --draft-tokens).",
     ),
 ]
+
+
+def check_writable_file(path: Path, option: str) -> None:
+    """Fail before the model loads (and before an answer is lost) if `path` cannot be written."""
+    from akunu.errors import OptionsError
+
+    folder = path.parent
+    if path.is_dir():
+        raise OptionsError(f"{option} {path}: is a folder, not a file")
+    if not folder.is_dir():
+        raise OptionsError(f"{option} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise OptionsError(f"{option} {path}: not writable")
 
 
 def unescape(text: str) -> str:

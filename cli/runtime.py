@@ -7,6 +7,7 @@ without MLX.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Iterator
 
@@ -21,6 +22,7 @@ from rich.progress import (
 )
 
 from akunu.cli.console import print_note, stderr_console
+from akunu.errors import PromptError
 
 _BYTE_STAGES = {"download", "extract"}
 
@@ -81,7 +83,15 @@ def cost_curve(loaded, max_draft: int) -> list[float]:
     key, directory = cost_curve.curve_key(loaded.name, loaded.dtype), cost_curve.default_dir()
     if not cost_curve.curve_path(key, directory).exists() and stderr_console().is_terminal:
         stderr_console().print("[dim]measuring forward-pass costs for adaptive drafting (once per model and backend)…[/]")
-    return cost_curve.cached(loaded.model, key, directory, max_width=max_draft + 1)
+    try:  # an unwritable AKUNU_HOME costs a measurement per run, never the run
+        directory.mkdir(parents=True, exist_ok=True)
+        if os.access(directory, os.W_OK):
+            return cost_curve.cached(loaded.model, key, directory, max_width=max_draft + 1)
+        reason = "not writable"
+    except OSError as error:
+        reason = error.strerror or str(error)
+    print_note(f"cannot save the cost curve in {directory} ({reason}); measuring it for this run only")
+    return cost_curve.relative_costs(cost_curve.measure(loaded.model, max_draft + 1, sweeps=3))
 
 
 def costs_for(loaded, config) -> list[float] | None:
@@ -105,6 +115,22 @@ def stream(loaded, prompt_ids: list[int], config, *, prompt_cache=None, costs=No
         costs=costs,
         drafter=drafter,
     )
+
+
+def check_utf8(text: str, source: str, hint: str = "") -> str:
+    """`text` if it is valid UTF-8; Python reads stray bytes of argv and stdin as lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        byte = ord(text[error.start]) & 0xFF
+        raise PromptError(f"{source} is not valid UTF-8 (byte {byte:#04x}){hint}") from None
+    return text
+
+
+def tolerant_stdin() -> None:
+    """Stray bytes on stdin become lone surrogates (as under a C locale), for check_utf8 to name, not a traceback."""
+    with contextlib.suppress(AttributeError, ValueError):
+        sys.stdin.reconfigure(errors="surrogateescape")
 
 
 def stdin_is_terminal() -> bool:

@@ -132,3 +132,36 @@ def test_undefined_variables_render_empty_as_in_transformers():
     # Templates probe optional inputs such as `tools`; those must stay falsy, not fail.
     template = "{% if tools %}T{% endif %}{{ documents }}|{{ messages[0].content }}"
     assert ChatTemplate(template).render(CONVERSATION) == "|What is 2+2?"
+
+
+@pytest.mark.parametrize(
+    "bomb",
+    [
+        "{{ 'a' * 10**9 }}",  # issue 16: 15 s and 1 GB before
+        "{{ [1, 2] * 10**9 }}",
+        "{% set s = 'a' * 10**7 %}{{ s + s }}",
+        "{% set s = 'a' * 10**7 %}{{ s ~ s ~ s }}",
+        "{{ 7 ** 1000000 }}",  # Jinja reads a ** b ** c as (a ** b) ** c
+        "{{ 'a' | center(10**9) }}",
+        "{{ 'a'.ljust(10**9) }}",
+        "{{ '%999999999s' % 'a' }}",
+        "{{ '{:>999999999}'.format('a') }}",
+        "{% set s = 'a' * 10**4 %}{{ s | replace('a', s) }}",
+        "{% set s = 'a' * 10**4 %}{{ s.replace('a', s) }}",
+        "{% for i in range(10**5) %}{% for j in range(10**5) %}{% endfor %}{% endfor %}",
+        "{% for i in range(10**5) %}{{ 'x' * 1000 }}{% endfor %}",  # each piece small, the output not
+    ],
+)
+def test_template_growth_is_bounded_and_one_line(bomb):
+    with pytest.raises(ModelError, match="unsafe operation") as caught:
+        ChatTemplate(bomb).render(CONVERSATION)
+    assert "\n" not in str(caught.value)
+
+
+def test_ordinary_growth_still_renders():
+    long_message = [{"role": "user", "content": "word " * 200_000}]  # a million characters
+    template = (
+        "{{ '=' * 3 }}{% for i in range(3) %}{{ i }}{% endfor %}{{ 2 ** 10 }}{{ '%s!' % 'a' }}{{ '{}?'.format('b') }}"
+        "{% for m in messages %}{{ (m.role ~ ':' + m.content) | replace('word', 'w') | length }}{% endfor %}"
+    )
+    assert ChatTemplate(template).render(long_message) == f"===0121024a!b?{len('user:' + 'w ' * 200_000)}"

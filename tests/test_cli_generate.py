@@ -180,10 +180,10 @@ def test_ctrl_c_keeps_what_was_generated_and_exits_130(fake_engine, monkeypatch)
     assert (cut["text"], cut["finish_reason"]) == (full[:5], "interrupted")
 
 
-def one_error_line(result, code: int, message: str) -> None:
+def one_error_line(result, code: int, message: str, stdout: str = "") -> None:
     assert result.exit_code == code, result.output
     assert result.stderr == f"error: {message}\n"
-    assert result.stdout == ""
+    assert result.stdout == stdout
 
 
 @pytest.mark.parametrize(
@@ -199,7 +199,9 @@ def one_error_line(result, code: int, message: str) -> None:
     ],
 )
 def test_user_mistakes_are_one_line(fake_engine, args, code, message):
-    one_error_line(invoke("generate", *args, input=""), code, message)
+    kind = "options" if code == 2 else "prompt"  # with --json the error is JSON on stdout too
+    stdout = json.dumps({"error": {"message": message, "kind": kind}}) + "\n" if "--json" in args else ""
+    one_error_line(invoke("generate", *args, input=""), code, message, stdout)
 
 
 def test_usage_errors_are_one_line(fake_engine):
