@@ -8,7 +8,7 @@ import pytest
 from mlx.utils import tree_map
 
 from akunu.decode import prefill
-from akunu.drafter import Draft, NGramDrafter
+from akunu.drafter import Draft, Drafter, NGramDrafter
 from akunu.drafters import DEFAULT_SPEC, HybridDrafter, LookupDrafter, make_drafter
 from akunu.drafters.draft_model import check_same_vocabulary, model_drafter
 from akunu.drafters.layer_skip import layer_skip_drafter
@@ -195,7 +195,7 @@ def test_model_drafters_say_what_a_draft_token_costs():
     assert model_drafter(small).cost_per_token == 0  # no target to compare with
 
 
-class Scripted:
+class Scripted(Drafter):
     """A fallback that always drafts `tokens` and costs `cost_per_token` passes per token."""
 
     def __init__(self, tokens, cost_per_token):
