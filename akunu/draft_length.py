@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from akunu.cost_curve import widest_paying
 from akunu.drafter import Draft
 from akunu.errors import OptionsError
 
@@ -144,7 +145,11 @@ LENGTH_POLICIES = ("acceptance", "entropy")
 def make_draft_length(
     policy: str, max_draft: int, costs: Sequence[float] | None, *, adaptive: bool, draft_cost: float = 0.0
 ) -> DraftLength | EntropyDraftLength:
-    """"acceptance" (acceptance against the cost curve) or "entropy" (EGAG); fixed if not adaptive."""
+    """"acceptance" (evidence against the cost curve) or "entropy" (EGAG); fixed if not adaptive.
+
+    An adaptive policy drafts no further than the widest pass the measured curve pays for."""
+    if costs and adaptive:
+        max_draft = min(max_draft, widest_paying(costs, max_draft))
     if policy == "entropy" and adaptive:
         return EntropyDraftLength(max_draft)
     if policy not in LENGTH_POLICIES:

@@ -27,7 +27,7 @@ from akunu.tree import check_tree_support
 @dataclass(frozen=True)
 class SpecConfig:
     enabled: bool = True
-    draft_tokens: int = 4  # the most tokens drafted per round
+    draft_tokens: int = 32  # the most tokens drafted per round (adaptive: the cost curve may set fewer)
     adaptive: bool = True  # pick the length per round (else always draft_tokens)
     length_policy: str = "acceptance"  # "acceptance" (against the cost curve) or "entropy" (EGAG)
     ngram_order: int = 4

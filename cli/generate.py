@@ -48,7 +48,7 @@ def generate(
     seed: options.Seed = None,
     stop: options.Stop = None,
     spec: options.Spec = True,
-    draft_tokens: options.DraftTokens = 4,
+    draft_tokens: options.DraftTokens = 32,
     draft_length: options.DraftLength = options.DraftLengthPolicy.adaptive,
     draft: Annotated[
         str,

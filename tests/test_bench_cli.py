@@ -74,11 +74,11 @@ def test_length_policy_reaches_the_adaptive_run_only(fake_engine, workload):
 def test_bench_uses_the_cli_cost_curve_key(fake_engine, workload):
     result, text = invoke("--workload", str(workload), "--limit", "1", "--categories", "open", "--max-tokens", "4")
     assert result.exit_code == 0, text
-    runtime.cost_curve(fake_engine.loaded, 4)  # what `akunu generate` asks the cache for
+    runtime.cost_curve(fake_engine.loaded, 32)  # what `akunu generate` asks the cache for
     bench_call, generate_call = fake_engine.cost_curves
     assert bench_call["key"] == generate_call["key"] == curve_key("tiny", "float32")
     assert bench_call["directory"] == generate_call["directory"] == default_dir()
-    assert bench_call["max_width"] == 5  # --draft-tokens 4 (the default) needs passes of up to 5 tokens
+    assert bench_call["max_width"] == 33  # --draft-tokens 32 (the default) needs passes of up to 33 tokens
 
 
 def test_categories_limit_and_per_prompt(fake_engine, workload):
@@ -153,8 +153,8 @@ def test_plot_draws_a_png(fake_engine, workload, tmp_path):
 
 
 def test_cost_curve_is_measured_shown_and_stored_where_adaptive_drafting_reads_it(fake_engine, monkeypatch):
-    seconds = [0.05 + 0.005 * k for k in range(16)]
-    monkeypatch.setattr(akunu.cost_curve, "measure", lambda model, max_width=16, sweeps=7: list(seconds))
+    seconds = [0.05 + 0.005 * k for k in range(33)]
+    monkeypatch.setattr(akunu.cost_curve, "measure", lambda model, max_width=33, sweeps=7: list(seconds))
     result, text = invoke("--cost-curve")
     assert result.exit_code == 0, text
     assert re.search(r"│\s+1 │\s+50\.0 │\s+1\.00 │\s+50\.0 │", text)
@@ -167,8 +167,8 @@ def test_cost_curve_is_measured_shown_and_stored_where_adaptive_drafting_reads_i
 
 
 def test_saved_cost_curve_round_trips_through_the_engine_cache(tmp_path):
-    save("some model/float32 cpu", [0.1] + [0.2] * 15, tmp_path)
-    assert akunu.cost_curve.cached(None, "some model/float32 cpu", tmp_path) == pytest.approx([1.0] + [2.0] * 15)
+    save("some model/float32 cpu", [0.1] + [0.2] * 32, tmp_path)
+    assert akunu.cost_curve.cached(None, "some model/float32 cpu", tmp_path) == pytest.approx([1.0] + [2.0] * 32)
 
 
 def test_a_saved_curve_too_short_for_the_draft_length_is_measured_again(tmp_path):

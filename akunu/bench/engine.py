@@ -35,7 +35,7 @@ class ModelEngine:
         *,
         max_tokens: int = 128,
         temp: float = 0.0,
-        draft_tokens: int = 4,
+        draft_tokens: int = 32,
         length_policy: str = "acceptance",
         costs: list[float] | None = None,
         context_length: int | None = None,
