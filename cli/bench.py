@@ -266,7 +266,8 @@ def summary_table(summaries, *, has_mlx: bool) -> Table:
     table = Table(title="decode tok/s (prefill excluded); speedups are medians of per-prompt ratios", title_justify="left")
     for name, justify in (
         ("category", "left"), ("prompts", "right"), ("plain tok/s", "right"), ("spec tok/s", "right"),
-        ("speedup", "right"), ("accept", "right"), ("tok/pass", "right"), ("drafting", "right"), ("fixed-draft speedup", "right"),
+        ("speedup", "right"), ("accept", "right"), ("tok/pass", "right"), ("copy bound", "right"), ("drafting", "right"),
+        ("fixed-draft speedup", "right"),
         ("mlx-lm tok/s", "right"), ("ours vs mlx-lm", "right"), ("prefill tok/s", "right"), ("mismatches", "right"),
     ):  # fmt: skip
         table.add_column(name, justify=justify, no_wrap=True)
@@ -282,6 +283,7 @@ def summary_table(summaries, *, has_mlx: bool) -> Table:
             _speedup(s.speedup),
             _number(s.acceptance and 100 * s.acceptance, ".0f", "%") if s.acceptance is not None else "–",
             _number(s.tokens_per_pass, ".2f"),
+            _number(s.copy_bound, ".2f"),
             _number(None if s.drafting_share is None else 100 * s.drafting_share, ".2f", "%"),
             _speedup(s.fixed_speedup),
             _number(s.mlx_tps, ".1f") if has_mlx else "–",

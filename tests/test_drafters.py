@@ -9,7 +9,7 @@ from mlx.utils import tree_map
 
 from akunu.decode import prefill
 from akunu.drafter import Draft, Drafter, NGramDrafter
-from akunu.drafters import DEFAULT_SPEC, HybridDrafter, LookupDrafter, make_drafter
+from akunu.drafters import DEFAULT_SPEC, HybridDrafter, LookupDrafter, SuffixDrafter, make_drafter
 from akunu.drafters.draft_model import check_same_vocabulary, model_drafter
 from akunu.drafters.layer_skip import layer_skip_drafter
 from akunu.errors import OptionsError
@@ -54,6 +54,9 @@ DRAFTERS = {
     "ngram": lambda target, fn: NGramDrafter(),
     "lookup": lambda target, fn: LookupDrafter(),
     "lookup+ngram": lambda target, fn: make_drafter("lookup+ngram"),
+    "suffix": lambda target, fn: SuffixDrafter(min_match=1),
+    "suffix+ngram": lambda target, fn: make_drafter("suffix+ngram"),
+    "tree": lambda target, fn: make_drafter("tree:6"),
     "model-close": lambda target, fn: model_drafter(perturbed(fn, 1, 0.02)),
     "model-unrelated": lambda target, fn: model_drafter(fn(seed=9)),
     "layer-skip": lambda target, fn: layer_skip_drafter(target, 1),
@@ -69,7 +72,7 @@ def test_every_drafter_keeps_greedy_output_identical(model_fn, kind):
     accepted = 0
     for i, prompt in enumerate(prompts(8)):
         _, plain, _ = run(target, prompt, SpecConfig(enabled=False))
-        for spec in (SpecConfig(draft_tokens=4), SpecConfig(draft_tokens=6, adaptive=False)):
+        for spec in (SpecConfig(draft_tokens=4), SpecConfig(draft_tokens=6, adaptive=False), SpecConfig(draft_tokens=32)):
             drafter = DRAFTERS[kind](target, model_fn)
             _, fast, stats = run(target, prompt, spec, drafter=drafter)
             assert fast == plain, f"prompt {i} {spec}"
