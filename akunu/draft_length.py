@@ -32,6 +32,9 @@ def best_length(acceptance: float, costs: Sequence[float], max_draft: int, draft
     return max(widths, key=lambda n: expected_tokens(acceptance, n) / (costs[n] + n * draft_cost))
 
 
+PRIOR_SLACK = 2.5
+
+
 def _bucket(n: int) -> int:
     """0, 1, 2-3, 4-7, 8-15, 16-31, 32+ -> 0..6: evidence on a log scale."""
     return min(n.bit_length(), 6)
@@ -76,8 +79,8 @@ class DraftLength:
     def acceptance(self, match: int = 0) -> float:
         """Estimated per-token acceptance of a draft continuing `match` tokens of context, now."""
         key = (_bucket(match), _bucket(self.run))
-        held = max(match, self.run)  # a long match or a long-held copy: likely a copy going on
-        prior = (held + 1) / (held + 2.5)  # 1 token: 0.57; 4: 0.77; 30: 0.95
+        held = match if match > 3 else max(match, min(self.run, 8))  # a short context on a held copy: its guess is better
+        prior = (held + 1) / (held + PRIOR_SLACK)  # 1 token: 0.57; 4: 0.77; 30: 0.95
         hits = self.hits.get(key, 0.0) + self.prior_weight * prior
         misses = self.misses.get(key, 0.0) + self.prior_weight * (1 - prior)
         return hits / (hits + misses)

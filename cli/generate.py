@@ -54,10 +54,11 @@ def generate(
         str,
         typer.Option(
             rich_help_panel=options.SPEC_PANEL,
-            help="The drafter: ngram (n-gram tables), lookup (continue the longest earlier match), model:NAME|PATH,"
+            help="The drafter: ngram (n-gram tables), lookup (continue the longest earlier 4-16 token run), suffix (the"
+            " likeliest continuation of the longest earlier match), model:NAME|PATH,"
             " layer-skip:N (the model's first N layers), A+B (A where it has a draft, else B) or hybrid:SPEC (ngram+SPEC).",
         ),
-    ] = "lookup+ngram",
+    ] = "suffix+ngram",  # akunu.drafters.DEFAULT_SPEC (not imported here: it loads MLX)
     draft_model: Annotated[
         Optional[str],
         typer.Option(rich_help_panel=options.SPEC_PANEL, help="A draft model with the same tokenizer (same as --draft model:NAME)."),
@@ -105,12 +106,12 @@ def generate(
     try:
         run(loaded, prompt_ids, config, json_output=json_output, verbose=verbose, drafter=drafter)
     finally:
-        if hasattr(drafter, "save"):  # the persistent n-gram cache learns from this run
+        if drafter is not None:  # the persistent n-gram cache learns from this run
             drafter.save()
 
 
 def make_drafter_for(loaded, config, draft: str, draft_model: str | None, ngram_cache: Path | None, tree: int | None):
-    """The drafter the options ask for; None keeps the engine's default (lookup+ngram)."""
+    """The drafter the options ask for; None keeps the engine's default (suffix+ngram)."""
     from akunu.drafters import DEFAULT_SPEC, make_drafter
 
     if draft_model is not None:

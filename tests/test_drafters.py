@@ -150,7 +150,8 @@ def test_specs_parse_and_bad_ones_say_what_is_expected():
     target = SimpleNamespace(model=tiny_llama(layers=4), tokenizer=TOKENIZER)
     assert isinstance(make_drafter("ngram"), NGramDrafter)
     default = make_drafter(DEFAULT_SPEC)
-    assert isinstance(default.first, LookupDrafter) and isinstance(default.fallback, NGramDrafter)
+    assert isinstance(default.first, SuffixDrafter) and isinstance(default.fallback, NGramDrafter)
+    assert isinstance(make_drafter("lookup+ngram").first, LookupDrafter)
     chain = make_drafter("lookup+ngram+layer-skip:2", target)
     assert isinstance(chain.fallback, HybridDrafter) and len(chain.fallback.fallback.cache) == 2
     assert len(make_drafter("layer-skip:3", target).cache) == 3
@@ -238,3 +239,11 @@ def test_a_costly_fallback_drafts_only_as_far_as_its_acceptance_pays():
     assert max(lengths) == 1 and wrong_costly.asked <= 30 // 4  # costly and wrong: retried now and then
     too_costly = Scripted(right, 2.0)
     assert drafted_per_round(too_costly, [9] * 5) == [0] * 30 and too_costly.asked == 0
+
+
+def test_the_cli_default_drafter_is_the_engines():
+    import inspect
+
+    from akunu.cli.generate import generate
+
+    assert inspect.signature(generate).parameters["draft"].default == DEFAULT_SPEC

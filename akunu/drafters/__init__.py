@@ -6,7 +6,7 @@ likeliest continuation of the longest earlier match, of any length), `model:NAME
 the same tokenizer), `layer-skip:N` (the target's first N layers), `A+B` (A where it has a
 draft, otherwise B), `hybrid:SPEC` (short for `ngram+SPEC`, e.g. `hybrid:layer-skip:8`) and
 `tree:N` (n-gram drafts verified as token trees of up to N nodes, the CLI's `--tree N`).
-The default is `lookup+ngram`.
+The default is `suffix+ngram`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from akunu.drafters.suffix import SuffixDrafter
 from akunu.errors import OptionsError
 from akunu.sampling import SamplingParams
 
-DEFAULT_SPEC = "lookup+ngram"
+DEFAULT_SPEC = "suffix+ngram"
 SPEC_HELP = "ngram, lookup, suffix, model:NAME|PATH, layer-skip:N, A+B, hybrid:SPEC or tree:N"
 
 __all__ = ["DEFAULT_SPEC", "HybridDrafter", "LookupDrafter", "ModelDrafter", "SPEC_HELP", "SuffixDrafter", "make_drafter"]
