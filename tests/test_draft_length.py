@@ -3,6 +3,7 @@
 import mlx.core as mx
 import pytest
 
+from akunu.cost_curve import widest_paying
 from akunu.draft_length import DraftLength, EntropyDraftLength, best_length, make_draft_length
 from akunu.drafter import Draft
 from akunu.errors import OptionsError
@@ -88,3 +89,12 @@ def test_entropy_policy_drafts_by_the_models_confidence():
 def test_unknown_policy_is_an_options_error():
     with pytest.raises(OptionsError, match="draft-length policy"):
         make_draft_length("vibes", 4, None, adaptive=True)
+
+
+def test_the_ceiling_follows_the_cost_curve():
+    flat = [1.0 + 0.005 * k for k in range(33)]  # Metal-like: 16 tokens cost about what 1 does
+    steep = [1.0 + 0.1 * k + 0.05 * k * k for k in range(33)]  # wide passes grow dearer per token
+    assert widest_paying(flat, 32) == 32 and widest_paying(CPU_WIDE, 32) == 32
+    assert 2 <= widest_paying(steep, 32) <= 4
+    assert make_draft_length("acceptance", 32, steep, adaptive=True).max_draft == widest_paying(steep, 32)
+    assert make_draft_length("acceptance", 32, steep, adaptive=False).max_draft == 32  # fixed means fixed
