@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from akunu.decode import propose
+from akunu.draft_length import DraftLength
 from akunu.drafters.suffix import SuffixAutomaton
+from akunu.kv_cache import common_prefix
 
 BOUND_DRAFT_TOKENS = 16
 RUN = 8  # a copied stretch: at least this many tokens found earlier
@@ -53,12 +56,20 @@ def copied_share(context: Sequence[int], answer: Sequence[int], run: int = RUN) 
 
 def drafter_tokens_per_pass(drafter, context: Sequence[int], answer: Sequence[int], draft_tokens: int) -> float:
     """Tokens per pass of `drafter` drafting `draft_tokens` every round on this answer."""
+    widths = replay(drafter, context, answer, DraftLength(draft_tokens, adaptive=False))
+    return len(answer) / len(widths) if widths else 0.0
+
+
+def replay(drafter, context: Sequence[int], answer: Sequence[int], draft_length) -> list[int]:
+    """The drafts' lengths, one per pass, that a chain `drafter` sized by `draft_length` makes on
+    this answer: the speculative loop's rounds without the model, exact for greedy answers."""
     drafter.start(context)
-    i = passes = 0
+    i, widths = 0, []
     while i < len(answer):
-        draft, accepted = drafter.draft(draft_tokens).tokens, 0
-        while accepted < len(draft) and i + accepted < len(answer) and draft[accepted] == answer[i + accepted]:
-            accepted += 1
+        draft = propose(drafter, draft_length, len(answer) - i - 1)
+        accepted = common_prefix(draft.tokens, answer[i:])
+        draft_length.observe(draft.depth, accepted)
         drafter.update(answer[i : i + accepted + 1])
-        i, passes = i + accepted + 1, passes + 1
-    return len(answer) / passes if passes else 0.0
+        i += accepted + 1
+        widths.append(len(draft))
+    return widths
