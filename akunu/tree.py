@@ -54,7 +54,8 @@ class NGramTreeDrafter(NGramDrafter):
 
     def draft(self, n: int) -> Draft:
         tree = self.draft_tree(n, max(self.tree_nodes, n))
-        return Draft(tree.tokens, parents=tree.parents)
+        found = self.predictor.lookup(self.predictor.context())
+        return Draft(tree.tokens, parents=tree.parents, match=found[0] if found else 0)
 
     def draft_tree(self, depth: int, nodes: int) -> TokenTree:
         predictor = self.predictor

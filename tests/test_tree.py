@@ -125,3 +125,14 @@ def test_stream_generate_runs_the_tree_loop_for_a_tree_drafter():
     _, plain, _ = generate(model, FakeTokenizer(), prompt, GenerationConfig(max_tokens=60, spec=SpecConfig(enabled=False)))
     _, fast, stats = generate(model, FakeTokenizer(), prompt, config, drafter=NGramTreeDrafter(max_nodes=10))
     assert fast == plain and stats.tokens_per_pass > 2
+
+
+def test_a_tree_drafter_on_an_architecture_it_does_not_know_is_an_options_error():
+    from akunu.errors import OptionsError
+    from akunu.generate import GenerationConfig, generate
+    from tests.tiny import FakeTokenizer
+
+    model = tiny_llama(seed=1)
+    model.model_type = "phi3"  # its attention is laid out differently: per-node positions would not reach RoPE
+    with pytest.raises(OptionsError, match="token-tree verification supports llama, gemma3_text models, not phi3"):
+        generate(model, FakeTokenizer(), [1, 2, 3], GenerationConfig(max_tokens=4), drafter=NGramTreeDrafter())
