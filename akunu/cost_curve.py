@@ -30,7 +30,9 @@ def measure(model: nn.Module, max_width: int = MAX_WIDTH, sweeps: int = 7, conte
 
     Each sweep times every width once, alternating direction, so a burst of load from another
     process lands on all widths alike; the fastest sample of each width is kept, since load
-    only ever adds time.
+    only ever adds time. For the same reason a width that timed slower than a wider one was
+    slowed by load: a wider pass does all a narrower one does, so the curve is made
+    non-decreasing from the widest end.
     """
     cache = make_cache(model)
     mx.eval(model(mx.zeros((1, context), mx.uint32), cache=cache))
@@ -44,7 +46,17 @@ def measure(model: nn.Module, max_width: int = MAX_WIDTH, sweeps: int = 7, conte
             if sweep:
                 samples[width].append(time.perf_counter() - start)
             rewind(cache, width)
-    return [min(samples[width]) for width in inputs]
+    fastest = [min(samples[width]) for width in inputs]
+    return non_decreasing(fastest)
+
+
+def non_decreasing(seconds: Sequence[float]) -> list[float]:
+    """Each width's time capped by every wider width's: load spikes removed."""
+    capped, lowest = [], float("inf")
+    for s in reversed(seconds):
+        lowest = min(lowest, s)
+        capped.append(lowest)
+    return capped[::-1]
 
 
 def relative_costs(seconds: Sequence[float]) -> list[float]:

@@ -183,3 +183,9 @@ def test_interleaved_measurement_times_every_width_on_a_tiny_model():
 
     seconds = akunu.cost_curve.measure(tiny_llama(), max_width=5, sweeps=2)
     assert len(seconds) == 5 and all(s > 0 for s in seconds)
+
+
+def test_a_width_slowed_by_load_is_capped_by_the_wider_ones():
+    from akunu.cost_curve import non_decreasing
+
+    assert non_decreasing([0.17, 0.16, 0.41, 0.2, 2.7, 0.3, 0.35]) == [0.16, 0.16, 0.2, 0.2, 0.3, 0.3, 0.35]
