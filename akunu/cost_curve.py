@@ -1,7 +1,10 @@
-"""The cost curve: how long a forward pass of k = 1..16 tokens takes on this backend.
+"""The cost curve: how long a forward pass of k = 1..33 tokens takes on this backend.
 
 Adaptive drafting weighs expected accepted tokens against it, so it is measured once per
 model, dtype and backend and kept on disk (`akunu bench --cost-curve` measures it afresh).
+It is measured out to the widest pass the policy may choose (32 drafts and the last token)
+after a context of the length generation typically runs at, since wider contexts make wide
+passes relatively dearer (issue 5: k = 5 costs 1.34x at 64 tokens, 1.62x at 1024).
 """
 
 from __future__ import annotations
@@ -18,15 +21,18 @@ import mlx.nn as nn
 from akunu import _blas
 from akunu.kv_cache import make_cache, rewind
 
-MAX_WIDTH = 16
+MAX_WIDTH = 33  # 32 drafts and the last committed token
+CONTEXT = 512  # tokens already in the cache while timing: a prompt plus part of its answer
 
 
-def measure(model: nn.Module, max_width: int = MAX_WIDTH, sweeps: int = 7, context: int = 64) -> list[float]:
+def measure(model: nn.Module, max_width: int = MAX_WIDTH, sweeps: int = 7, context: int = CONTEXT) -> list[float]:
     """Seconds of a k-token pass, k = 1..max_width, after `context` tokens.
 
     Each sweep times every width once, alternating direction, so a burst of load from another
     process lands on all widths alike; the fastest sample of each width is kept, since load
-    only ever adds time.
+    only ever adds time. For the same reason a width that timed slower than a wider one was
+    slowed by load: a wider pass does all a narrower one does, so the curve is made
+    non-decreasing from the widest end.
     """
     cache = make_cache(model)
     mx.eval(model(mx.zeros((1, context), mx.uint32), cache=cache))
@@ -40,7 +46,17 @@ def measure(model: nn.Module, max_width: int = MAX_WIDTH, sweeps: int = 7, conte
             if sweep:
                 samples[width].append(time.perf_counter() - start)
             rewind(cache, width)
-    return [min(samples[width]) for width in inputs]
+    fastest = [min(samples[width]) for width in inputs]
+    return non_decreasing(fastest)
+
+
+def non_decreasing(seconds: Sequence[float]) -> list[float]:
+    """Each width's time capped by every wider width's: load spikes removed."""
+    capped, lowest = [], float("inf")
+    for s in reversed(seconds):
+        lowest = min(lowest, s)
+        capped.append(lowest)
+    return capped[::-1]
 
 
 def relative_costs(seconds: Sequence[float]) -> list[float]:
@@ -70,23 +86,31 @@ def save(key: str, seconds: Sequence[float], directory: Path) -> Path:
     path = curve_path(key, directory)
     directory.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key, "seconds": list(seconds)}))
+    tmp.write_text(json.dumps({"key": key, "context": CONTEXT, "seconds": list(seconds)}))
     tmp.replace(path)
     return path
 
 
-def cached(model: nn.Module, key: str, directory: Path, max_width: int = 9) -> list[float]:
+def cached(model: nn.Module, key: str, directory: Path, max_width: int = MAX_WIDTH) -> list[float]:
     """Relative pass costs for k = 1..max_width (or more), measured once and then read from disk.
 
     A first measurement uses few sweeps, so it takes a few seconds; a saved curve that is too
     short for `max_width` is measured again.
     """
     try:
-        saved = json.loads(curve_path(key, directory).read_text())["seconds"]
-        if len(saved) >= max_width:
-            return relative_costs(saved)
+        record = json.loads(curve_path(key, directory).read_text())
+        if len(record["seconds"]) >= max_width and record.get("context") == CONTEXT:
+            return relative_costs(record["seconds"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
     seconds = measure(model, max_width, sweeps=3)
     save(key, seconds, directory)
     return relative_costs(seconds)
+
+
+def widest_paying(costs: Sequence[float], most: int) -> int:
+    """The draft ceiling the curve supports: the draft length (<= `most`) whose pass costs
+    least per token when every draft lands. On Metal, where a 16-token pass costs about what
+    a 1-token pass does, that is `most`; a curve that climbs steeply gives a lower ceiling."""
+    widths = range(min(most, len(costs) - 1) + 1)
+    return max(widths, key=lambda n: (n + 1) / costs[n])

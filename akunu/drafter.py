@@ -1,17 +1,18 @@
-"""What the speculative loop asks of a draft source.
+"""What the speculative loop asks of a draft source, and the draft it gets back.
 
-A drafter proposes tokens; verification and rollback stay in one shared path. A drafter
-that samples from a distribution returns it as `probs`, and sampled verification then
-uses the general min(1, p/q) rule; a deterministic drafter leaves it None (one-hot q).
-A drafter that runs a model has a `cost_per_token` (in 1-token target passes), which the
-draft-length policy weighs; table lookups have none.
+A drafter proposes tokens; verification and rollback stay in one shared loop
+(`akunu.decode.speculative_decode`). A draft is a chain, or a token tree when `parents` is
+set. A drafter that samples from a distribution returns it as `probs`, and sampled
+verification then uses the general min(1, p/q) rule; a deterministic drafter leaves it None
+(one-hot q). What a drafter offers is declared on the class, never probed for:
+`cost_per_token` (a drafter that runs a model; table lookups cost nothing), `tree_nodes`
+(it may return token trees of up to that many nodes) and `save()` (state kept across runs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import mlx.core as mx
 
@@ -19,26 +20,91 @@ from akunu.ngram import NGramPredictor
 
 
 @dataclass
-class Draft:
+class TokenTree:
+    """Draft nodes in depth-first order; `parents[i]` is the index of node i's parent, -1 for the root."""
+
     tokens: list[int]
-    probs: mx.array | None = None  # (len(tokens), V) proposal distribution, or None for one-hot
+    parents: list[int]
 
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def depths(self) -> list[int]:
+        """Depth of each node below the root (children of the root have depth 1)."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return depths
 
-class Drafter(Protocol):
+    def children(self) -> list[list[int]]:
+        """Child node indices of the root (entry 0) and of each node (entry i + 1), in packing order."""
+        kids: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for node, parent in enumerate(self.parents):
+            kids[parent + 1].append(node)
+        return kids
+
+    def chain_length(self) -> int:
+        """How many nodes lead the packing as a single chain (parent i - 1 for node i)."""
+        length = 0
+        while length < len(self) and self.parents[length] == length - 1:
+            length += 1
+        return length
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: mx.array | None = None  # (len(tokens), V) proposal distribution, or None for one-hot
+    parents: list[int] | None = None  # set for a token tree (see TokenTree); None for a chain
+    match: int = 0  # tokens of context the draft continues (its matched suffix): evidence for its length
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def tree(self) -> TokenTree | None:
+        return None if self.parents is None else TokenTree(self.tokens, self.parents)
+
+    @property
+    def depth(self) -> int:
+        """How far the draft reaches past the last committed token."""
+        return max(self.tree.depths(), default=0) if self.parents is not None else len(self.tokens)
+
+    def truncated(self, n: int) -> Draft:
+        """The draft cut to reach at most `n` tokens past the committed sequence."""
+        if n >= self.depth:
+            return self
+        if self.parents is None:
+            return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n], None, self.match)
+        kept = [i for i, depth in enumerate(self.tree.depths()) if depth <= n]  # ancestors come first
+        index = {old: new for new, old in enumerate(kept)}
+        parents = [index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in kept]
+        return Draft([self.tokens[i] for i in kept], None, parents, self.match)
+
+
+class Drafter:
+    """The drafter interface, with what a drafter that declares nothing offers."""
+
+    cost_per_token: float = 0.0  # drafting one token, in 1-token target passes (0 for table lookups)
+    tree_nodes: int = 0  # > 0: drafts may be token trees of up to this many nodes
+
     def start(self, context: Sequence[int]) -> None:
         """Learn from the prompt (the whole conversation so far), forgetting any earlier generation."""
+        raise NotImplementedError
 
     def update(self, tokens: Sequence[int]) -> None:
         """Tokens just committed to the sequence, in order."""
+        raise NotImplementedError
 
     def draft(self, n: int) -> Draft:
-        """Propose up to `n` tokens to follow the committed sequence."""
+        """Propose up to `n` tokens (a tree: up to `n` deep) to follow the committed sequence."""
+        raise NotImplementedError
+
+    def save(self) -> None:
+        """Write what is kept across runs (the persistent n-gram cache); most drafters keep nothing."""
 
 
-class NGramDrafter:
+class NGramDrafter(Drafter):
     """akunu's n-gram predictor (FNV tables of orders 2..4) as a drafter."""
 
     def __init__(self, max_order: int = 4, window: int = 512) -> None:
@@ -53,4 +119,5 @@ class NGramDrafter:
         self.predictor.update_batch(tokens)
 
     def draft(self, n: int) -> Draft:
-        return Draft(self.predictor.predict(n))
+        tokens, match = self.predictor.predict_with_match(n)
+        return Draft(tokens, match=match)

@@ -21,12 +21,13 @@ from akunu.errors import OptionsError, PromptError
 from akunu.kv_cache import PromptCache, why_not_trimmable
 from akunu.sampling import SamplingParams
 from akunu.stats import GenerationStats
+from akunu.tree import check_tree_support
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     enabled: bool = True
-    draft_tokens: int = 4  # the most tokens drafted per round
+    draft_tokens: int = 32  # the most tokens drafted per round (adaptive: the cost curve may set fewer)
     adaptive: bool = True  # pick the length per round (else always draft_tokens)
     length_policy: str = "acceptance"  # "acceptance" (against the cost curve) or "entropy" (EGAG)
     ngram_order: int = 4
@@ -47,7 +48,7 @@ class GenerationResponse:
     text: str  # the new text segment; may be empty while a character or stop string is pending
     token: int | None  # None on a final response that only flushes text
     from_draft: bool
-    stats: GenerationStats  # the live statistics of this generation (the same object throughout)
+    stats: GenerationStats  # this generation's statistics as of this response (a copy of its own)
     finish_reason: str | None = None  # "stop" (EOS or stop string) or "length" on the last response
 
 
@@ -119,7 +120,9 @@ def stream_generate(
     to_feed = prompt_cache.reuse(prompt)
     stats.prefilled_tokens = len(to_feed)
     logits = prefill(model, prompt_cache.cache, to_feed, config.prefill_step)
-    tokens = _decode_loop(model, prompt_cache.cache, logits, prompt, config, stats, drafter, costs, budget)
+    tokens = _decode_loop(
+        model, prompt_cache.cache, logits, prompt, config, stats=stats, drafter=drafter, costs=costs, budget=budget
+    )
 
     detokenizer, stops = tokenizer.detokenizer(), _StopStrings(config.stop)
     decode_start, hit_stop_string = None, False
@@ -139,31 +142,38 @@ def stream_generate(
         elif stats.generated_tokens + 1 >= budget:
             stats.finish_reason = "length"
         stats.generated_tokens += 1  # counted as it is handed over, so an interrupt never over-counts
-        yield GenerationResponse(text, token, from_draft, stats)
+        yield GenerationResponse(text, token, from_draft, stats.snapshot())
         if stats.finish_reason:
             break
     tail = ""
     if not hit_stop_string:  # text after a stop string is dropped; anything else still pending is emitted
         tail = stops.feed(detokenizer.flush())[0] + stops.flush()
-    yield GenerationResponse(tail, None, False, stats, stats.finish_reason)
+    yield GenerationResponse(tail, None, False, stats.snapshot(), stats.finish_reason)
 
 
-def _decode_loop(model, cache, logits, prompt, config, stats, drafter, costs, budget):
-    spec, params = config.spec, config.sampling
-    if not spec.enabled:
-        return plain_decode(model, cache, logits, params, stats)
+def _decode_loop(
+    model, cache, logits, prompt, config: GenerationConfig, *, stats, drafter: Drafter | None, costs, budget: int
+):
+    speculation, params = config.spec, config.sampling
+    if not speculation.enabled:
+        return plain_decode(model, cache, logits, params=params, stats=stats)
     reason = why_not_trimmable(cache)
     if reason:
         raise OptionsError(f"{reason}; run with --no-spec")
     if drafter is None:
         from akunu.drafters import DEFAULT_SPEC, make_drafter
 
-        drafter = make_drafter(DEFAULT_SPEC, ngram_order=spec.ngram_order, window=spec.window)
+        drafter = make_drafter(DEFAULT_SPEC, ngram_order=speculation.ngram_order, window=speculation.window)
+    if drafter.tree_nodes:
+        check_tree_support(model)
     drafter.start(prompt)
-    draft_cost = getattr(drafter, "cost_per_token", 0.0)  # a drafter that runs a model says what a token costs
-    lengths = make_draft_length(spec.length_policy, spec.draft_tokens, costs, spec.adaptive, draft_cost)
-    decode = getattr(drafter, "decode_loop", speculative_decode)  # a token-tree drafter brings its own
-    return decode(model, cache, logits, params, stats, drafter, lengths, budget)
+    draft_length = make_draft_length(
+        speculation.length_policy, speculation.draft_tokens, costs,
+        adaptive=speculation.adaptive, draft_cost=drafter.cost_per_token,
+    )  # fmt: skip
+    return speculative_decode(
+        model, cache, logits, params=params, stats=stats, drafter=drafter, draft_length=draft_length, budget=budget
+    )
 
 
 def generate(model: nn.Module, tokenizer, prompt: Sequence[int], config: GenerationConfig = GenerationConfig(), **kwargs):

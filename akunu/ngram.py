@@ -24,7 +24,7 @@ def fnv1a(tokens: Iterable[int]) -> int:
     return h
 
 
-class _Continuations:
+class Continuations:
     """Counts of the tokens seen after one context, with the current favourite kept up to date."""
 
     __slots__ = ("counts", "best", "best_count")
@@ -51,17 +51,17 @@ class NGramPredictor:
         self.window = window
         self.history: deque[int] = deque(maxlen=window)
         # tables[i] holds contexts of i+1 tokens, i.e. (i+2)-grams.
-        self.tables: list[dict[int, _Continuations]] = [{} for _ in range(max_order - 1)]
+        self.tables: list[dict[int, Continuations]] = [{} for _ in range(max_order - 1)]
 
     def update(self, token: int) -> None:
         """Count `token` after each context (the last 1..max_order-1 tokens), then append it."""
-        recent = self._recent()
+        recent = self.context()
         for ctx_len in range(1, len(recent) + 1):
             table = self.tables[ctx_len - 1]
             key = fnv1a(recent[-ctx_len:])
             entry = table.get(key)
             if entry is None:
-                entry = table[key] = _Continuations()
+                entry = table[key] = Continuations()
             entry.add(token)
         self.history.append(token)
 
@@ -71,24 +71,32 @@ class NGramPredictor:
 
     def predict(self, n: int) -> list[int]:
         """Draft up to `n` tokens, stopping at the first position no context matches."""
-        context = self._recent()
-        draft: list[int] = []
-        for _ in range(n):
-            token = self._continue(context)
-            if token is None:
-                break
-            draft.append(token)
-            context = (context + [token])[-(self.max_order - 1) :]
-        return draft
+        return self.predict_with_match(n)[0]
 
-    def _recent(self) -> list[int]:
-        """The last max_order-1 tokens of the history, oldest first."""
+    def predict_with_match(self, n: int) -> tuple[list[int], int]:
+        """The draft, and how many tokens of context backed its first token (0 when none did)."""
+        context = self.context()
+        draft: list[int] = []
+        match = 0
+        for _ in range(n):
+            found = self.lookup(context)
+            if found is None:
+                break
+            if not draft:
+                match = found[0]
+            draft.append(found[1].best)
+            context = (context + [draft[-1]])[-(self.max_order - 1) :]
+        return draft, match
+
+    def context(self) -> list[int]:
+        """The last max_order-1 tokens of the history, oldest first: what the tables are keyed by."""
         k = min(len(self.history), self.max_order - 1)
         return [self.history[i] for i in range(len(self.history) - k, len(self.history))]
 
-    def _continue(self, context: list[int]) -> int | None:
+    def lookup(self, context: list[int]) -> tuple[int, Continuations] | None:
+        """The continuations of the longest suffix of `context` the tables know, with its length."""
         for ctx_len in range(min(len(context), self.max_order - 1), 0, -1):
             entry = self.tables[ctx_len - 1].get(fnv1a(context[-ctx_len:]))
             if entry is not None:
-                return entry.best
+                return ctx_len, entry
         return None

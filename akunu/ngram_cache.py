@@ -105,12 +105,11 @@ class CachedNGramDrafter(NGramDrafter):
 
     def draft(self, n: int) -> Draft:
         predictor = self.predictor
-        context = predictor._recent()
+        context = predictor.context()
         tokens: list[int] = []
         for _ in range(n):
-            token = predictor._continue(context)
-            if token is None:
-                token = self.cache.predict(context)
+            found = predictor.lookup(context)
+            token = found[1].best if found else self.cache.predict(context)
             if token is None:
                 break
             tokens.append(token)

@@ -6,7 +6,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -24,6 +24,10 @@ class GenerationStats:
     peak_memory_mb: float = 0.0
     finish_reason: str | None = None
     ended_on_eos: bool = False  # the model's end token was produced (and not counted as generated)
+
+    def snapshot(self) -> GenerationStats:
+        """A copy that later rounds leave alone (each streamed response carries its own)."""
+        return replace(self, accepted_lengths=Counter(self.accepted_lengths))
 
     def record_round(self, drafted: int, accepted: int) -> None:
         self.forward_passes += 1

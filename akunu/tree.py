@@ -16,55 +16,24 @@ modules are wrapped for the pass so a position vector rotates each node by its o
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from akunu.decode import choose
-from akunu.draft_length import DraftLength
-from akunu.drafter import NGramDrafter
+from akunu.drafter import Draft, NGramDrafter, TokenTree
 from akunu.errors import OptionsError
 from akunu.kv_cache import rewind
-from akunu.ngram import fnv1a
 from akunu.sampling import SamplingParams, target_logprobs
-from akunu.stats import GenerationStats
 
+# mlx-lm architectures whose internals akunu reaches into (layers, self_attn.rope, zip(layers, cache)).
 SUPPORTED = ("llama", "gemma3_text")
 
 
-@dataclass
-class TokenTree:
-    """Draft nodes in depth-first order; `parents[i]` is the index of node i's parent, -1 for the root."""
-
-    tokens: list[int]
-    parents: list[int]
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def depths(self) -> list[int]:
-        """Depth of each node below the root (children of the root have depth 1)."""
-        depths: list[int] = []
-        for parent in self.parents:
-            depths.append(1 if parent < 0 else depths[parent] + 1)
-        return depths
-
-    def children(self) -> list[list[int]]:
-        """Child node indices of the root (entry 0) and of each node (entry i + 1), in packing order."""
-        kids: list[list[int]] = [[] for _ in range(len(self) + 1)]
-        for node, parent in enumerate(self.parents):
-            kids[parent + 1].append(node)
-        return kids
-
-    def chain_length(self) -> int:
-        """How many nodes lead the packing as a single chain (parent i - 1 for node i)."""
-        length = 0
-        while length < len(self) and self.parents[length] == length - 1:
-            length += 1
-        return length
+def model_kind(model: nn.Module) -> str:
+    """The mlx-lm architecture name of a loaded model (its module name when it declares none)."""
+    return getattr(model, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1]
 
 
 # Building trees from the n-gram tables ----------------------------------------------------
@@ -81,15 +50,16 @@ class NGramTreeDrafter(NGramDrafter):
 
     def __init__(self, max_order: int = 4, window: int = 512, max_nodes: int = 8) -> None:
         super().__init__(max_order=max_order, window=window)
-        self.max_nodes = max_nodes
+        self.tree_nodes = max_nodes
 
-    def decode_loop(self, model, cache, logits, params, stats, drafter, lengths, budget):
-        """The loop `stream_generate` runs for this drafter: tree verification."""
-        return tree_decode(model, cache, logits, params, stats, self, lengths, budget, self.max_nodes)
+    def draft(self, n: int) -> Draft:
+        tree = self.draft_tree(n, max(self.tree_nodes, n))
+        found = self.predictor.lookup(self.predictor.context())
+        return Draft(tree.tokens, parents=tree.parents, match=found[0] if found else 0)
 
     def draft_tree(self, depth: int, nodes: int) -> TokenTree:
         predictor = self.predictor
-        context = predictor._recent()
+        context = predictor.context()
         order = predictor.max_order - 1
         chosen: list[tuple[int, int, float]] = []  # (token, parent, path probability) in selection order
         frontier: list[tuple[float, int, int, int, list[int]]] = []  # (-prob, tiebreak, token, parent, path)
@@ -111,13 +81,13 @@ class NGramTreeDrafter(NGramDrafter):
 
     def _continuations(self, context: list[int]) -> list[tuple[int, float]]:
         """Continuations of the longest matching context, most likely first (ties: the favourite)."""
-        for ctx_len in range(len(context), 0, -1):
-            entry = self.predictor.tables[ctx_len - 1].get(fnv1a(context[-ctx_len:]))
-            if entry is not None:
-                total = sum(entry.counts.values()) + 1
-                ranked = sorted(entry.counts.items(), key=lambda kv: (-kv[1], kv[0] != entry.best))
-                return [(token, count / total) for token, count in ranked]
-        return []
+        found = self.predictor.lookup(context)
+        if found is None:
+            return []
+        entry = found[1]
+        total = sum(entry.counts.values()) + 1
+        ranked = sorted(entry.counts.items(), key=lambda kv: (-kv[1], kv[0] != entry.best))
+        return [(token, count / total) for token, count in ranked]
 
 
 def _depth_first(chosen: list[tuple[int, int, float]]) -> TokenTree:
@@ -181,7 +151,7 @@ def _node_positions(model: nn.Module):
 
 
 def check_tree_support(model: nn.Module) -> None:
-    kind = getattr(model, "model_type", type(model).__name__)
+    kind = model_kind(model)
     if kind not in SUPPORTED:
         raise OptionsError(f"token-tree verification supports {', '.join(SUPPORTED)} models, not {kind}")
 
@@ -280,53 +250,20 @@ def verify_tree_sampled(logprobs: mx.array, tree: TokenTree) -> tuple[list[int],
             return path, fallback[node]
 
 
-# The decode loop ----------------------------------------------------------------------------
+# One round ------------------------------------------------------------------------------------
 
 
-def tree_decode(
-    model: nn.Module,
-    cache: list,
-    logits: mx.array,
-    params: SamplingParams,
-    stats: GenerationStats,
-    drafter: NGramTreeDrafter,
-    lengths: DraftLength,
-    budget: int,
-    max_nodes: int = 8,
-) -> Iterator[tuple[int, bool]]:
-    """Like `speculative_decode`, with a token tree in place of the linear draft.
+def verify_tree_round(model: nn.Module, cache: list, root: int, draft: Draft, params: SamplingParams):
+    """Run a token-tree draft after `root`, keep the accepted path in the cache.
 
-    `lengths` picks the tree's depth from recent acceptance, as it picks a linear draft's
-    length; `max_nodes` caps its size. Statistics count every node as drafted.
+    Returns the accepted tokens, the target's next token and the logits row it came from.
     """
-    check_tree_support(model)
-    token = choose(logits, params).item()
-    drafter.update([token])
-    produced = 1
-    yield token, False
-    while True:
-        depth = min(lengths.choose(), max(budget - produced - 1, 0))
-        with stats.drafting():
-            tree = drafter.draft_tree(depth, max(max_nodes, depth)) if depth else TokenTree([], [])
-        if not tree:
-            token = choose(model(mx.array([[token]], mx.uint32), cache=cache)[0, -1], params).item()
-            accepted: list[int] = []
-            stats.record_round(0, 0)
-            lengths.observe(0, 0)
-        else:
-            prefix = cache[0].offset
-            logits = tree_forward(model, cache, token, tree)
-            if params.greedy:
-                path, token_next = verify_tree_greedy(logits, tree)
-            else:
-                path, token_next = verify_tree_sampled(target_logprobs(logits, params), tree)
-            keep_path(cache, prefix, len(tree) + 1, path)
-            accepted, token = [tree.tokens[i - 1] for i in path[1:]], token_next
-            stats.record_round(len(tree), len(accepted))
-            lengths.observe(max(tree.depths()), len(accepted))
-        with stats.drafting():
-            drafter.update([*accepted, token])
-        produced += len(accepted) + 1
-        for t in accepted:
-            yield t, True
-        yield token, False
+    tree = draft.tree
+    prefix = cache[0].offset
+    logits = tree_forward(model, cache, root, tree)
+    if params.greedy:
+        path, token = verify_tree_greedy(logits, tree)
+    else:
+        path, token = verify_tree_sampled(target_logprobs(logits, params), tree)
+    keep_path(cache, prefix, len(tree) + 1, path)
+    return [tree.tokens[i - 1] for i in path[1:]], token, logits[path[-1]]

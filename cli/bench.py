@@ -73,11 +73,11 @@ def bench(
         int,
         typer.Option(
             min=1,
-            max=15,
+            max=64,
             rich_help_panel=RUN_PANEL,
             help="The most tokens drafted per pass: the adaptive run's ceiling and the fixed-length run's length.",
         ),
-    ] = 4,
+    ] = 32,
     length_policy: Annotated[
         LengthPolicy,
         typer.Option(
@@ -119,7 +119,7 @@ def bench(
         bool,
         typer.Option(
             "--cost-curve",
-            help="Instead of the benchmark: time a forward pass of 1..16 tokens, show it, and store it for adaptive drafting.",
+            help="Instead of the benchmark: time a forward pass of 1..33 tokens, show it, and store it for adaptive drafting.",
         ),
     ] = False,
 ) -> None:
@@ -258,7 +258,8 @@ def summary_table(summaries, *, has_mlx: bool) -> Table:
     table = Table(title="decode tok/s (prefill excluded); speedups are medians of per-prompt ratios", title_justify="left")
     for name, justify in (
         ("category", "left"), ("prompts", "right"), ("plain tok/s", "right"), ("spec tok/s", "right"),
-        ("speedup", "right"), ("accept", "right"), ("tok/pass", "right"), ("drafting", "right"), ("fixed-draft speedup", "right"),
+        ("speedup", "right"), ("accept", "right"), ("tok/pass", "right"), ("copy bound", "right"), ("drafting", "right"),
+        ("fixed-draft speedup", "right"),
         ("mlx-lm tok/s", "right"), ("ours vs mlx-lm", "right"), ("prefill tok/s", "right"), ("mismatches", "right"),
     ):  # fmt: skip
         table.add_column(name, justify=justify, no_wrap=True)
@@ -274,6 +275,7 @@ def summary_table(summaries, *, has_mlx: bool) -> Table:
             _speedup(s.speedup),
             _number(s.acceptance and 100 * s.acceptance, ".0f", "%") if s.acceptance is not None else "–",
             _number(s.tokens_per_pass, ".2f"),
+            _number(s.copy_bound, ".2f"),
             _number(None if s.drafting_share is None else 100 * s.drafting_share, ".2f", "%"),
             _speedup(s.fixed_speedup),
             _number(s.mlx_tps, ".1f") if has_mlx else "–",
@@ -355,11 +357,11 @@ def _print_checks(out: Console, result, temp: float) -> None:
 def show_cost_curve(loaded, draft_tokens: int) -> None:
     """Measure afresh, print k / ms / relative cost / ms per token, and store the curve for adaptive drafting."""
     from akunu import cost_curve
-    from akunu.bench.cost_curve import measure_and_save
+    from akunu.bench.cost_table import measure_and_save
     from akunu.draft_length import best_length
 
     key = cost_curve.curve_key(loaded.name, loaded.dtype)
-    with stderr_console().status("timing forward passes of 1..16 tokens…"):
+    with stderr_console().status("timing forward passes of 1..33 tokens…"):
         rows, path = measure_and_save(loaded.model, key, cost_curve.default_dir())
     table = Table(title="forward-pass time by width k", caption=key, title_justify="left")
     for name in ("k", "ms", "relative cost", "ms per token"):

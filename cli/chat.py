@@ -49,7 +49,7 @@ def chat(
     seed: options.Seed = None,
     stop: options.Stop = None,
     spec: options.Spec = True,
-    draft_tokens: options.DraftTokens = 4,
+    draft_tokens: options.DraftTokens = 32,
     save: Annotated[
         Optional[Path],
         typer.Option(rich_help_panel=CONVERSATION_PANEL, help="Save the conversation to this JSON file after every answer."),

@@ -51,13 +51,14 @@ def generate(
     seed: options.Seed = None,
     stop: options.Stop = None,
     spec: options.Spec = True,
-    draft_tokens: options.DraftTokens = 4,
+    draft_tokens: options.DraftTokens = 32,
     draft_length: options.DraftLength = options.DraftLengthPolicy.adaptive,
     draft: Annotated[
         str,
         typer.Option(
             rich_help_panel=options.SPEC_PANEL,
-            help="The drafter: ngram (n-gram tables), lookup (continue the longest earlier match), model:NAME|PATH,"
+            help="The drafter: ngram (n-gram tables), lookup (continue the longest earlier 4-16 token run), suffix (the"
+            " likeliest continuation of the longest earlier match), model:NAME|PATH,"
             " layer-skip:N (the model's first N layers), A+B (A where it has a draft, else B) or hybrid:SPEC (ngram+SPEC).",
         ),
     ] = DEFAULT_SPEC,
@@ -111,7 +112,7 @@ def generate(
     try:
         run(loaded, prompt_ids, config, json_output=json_output, verbose=verbose, drafter=drafter)
     finally:
-        if hasattr(drafter, "save"):  # the persistent n-gram cache learns from this run
+        if drafter is not None:  # the persistent n-gram cache learns from this run
             _save_ngram_cache(drafter, ngram_cache)
 
 
@@ -135,7 +136,7 @@ def _save_ngram_cache(drafter, path: Path) -> None:
 
 
 def make_drafter_for(loaded, config, draft: str, draft_model: str | None, ngram_cache: Path | None, tree: int | None):
-    """The drafter the options ask for; None keeps the engine's default (lookup+ngram)."""
+    """The drafter the options ask for; None keeps the engine's default (suffix+ngram)."""
     from akunu.drafters import make_drafter
 
     if draft_model is not None:

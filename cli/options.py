@@ -94,7 +94,7 @@ DraftTokens = Annotated[
     int,
     typer.Option(
         min=1,
-        max=15,
+        max=64,
         rich_help_panel=SPEC_PANEL,
         help="The most tokens drafted per forward pass; the number drafted adapts to how often drafts land.",
     ),

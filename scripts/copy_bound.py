@@ -1,13 +1,17 @@
 """How much could any copying drafter get out of a benchmark's greedy answers?
 
-    .venv/bin/python scripts/copy_bound.py BENCH.json [--draft-tokens 4]
+    .venv/bin/python scripts/copy_bound.py BENCH.json [--draft-tokens 16] [--curve COSTS.json]
 
 Reads the plain (greedy) answers an `akunu bench --json` run recorded and, per category, prints:
   copied    share of answer tokens inside a run of >= 8 tokens found earlier (prompt or answer)
   bound     tokens per pass if every pass accepted the longest next run (<= draft-tokens) found
             anywhere earlier: no drafter that copies runs of the context can beat it
   DRAFTER   tokens per pass of a shipped drafter drafting draft-tokens every round
+  DRAFTER/adaptive, DRAFTER/modelled   with --curve (a JSON list of relative pass costs, k = 1..33):
+            tokens per pass under the adaptive draft-length policy (ceiling 32), and the speedup
+            the curve predicts for it (answer tokens / summed cost of its passes)
 Greedy speculation emits exactly the plain answer, so replaying it is an exact simulation.
+The computation lives in akunu.bench.copy_bound; `akunu bench` shows the <= 16 bound per category.
 """
 
 from __future__ import annotations
@@ -18,58 +22,23 @@ import statistics
 from collections import defaultdict
 
 import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
+from akunu.bench.copy_bound import bound_tokens_per_pass, copied_share, drafter_tokens_per_pass, replay
 from akunu.bench.engine import ModelEngine
 from akunu.bench.workloads import load_workload, shipped_workload
+from akunu.draft_length import make_draft_length
 from akunu.drafters import make_drafter
 from akunu.models import load_model
-
-RUN = 8
-
-
-def copied_share(context: list[int], answer: list[int]) -> float:
-    covered = [False] * len(answer)
-    for i in range(len(answer) - RUN + 1):
-        earlier = context + answer[:i]
-        runs = {tuple(earlier[j : j + RUN]) for j in range(len(earlier) - RUN + 1)}
-        if tuple(answer[i : i + RUN]) in runs:
-            covered[i : i + RUN] = [True] * RUN
-    return sum(covered) / len(answer)
-
-
-def occurs(sequence: list[int], part: list[int]) -> bool:
-    return any(sequence[j : j + len(part)] == part for j in range(len(sequence) - len(part) + 1))
-
-
-def bound_tokens_per_pass(context: list[int], answer: list[int], k: int) -> float:
-    i = passes = 0
-    while i < len(answer):
-        earlier, accepted = context + answer[:i], 0
-        while accepted < k and i + accepted < len(answer) and occurs(earlier, answer[i : i + accepted + 1]):
-            accepted += 1
-        i, passes = i + accepted + 1, passes + 1
-    return len(answer) / passes
-
-
-def drafter_tokens_per_pass(spec: str, context: list[int], answer: list[int], k: int) -> float:
-    drafter = make_drafter(spec)
-    drafter.start(context)
-    i = passes = 0
-    while i < len(answer):
-        draft, accepted = drafter.draft(k).tokens, 0
-        while accepted < len(draft) and i + accepted < len(answer) and draft[accepted] == answer[i + accepted]:
-            accepted += 1
-        drafter.update(answer[i : i + accepted + 1])
-        i, passes = i + accepted + 1, passes + 1
-    return len(answer) / passes
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("bench_json")
-    parser.add_argument("--draft-tokens", type=int, default=4)
-    parser.add_argument("--drafters", default="lookup+ngram,ngram")
+    parser.add_argument("--draft-tokens", type=int, default=16)
+    parser.add_argument("--drafters", default="suffix+ngram,lookup+ngram,ngram")
+    parser.add_argument("--curve", help="relative pass costs (JSON list) for the adaptive replay")
     args = parser.parse_args()
     record = json.load(open(args.bench_json))
+    costs = json.load(open(args.curve)) if args.curve else None
     workload = record["settings"]["workload"]
     prompts = shipped_workload() if workload == "shipped" else load_workload(workload)
     loaded = load_model(record["machine"]["model"], dtype="quantized")  # only the tokenizer is used
@@ -83,7 +52,11 @@ def main() -> None:
         row["copied"].append(copied_share(context, answer))
         row["bound"].append(bound_tokens_per_pass(context, answer, args.draft_tokens))
         for spec in args.drafters.split(","):
-            row[spec].append(drafter_tokens_per_pass(spec, context, answer, args.draft_tokens))
+            row[spec].append(drafter_tokens_per_pass(make_drafter(spec), context, answer, args.draft_tokens))
+            if costs:
+                widths = replay(make_drafter(spec), context, answer, make_draft_length("acceptance", 32, costs, adaptive=True))
+                row[f"{spec}/adaptive"].append(len(answer) / len(widths))
+                row[f"{spec}/modelled"].append(len(answer) / sum(costs[w] for w in widths))
     for category, row in table.items():
         print(json.dumps({"category": category, **{k: round(statistics.mean(v), 3) for k, v in row.items()}}))
 

@@ -209,7 +209,7 @@ def test_json_record_holds_every_raw_measurement():
 
 
 def test_best_draft_length_follows_acceptance_and_cost():
-    from akunu.bench.cost_curve import cost_rows
+    from akunu.bench.cost_table import cost_rows
     from akunu.draft_length import best_length as best_draft_length
 
     flat = [1.0 + 0.01 * k for k in range(16)]

@@ -68,11 +68,11 @@ def test_bench_uses_the_cli_cost_curve_key(fake_engine, workload):
     result = invoke("bench", "--workload", str(workload), "--limit", "1", "--categories", "open", "--max-tokens", "4")
     text = ANSI.sub("", result.output)
     assert result.exit_code == 0, text
-    runtime.cost_curve(fake_engine.loaded, 4)  # what `akunu generate` asks the cache for
+    runtime.cost_curve(fake_engine.loaded, 32)  # what `akunu generate` asks the cache for
     bench_call, generate_call = fake_engine.cost_curves
     assert bench_call["key"] == generate_call["key"] == curve_key("tiny", "float32")
     assert bench_call["directory"] == generate_call["directory"] == default_dir()
-    assert bench_call["max_width"] == 5  # --draft-tokens 4 (the default) needs passes of up to 5 tokens
+    assert bench_call["max_width"] == 33  # --draft-tokens 32 (the default) needs passes of up to 33 tokens
 
 
 def test_categories_limit_and_per_prompt(fake_engine, workload):
@@ -154,8 +154,8 @@ def test_plot_draws_a_png(fake_engine, workload, tmp_path):
 
 
 def test_cost_curve_is_measured_shown_and_stored_where_adaptive_drafting_reads_it(fake_engine, monkeypatch):
-    seconds = [0.05 + 0.005 * k for k in range(16)]
-    monkeypatch.setattr(akunu.cost_curve, "measure", lambda model, max_width=16, sweeps=7: list(seconds))
+    seconds = [0.05 + 0.005 * k for k in range(33)]
+    monkeypatch.setattr(akunu.cost_curve, "measure", lambda model, max_width=33, sweeps=7: list(seconds))
     result = invoke("bench", "--cost-curve")
     text = ANSI.sub("", result.output)
     assert result.exit_code == 0, text
@@ -169,8 +169,8 @@ def test_cost_curve_is_measured_shown_and_stored_where_adaptive_drafting_reads_i
 
 
 def test_saved_cost_curve_round_trips_through_the_engine_cache(tmp_path):
-    save("some model/float32 cpu", [0.1] + [0.2] * 15, tmp_path)
-    assert akunu.cost_curve.cached(None, "some model/float32 cpu", tmp_path) == pytest.approx([1.0] + [2.0] * 15)
+    save("some model/float32 cpu", [0.1] + [0.2] * 32, tmp_path)
+    assert akunu.cost_curve.cached(None, "some model/float32 cpu", tmp_path) == pytest.approx([1.0] + [2.0] * 32)
 
 
 def test_a_saved_curve_too_short_for_the_draft_length_is_measured_again(tmp_path):
@@ -185,3 +185,9 @@ def test_interleaved_measurement_times_every_width_on_a_tiny_model():
 
     seconds = akunu.cost_curve.measure(tiny_llama(), max_width=5, sweeps=2)
     assert len(seconds) == 5 and all(s > 0 for s in seconds)
+
+
+def test_a_width_slowed_by_load_is_capped_by_the_wider_ones():
+    from akunu.cost_curve import non_decreasing
+
+    assert non_decreasing([0.17, 0.16, 0.41, 0.2, 2.7, 0.3, 0.35]) == [0.16, 0.16, 0.2, 0.2, 0.3, 0.3, 0.35]

@@ -103,7 +103,7 @@ def test_spec_off_and_on(fake_engine):
     assert [s["config"].spec.enabled for s in fake_engine.streams] == [False, True, False]
     assert [s["costs"] for s in fake_engine.streams] == [None, FAKE_COSTS, None]
     assert len(fake_engine.cost_curves) == 1  # measured when first needed, then kept
-    assert "speculative decoding on (up to 4 drafts, adaptive)" in result.stdout
+    assert "speculative decoding on (up to 32 drafts, adaptive)" in result.stdout
     assert result.stdout.count("speculative decoding off") == 3  # the greeting, /spec off, /spec
     assert "usage: /spec on|off" in result.stdout
 

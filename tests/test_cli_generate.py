@@ -44,7 +44,7 @@ def test_defaults_reach_the_engine_with_the_measured_cost_curve(fake_engine):
     assert result.exit_code == 0, result.output
     assert [(c["spec"], c["dtype"]) for c in fake_engine.loads] == [("smollm2-135m", "auto")]
     (call,) = fake_engine.streams
-    assert call["config"] == GenerationConfig(max_tokens=256, spec=SpecConfig(enabled=True, draft_tokens=4, adaptive=True))
+    assert call["config"] == GenerationConfig(max_tokens=256, spec=SpecConfig(enabled=True, draft_tokens=32, adaptive=True))
     assert call["costs"] == FAKE_COSTS
     (curve,) = fake_engine.cost_curves
     assert curve["model"] is fake_engine.loaded.model
@@ -156,7 +156,7 @@ def test_verbose_tints_accepted_drafts_and_prints_every_statistic(fake_engine):
     assert "\x1b[30;42m" in result.stdout  # black on green: accepted draft tokens
     assert ANSI.sub("", result.stdout) == with_newline(plain["text"])
     err = ANSI.sub("", result.stderr)
-    assert "speculative decoding on, up to 4 drafts, adaptive" in err
+    assert "speculative decoding on, up to 32 drafts, adaptive" in err
     assert re.search(rf"drafted / accepted\s+{plain['drafted']} / {plain['accepted']}", err)
     assert re.search(rf"forward passes\s+{plain['forward_passes']}\b", err)
 

@@ -1,54 +1,100 @@
-"""Draft-length policies: acceptance against the cost curve, and EGAG's entropy rule."""
+"""Draft-length policies: evidence (match length, copy run) against the cost curve, and EGAG's entropy rule."""
 
 import mlx.core as mx
 import pytest
 
+from akunu.cost_curve import widest_paying
 from akunu.draft_length import DraftLength, EntropyDraftLength, best_length, make_draft_length
+from akunu.drafter import Draft
 from akunu.errors import OptionsError
 
 CPU_LIKE = [1.0, 1.17, 1.25, 1.35, 1.55]  # measured shape: a 5-token pass costs ~1.5 steps
+CPU_WIDE = [1.0 + 0.075 * k for k in range(33)]  # out to 33 tokens (~2.2x at 17, ~3.4x at 33)
+
+
+def round_of(policy, draft, truth):
+    """One round: ask, cut, and observe how much of the cut draft `truth` accepts."""
+    policy.limit()
+    cut = policy.cut(draft)
+    accepted = next((i for i, (d, t) in enumerate(zip(cut.tokens, truth)) if d != t), len(cut))
+    policy.observe(len(cut), accepted)
+    return len(cut)
 
 
 def test_acceptance_policy_stops_drafting_when_drafts_miss_and_drafts_long_when_they_land():
-    lengths = DraftLength(4, CPU_LIKE)
+    policy = DraftLength(4, CPU_LIKE)
+    drafted = [round_of(policy, Draft([1, 2, 3, 4], match=1), [9] * 5) for _ in range(20)]
+    assert drafted[0] >= 2 and max(drafted[-10:]) <= 1  # a draft of one pays at ~20% on this curve
     for _ in range(10):
-        lengths.observe(lengths.choose() or 1, 0)
-    assert lengths.choose() == 0  # a plain step: drafting would only cost
+        policy.limit(), policy.cut(Draft([1], match=1)), policy.observe(1, 0)
+    assert policy.cut(Draft([1, 2, 3, 4], match=1)).tokens == []  # a plain step: drafting would only cost
     for _ in range(10):
-        n = lengths.choose() or 1
-        lengths.observe(n, n)
-    assert lengths.choose() == 4
+        round_of(policy, Draft([1, 2, 3, 4], match=1), [1, 2, 3, 4, 5])
+    assert len(policy.cut(Draft([1, 2, 3, 4], match=1))) == 4
+
+
+def test_a_long_match_drafts_far_and_a_one_token_context_does_not():
+    policy = DraftLength(32, CPU_WIDE)
+    copy = Draft(list(range(32)), match=30)
+    assert len(policy.cut(copy)) >= 16  # a 30-token verbatim match: a copy in progress
+    assert len(policy.cut(Draft(list(range(32)), match=1))) <= 4  # a bigram's guess
+
+
+def test_a_copy_that_keeps_holding_drafts_longer():
+    policy = DraftLength(32, CPU_WIDE)
+    guess = Draft(list(range(32)), match=2)
+    first = len(policy.cut(guess))
+    for _ in range(4):
+        round_of(policy, guess, list(range(40)))  # every draft lands whole: the copy holds
+    assert len(policy.cut(guess)) > first and policy.run > 20
 
 
 def test_a_drafter_that_costs_a_forward_pass_drafts_only_when_drafts_land_often():
     assert best_length(0.5, CPU_LIKE, 4) > 0  # table lookups are free: drafting pays at 50%
     assert best_length(0.5, CPU_LIKE, 4, draft_cost=0.8) == 0  # a model costing 0.8 steps per draft does not
     assert best_length(0.95, CPU_LIKE, 4, draft_cost=0.1) == 4
-    lengths = make_draft_length("acceptance", 4, CPU_LIKE, adaptive=True, draft_cost=0.8)
-    assert lengths.choose() == 0  # at the prior's 50%
+    policy = make_draft_length("acceptance", 4, CPU_LIKE, adaptive=True, draft_cost=0.8)
+    assert policy.limit() == 0  # at the prior's acceptance
 
 
 def test_fixed_policy_always_drafts_the_maximum():
-    lengths = make_draft_length("acceptance", 6, CPU_LIKE, adaptive=False)
-    lengths.observe(6, 0)
-    assert lengths.choose() == 6
+    policy = make_draft_length("acceptance", 6, CPU_LIKE, adaptive=False)
+    policy.observe(6, 0)
+    assert policy.limit() == 6 and len(policy.cut(Draft(list(range(6)), match=1))) == 6
+
+
+def test_token_trees_are_cut_to_a_depth():
+    # root -> 5 -> 6 -> 7, root -> 5 -> 9, root -> 8 -> 2
+    tree = Draft([5, 6, 7, 9, 8, 2], parents=[-1, 0, 1, 0, -1, 4])
+    cut = tree.truncated(2)
+    assert (cut.tokens, cut.parents) == ([5, 6, 9, 8, 2], [-1, 0, 0, -1, 3])
+    assert tree.truncated(1).tokens == [5, 8] and tree.truncated(3) is tree
 
 
 def test_entropy_policy_drafts_by_the_models_confidence():
     vocab = 1000
     sure = mx.full((vocab,), -30.0).at[7].add(60.0)  # all mass on one token: entropy ~0
     unsure = mx.zeros((vocab,))  # uniform: normalised entropy 1
-    lengths = make_draft_length("entropy", 8, None, adaptive=True)
-    assert isinstance(lengths, EntropyDraftLength)
+    policy = make_draft_length("entropy", 8, None, adaptive=True)
+    assert isinstance(policy, EntropyDraftLength)
     for _ in range(6):
-        lengths.observe(0, 0, sure)
-        assert lengths.choose() == 8
+        policy.observe(0, 0, sure)
+        assert policy.limit() == 8
     for _ in range(6):
-        lengths.observe(0, 0, unsure)
-        chosen = lengths.choose()
+        policy.observe(0, 0, unsure)
+        chosen = policy.limit()
     assert chosen == 0  # the EMA has moved to ~1
 
 
 def test_unknown_policy_is_an_options_error():
     with pytest.raises(OptionsError, match="draft-length policy"):
         make_draft_length("vibes", 4, None, adaptive=True)
+
+
+def test_the_ceiling_follows_the_cost_curve():
+    flat = [1.0 + 0.005 * k for k in range(33)]  # Metal-like: 16 tokens cost about what 1 does
+    steep = [1.0 + 0.1 * k + 0.05 * k * k for k in range(33)]  # wide passes grow dearer per token
+    assert widest_paying(flat, 32) == 32 and widest_paying(CPU_WIDE, 32) == 32
+    assert 2 <= widest_paying(steep, 32) <= 4
+    assert make_draft_length("acceptance", 32, steep, adaptive=True).max_draft == widest_paying(steep, 32)
+    assert make_draft_length("acceptance", 32, steep, adaptive=False).max_draft == 32  # fixed means fixed

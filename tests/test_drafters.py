@@ -8,8 +8,8 @@ import pytest
 from mlx.utils import tree_map
 
 from akunu.decode import prefill
-from akunu.drafter import Draft, NGramDrafter
-from akunu.drafters import DEFAULT_SPEC, HybridDrafter, LookupDrafter, make_drafter
+from akunu.drafter import Draft, Drafter, NGramDrafter
+from akunu.drafters import DEFAULT_SPEC, HybridDrafter, LookupDrafter, SuffixDrafter, make_drafter
 from akunu.drafters.draft_model import check_same_vocabulary, model_drafter
 from akunu.drafters.layer_skip import layer_skip_drafter
 from akunu.errors import OptionsError
@@ -55,6 +55,9 @@ DRAFTERS = {
     "ngram": lambda target, fn: NGramDrafter(),
     "lookup": lambda target, fn: LookupDrafter(),
     "lookup+ngram": lambda target, fn: make_drafter("lookup+ngram"),
+    "suffix": lambda target, fn: SuffixDrafter(min_match=1),
+    "suffix+ngram": lambda target, fn: make_drafter("suffix+ngram"),
+    "tree": lambda target, fn: make_drafter("tree:6"),
     "model-close": lambda target, fn: model_drafter(perturbed(fn, 1, 0.02)),
     "model-unrelated": lambda target, fn: model_drafter(fn(seed=9)),
     "layer-skip": lambda target, fn: layer_skip_drafter(target, 1),
@@ -70,7 +73,7 @@ def test_every_drafter_keeps_greedy_output_identical(model_fn, kind):
     accepted = 0
     for i, prompt in enumerate(prompts(8)):
         _, plain, _ = run(target, prompt, SpecConfig(enabled=False))
-        for spec in (SpecConfig(draft_tokens=4), SpecConfig(draft_tokens=6, adaptive=False)):
+        for spec in (SpecConfig(draft_tokens=4), SpecConfig(draft_tokens=6, adaptive=False), SpecConfig(draft_tokens=32)):
             drafter = DRAFTERS[kind](target, model_fn)
             _, fast, stats = run(target, prompt, spec, drafter=drafter)
             assert fast == plain, f"prompt {i} {spec}"
@@ -148,7 +151,8 @@ def test_specs_parse_and_bad_ones_say_what_is_expected():
     target = SimpleNamespace(model=tiny_llama(layers=4), tokenizer=TOKENIZER)
     assert isinstance(make_drafter("ngram"), NGramDrafter)
     default = make_drafter(DEFAULT_SPEC)
-    assert isinstance(default.first, LookupDrafter) and isinstance(default.fallback, NGramDrafter)
+    assert isinstance(default.first, SuffixDrafter) and isinstance(default.fallback, NGramDrafter)
+    assert isinstance(make_drafter("lookup+ngram").first, LookupDrafter)
     chain = make_drafter("lookup+ngram+layer-skip:2", target)
     assert isinstance(chain.fallback, HybridDrafter) and len(chain.fallback.fallback.cache) == 2
     assert len(make_drafter("layer-skip:3", target).cache) == 3
@@ -196,7 +200,7 @@ def test_model_drafters_say_what_a_draft_token_costs():
     assert model_drafter(small).cost_per_token == 0  # no target to compare with
 
 
-class Scripted:
+class Scripted(Drafter):
     """A fallback that always drafts `tokens` and costs `cost_per_token` passes per token."""
 
     def __init__(self, tokens, cost_per_token):
@@ -236,3 +240,11 @@ def test_a_costly_fallback_drafts_only_as_far_as_its_acceptance_pays():
     assert max(lengths) == 1 and wrong_costly.asked <= 30 // 4  # costly and wrong: retried now and then
     too_costly = Scripted(right, 2.0)
     assert drafted_per_round(too_costly, [9] * 5) == [0] * 30 and too_costly.asked == 0
+
+
+def test_the_cli_default_drafter_is_the_engines():
+    import inspect
+
+    from akunu.cli.generate import generate
+
+    assert inspect.signature(generate).parameters["draft"].default == DEFAULT_SPEC

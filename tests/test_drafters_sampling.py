@@ -12,11 +12,13 @@ import pytest
 import akunu.decode
 
 from akunu.drafter import NGramDrafter
-from akunu.drafters import HybridDrafter, LookupDrafter
+from akunu.drafters import HybridDrafter, LookupDrafter, SuffixDrafter
 from akunu.drafters.draft_model import model_drafter
 from akunu.drafters.layer_skip import layer_skip_drafter
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.ngram_cache import CachedNGramDrafter, NGramCache
+from akunu.sampling import SamplingParams
+from akunu.tree import NGramTreeDrafter
 from tests.fakes import FakeTokenizer
 from tests.stats_tools import PROMPT, SETTINGS, exact_model_probs, fits, resample_from_p_on_rejection
 from tests.tiny import tiny_llama
@@ -38,12 +40,15 @@ def drafters(target, params):
         "layer-skip": layer_skip_drafter(target, 1, params),
         "hybrid-model": HybridDrafter(NGramDrafter(), model_drafter(draft_model, params)),
         "lookup": LookupDrafter(min_match=1),  # one-token matches, so it drafts on this short prompt
-        "ngram": NGramDrafter(),  # the engine's default is lookup+ngram; the tables alone too
+        "ngram": NGramDrafter(),  # the tables alone
+        "suffix": SuffixDrafter(min_match=1),  # one-token matches, so it drafts on this short prompt
+        "suffix+ngram": HybridDrafter(SuffixDrafter(min_match=2), NGramDrafter()),
+        "tree": NGramTreeDrafter(max_nodes=6),  # through the one decode loop (test_tree_sampling checks it too)
     }
 
 
 @pytest.mark.parametrize("params", SETTINGS, ids=["temp1", "temp0.7-topk-topp-minp"])
-@pytest.mark.parametrize("kind", ["model", "layer-skip", "hybrid-model", "lookup", "ngram"])
+@pytest.mark.parametrize("kind", ["model", "layer-skip", "hybrid-model", "lookup", "ngram", "suffix", "suffix+ngram", "tree"])
 def test_sampling_drafters_keep_the_target_distribution(params, kind):
     target = tiny_llama(vocab=8, seed=7, sharpness=1.5)
     drafter = drafters(target, params)[kind]

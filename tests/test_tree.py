@@ -6,12 +6,12 @@ import mlx.core as mx
 import pytest
 
 import akunu.tree
-from akunu.decode import plain_decode, prefill
+from akunu.decode import plain_decode, prefill, speculative_decode
 from akunu.draft_length import DraftLength
 from akunu.kv_cache import make_cache
 from akunu.sampling import SamplingParams
 from akunu.stats import GenerationStats
-from akunu.tree import NGramTreeDrafter, TokenTree, keep_path, tree_decode, tree_forward
+from akunu.tree import NGramTreeDrafter, TokenTree, keep_path, tree_forward
 from tests.tiny import tiny_gemma3, tiny_llama
 
 # root -> 5 -> 6 -> 7, root -> 5 -> 9, root -> 8 -> 2   (depth-first packing)
@@ -76,18 +76,20 @@ def test_trees_are_packed_depth_first_with_the_likeliest_chain_leading():
 
 def run_tree(model, prompt, max_tokens, params=SamplingParams(), max_nodes=8, depth=4, adaptive=True):
     cache = make_cache(model)
-    drafter = NGramTreeDrafter()
+    drafter = NGramTreeDrafter(max_nodes=max_nodes)
     drafter.start(prompt)
     stats = GenerationStats()
     logits = prefill(model, cache, prompt)
-    lengths = DraftLength(depth, adaptive=adaptive)
-    loop = tree_decode(model, cache, logits, params, stats, drafter, lengths, max_tokens, max_nodes)
+    policy = DraftLength(depth, adaptive=adaptive)
+    loop = speculative_decode(
+        model, cache, logits, params=params, stats=stats, drafter=drafter, draft_length=policy, budget=max_tokens
+    )
     return [t for t, _ in (next(loop) for _ in range(max_tokens))], stats
 
 
 def run_plain(model, prompt, max_tokens):
     cache = make_cache(model)
-    loop = plain_decode(model, cache, prefill(model, cache, prompt), SamplingParams(), GenerationStats())
+    loop = plain_decode(model, cache, prefill(model, cache, prompt), params=SamplingParams(), stats=GenerationStats())
     return [t for t, _ in (next(loop) for _ in range(max_tokens))]
 
 
@@ -123,3 +125,14 @@ def test_stream_generate_runs_the_tree_loop_for_a_tree_drafter():
     _, plain, _ = generate(model, FakeTokenizer(), prompt, GenerationConfig(max_tokens=60, spec=SpecConfig(enabled=False)))
     _, fast, stats = generate(model, FakeTokenizer(), prompt, config, drafter=NGramTreeDrafter(max_nodes=10))
     assert fast == plain and stats.tokens_per_pass > 2
+
+
+def test_a_tree_drafter_on_an_architecture_it_does_not_know_is_an_options_error():
+    from akunu.errors import OptionsError
+    from akunu.generate import GenerationConfig, generate
+    from tests.fakes import FakeTokenizer
+
+    model = tiny_llama(seed=1)
+    model.model_type = "phi3"  # its attention is laid out differently: per-node positions would not reach RoPE
+    with pytest.raises(OptionsError, match="token-tree verification supports llama, gemma3_text models, not phi3"):
+        generate(model, FakeTokenizer(), [1, 2, 3], GenerationConfig(max_tokens=4), drafter=NGramTreeDrafter())

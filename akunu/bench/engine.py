@@ -35,7 +35,7 @@ class ModelEngine:
         *,
         max_tokens: int = 128,
         temp: float = 0.0,
-        draft_tokens: int = 4,
+        draft_tokens: int = 32,
         length_policy: str = "acceptance",
         costs: list[float] | None = None,
         context_length: int | None = None,
@@ -60,10 +60,10 @@ class ModelEngine:
             return self._run_mlx_lm(prompt_ids)
         if method.startswith(DRAFTER_PREFIX):
             return self._run_akunu(prompt_ids, True, self._drafter(method[len(DRAFTER_PREFIX) :]))
-        spec = {PLAIN: None, SPEC: True, SPEC_FIXED: False}
-        if method not in spec:
+        adaptive_by_method = {PLAIN: None, SPEC: True, SPEC_FIXED: False}  # None: no speculation
+        if method not in adaptive_by_method:
             raise ValueError(f"unknown benchmark method {method!r}")
-        return self._run_akunu(prompt_ids, spec[method])
+        return self._run_akunu(prompt_ids, adaptive_by_method[method])
 
     def _drafter(self, spec: str):
         """One drafter per spec for the whole benchmark (a draft model loads once; `start` resets it)."""
@@ -78,25 +78,26 @@ class ModelEngine:
         from akunu.generate import GenerationConfig, SpecConfig, stream_generate
         from akunu.sampling import SamplingParams
 
-        spec = SpecConfig(
+        speculation = SpecConfig(
             enabled=adaptive is not None, draft_tokens=self.draft_tokens, adaptive=bool(adaptive), length_policy=self.length_policy
         )
-        config = GenerationConfig(max_tokens=self.max_tokens, sampling=SamplingParams(temp=self.temp, seed=self.seed), spec=spec)
+        sampling = SamplingParams(temp=self.temp, seed=self.seed)
+        config = GenerationConfig(max_tokens=self.max_tokens, sampling=sampling, spec=speculation)
         start = time.perf_counter()
         responses = stream_generate(
             self.model, self.tokenizer, prompt_ids, config, context_length=self.context_length, costs=self.costs,
             drafter=drafter,
         )
-        stats = []
+        final: dict = {}
 
         def tokens() -> Iterator[int]:
             for response in responses:
-                stats[:] = [response.stats]
+                final["stats"] = response.stats  # each response's own snapshot; the last one has every count
                 if response.token is not None:
                     yield response.token
 
         ids, prefill_seconds, decode_seconds = timed_tokens(start, tokens())
-        s = stats[0]
+        s = final["stats"]
         return Run(
             ids, len(prompt_ids), prefill_seconds, decode_seconds,
             forward_passes=s.forward_passes, drafted=s.drafted, accepted=s.accepted,

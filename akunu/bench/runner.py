@@ -91,6 +91,7 @@ class BenchResult:
     measurements: list[Measurement] = field(default_factory=list)
     mismatches: list[Mismatch] = field(default_factory=list)
     checked: bool = False  # whether tokens were compared (greedy runs only)
+    prompt_ids: dict[str, list[int]] = field(default_factory=dict)  # each prompt as the model saw it
 
     @property
     def counted_mismatches(self) -> list[Mismatch]:
@@ -156,6 +157,7 @@ def run_benchmark(
         raise ValueError(f"repeats must be at least 1 (got {repeats})")
     result = BenchResult(checked=check_tokens)
     encoded = [(prompt, engine.encode(prompt)) for prompt in prompts]
+    result.prompt_ids = {prompt.id: ids for prompt, ids in encoded}
     if warmup and encoded:
         for method in methods:  # first calls pay for allocation and kernel setup
             if on_warmup:

@@ -11,6 +11,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
+from akunu.bench.copy_bound import bound_tokens_per_pass
 from akunu.bench.runner import DRAFTER_PREFIX, MLX_LM, PLAIN, SPEC, SPEC_FIXED, BenchResult, Measurement
 
 OVERALL = "overall"
@@ -25,6 +26,7 @@ class CategorySummary:
     speedup: float | None  # spec vs plain: median of per-prompt ratios
     acceptance: float | None  # accepted / drafted, pooled over the category's spec runs
     tokens_per_pass: float | None  # decoded tokens / decode passes, pooled
+    copy_bound: float | None  # the same, for a perfect copier drafting <= 16 on the plain answers (pooled)
     drafting_share: float | None  # drafter time / decode time, pooled
     fixed_speedup: float | None  # fixed-length spec vs plain
     mlx_tps: float | None
@@ -81,6 +83,22 @@ def _pooled(measurements: Sequence[Measurement], method: str) -> tuple[float | N
     return acceptance, (decoded / passes if passes else None), drafting
 
 
+def pooled_copy_bound(result: BenchResult, measurements: Sequence[Measurement]) -> float | None:
+    """Tokens per decode pass of the perfect copier (`copy_bound`) on the plain answers of these runs.
+
+    Like the engine's tokens per pass it leaves out the first token, which prefill produces.
+    """
+    tokens = passes = 0.0
+    for m in measurements:
+        context = result.prompt_ids.get(m.prompt_id)
+        if m.method != PLAIN or m.repeat != 0 or context is None or m.run.generated < 2:
+            continue
+        answer = m.run.tokens[1:]
+        tokens += len(answer)
+        passes += len(answer) / bound_tokens_per_pass([*context, m.run.tokens[0]], answer)
+    return tokens / passes if passes else None
+
+
 def summarize_group(name: str, result: BenchResult, measurements: Sequence[Measurement]) -> CategorySummary:
     prompt_ids = {m.prompt_id for m in measurements}
     mismatches = [m for m in result.mismatches if m.prompt_id in prompt_ids]
@@ -93,6 +111,7 @@ def summarize_group(name: str, result: BenchResult, measurements: Sequence[Measu
         speedup=median_of_ratios(per_prompt_ratios(measurements, SPEC, PLAIN).values()),
         acceptance=acceptance,
         tokens_per_pass=tokens_per_pass,
+        copy_bound=pooled_copy_bound(result, measurements),
         drafting_share=drafting_share,
         fixed_speedup=median_of_ratios(per_prompt_ratios(measurements, SPEC_FIXED, PLAIN).values()),
         mlx_tps=median(per_prompt_tps(measurements, MLX_LM).values()),

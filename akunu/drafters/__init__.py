@@ -1,11 +1,12 @@
 """Drafters beyond the plain n-gram predictor, and `make_drafter` to build one from a spec.
 
 Specs (the CLI's `--draft`): `ngram` (the FNV n-gram tables), `lookup` (prompt lookup: the
-continuation of the longest recurring run of tokens), `model:NAME|PATH` (a draft model with
+continuation of the longest recurring run of 4-16 tokens), `suffix` (a suffix automaton: the
+likeliest continuation of the longest earlier match, of any length), `model:NAME|PATH` (a draft model with
 the same tokenizer), `layer-skip:N` (the target's first N layers), `A+B` (A where it has a
 draft, otherwise B), `hybrid:SPEC` (short for `ngram+SPEC`, e.g. `hybrid:layer-skip:8`) and
 `tree:N` (n-gram drafts verified as token trees of up to N nodes, the CLI's `--tree N`).
-The default is `lookup+ngram`.
+The default is `suffix+ngram`.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from akunu.drafters.draft_model import ModelDrafter, check_same_vocabulary, mode
 from akunu.drafters.hybrid import HybridDrafter
 from akunu.drafters.layer_skip import layer_skip_drafter
 from akunu.drafters.lookup import LookupDrafter
+from akunu.drafters.suffix import SuffixDrafter
 from akunu.errors import OptionsError
 from akunu.sampling import SamplingParams
 
-__all__ = ["DEFAULT_SPEC", "HybridDrafter", "LookupDrafter", "ModelDrafter", "SPEC_HELP", "make_drafter"]
+__all__ = ["DEFAULT_SPEC", "HybridDrafter", "LookupDrafter", "ModelDrafter", "SPEC_HELP", "SuffixDrafter", "make_drafter"]
 
 
 def make_drafter(
@@ -62,6 +64,8 @@ def make_drafter(
         return _ngram(ngram_order, window, ngram_cache)
     if kind == "lookup" and not argument:
         return LookupDrafter()
+    if kind == "suffix" and not argument:
+        return SuffixDrafter()
     if kind == "hybrid" and argument:
         return make_drafter(f"ngram+{argument}", target, **same)
     if target is None:

@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from akunu.decode import prefill
-from akunu.drafter import Draft
+from akunu.drafter import Draft, Drafter
 from akunu.errors import OptionsError
 from akunu.kv_cache import common_prefix, make_cache, rewind
 from akunu.sampling import SamplingParams, target_logprobs
@@ -22,7 +22,7 @@ from akunu.sampling import SamplingParams, target_logprobs
 Forward = Callable[..., mx.array]  # forward(tokens (1, L) uint32, cache=...) -> logits (1, L, V)
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """Drafts by running `forward` autoregressively over its own cache.
 
     Greedy drafts are the argmax and carry no distribution; sampled drafts are drawn from
@@ -48,7 +48,7 @@ class ModelDrafter:
         self.sequence = list(context)
 
     def update(self, tokens: Sequence[int]) -> None:
-        kept = common_prefix(self.pending, tokens)
+        kept = common_prefix(self.pending, tokens[:-1])  # the last token is fed next round, whatever was drafted
         rewind(self.cache, len(self.pending) - kept)  # drop the drafts the target rejected
         self.fed += kept
         self.pending = []

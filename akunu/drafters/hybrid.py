@@ -21,12 +21,12 @@ from akunu.kv_cache import common_prefix
 MAX_FALLBACK_DRAFT = 15  # the engine's own ceiling still applies; this only bounds the policy
 
 
-class HybridDrafter:
+class HybridDrafter(Drafter):
     def __init__(self, first: Drafter, fallback: Drafter) -> None:
         self.first = first
         self.fallback = fallback
         self.fallback_rounds = 0  # rounds the fallback drafted, for statistics
-        cost = getattr(fallback, "cost_per_token", 0.0)
+        cost = fallback.cost_per_token
         self.fallback_length = DraftLength(MAX_FALLBACK_DRAFT, draft_cost=cost) if cost else None
         self.fallback_draft: list[int] | None = None  # its last draft, until the round's outcome is known
 
@@ -48,7 +48,7 @@ class HybridDrafter:
         if draft:
             return draft
         if self.fallback_length is not None:
-            n = min(n, self.fallback_length.choose())
+            n = min(n, self.fallback_length.limit())
             if not n:
                 self.fallback_length.observe(0, 0)  # a round without it: old evidence fades, so it is retried
                 return Draft([])
@@ -60,6 +60,5 @@ class HybridDrafter:
 
     def save(self) -> None:
         """Write what a part keeps across runs (the persistent n-gram cache)."""
-        for part in (self.first, self.fallback):
-            if hasattr(part, "save"):
-                part.save()
+        self.first.save()
+        self.fallback.save()

@@ -18,8 +18,7 @@ from akunu.drafters.draft_model import ModelDrafter, weight_bytes
 from akunu.errors import OptionsError
 from akunu.kv_cache import make_cache
 from akunu.sampling import SamplingParams
-
-SUPPORTED = ("llama", "gemma3_text")
+from akunu.tree import SUPPORTED, model_kind
 
 
 class _FirstLayersCache(list):
@@ -34,7 +33,7 @@ class _FirstLayersCache(list):
 
 def layer_skip_drafter(model: nn.Module, layers: int, params: SamplingParams = SamplingParams()) -> ModelDrafter:
     total = len(model.layers)
-    kind = getattr(model, "model_type", type(model).__module__.rsplit(".", 1)[-1])
+    kind = model_kind(model)
     if kind not in SUPPORTED:
         raise OptionsError(f"layer-skip drafting supports {', '.join(SUPPORTED)} models, not {kind}")
     if not 1 <= layers < total:

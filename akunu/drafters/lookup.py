@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from akunu.drafter import Draft
+from akunu.drafter import Draft, Drafter
 
 
-class LookupDrafter:
+class LookupDrafter(Drafter):
     def __init__(self, min_match: int = 4, max_match: int = 16) -> None:
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match (got {min_match}, {max_match})")
@@ -38,5 +38,5 @@ class LookupDrafter:
         for length in range(min(self.max_match, len(self.tokens)), self.min_match - 1, -1):
             start = self.follows.get(tuple(self.tokens[-length:]))
             if start is not None:
-                return Draft(self.tokens[start : start + n])
+                return Draft(self.tokens[start : start + n], match=length)
         return Draft([])

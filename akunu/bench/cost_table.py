@@ -27,7 +27,8 @@ class CostRow:
 
 
 def cost_rows(seconds: list[float]) -> list[CostRow]:
-    return [CostRow(k, s, s / seconds[0]) for k, s in enumerate(seconds, start=1)]
+    relative = cost_curve.relative_costs(seconds)
+    return [CostRow(k, s, r) for k, (s, r) in enumerate(zip(seconds, relative), start=1)]
 
 
 def measure_and_save(model, key: str, directory: Path) -> tuple[list[CostRow], Path]:

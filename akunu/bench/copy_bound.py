@@ -1,0 +1,75 @@
+"""How much of an answer any copying drafter could draft: the copy bound.
+
+Greedy speculation emits exactly the plain answer, so replaying a plain answer against its
+context is an exact simulation. The bound lets every pass accept the longest next run of the
+answer (at most `draft_tokens`) that occurs anywhere earlier, in the prompt or the answer so
+far: no drafter that copies runs of its context can do better.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from akunu.decode import propose
+from akunu.draft_length import DraftLength
+from akunu.drafters.suffix import SuffixAutomaton
+from akunu.kv_cache import common_prefix
+
+BOUND_DRAFT_TOKENS = 16
+RUN = 8  # a copied stretch: at least this many tokens found earlier
+
+
+def bound_tokens_per_pass(context: Sequence[int], answer: Sequence[int], draft_tokens: int = BOUND_DRAFT_TOKENS) -> float:
+    """Tokens per pass of the perfect copier drafting at most `draft_tokens` per pass."""
+    seen = SuffixAutomaton()
+    for token in context:
+        seen.extend(token)
+    i = passes = 0
+    while i < len(answer):
+        state, accepted = 0, 0  # walk the answer from the root: each step is a substring seen before
+        while accepted < draft_tokens and i + accepted < len(answer) and answer[i + accepted] in seen.next[state]:
+            state = seen.next[state][answer[i + accepted]]
+            accepted += 1
+        for token in answer[i : i + accepted + 1]:
+            seen.extend(token)
+        i, passes = i + accepted + 1, passes + 1
+    return len(answer) / passes if passes else 0.0
+
+
+def copied_share(context: Sequence[int], answer: Sequence[int], run: int = RUN) -> float:
+    """Share of answer tokens inside a run of >= `run` tokens that occurred earlier."""
+    covered = [False] * len(answer)
+    seen = SuffixAutomaton()
+    for token in context:
+        seen.extend(token)
+    for i in range(len(answer)):
+        state = 0
+        for token in answer[i : i + run]:
+            state = seen.next[state].get(token, -1)
+            if state < 0:
+                break
+        if state >= 0 and i + run <= len(answer):
+            covered[i : i + run] = [True] * run
+        seen.extend(answer[i])
+    return sum(covered) / len(answer) if answer else 0.0
+
+
+def drafter_tokens_per_pass(drafter, context: Sequence[int], answer: Sequence[int], draft_tokens: int) -> float:
+    """Tokens per pass of `drafter` drafting `draft_tokens` every round on this answer."""
+    widths = replay(drafter, context, answer, DraftLength(draft_tokens, adaptive=False))
+    return len(answer) / len(widths) if widths else 0.0
+
+
+def replay(drafter, context: Sequence[int], answer: Sequence[int], draft_length) -> list[int]:
+    """The drafts' lengths, one per pass, that a chain `drafter` sized by `draft_length` makes on
+    this answer: the speculative loop's rounds without the model, exact for greedy answers."""
+    drafter.start(context)
+    i, widths = 0, []
+    while i < len(answer):
+        draft = propose(drafter, draft_length, len(answer) - i - 1)
+        accepted = common_prefix(draft.tokens, answer[i:])
+        draft_length.observe(draft.depth, accepted)
+        drafter.update(answer[i : i + accepted + 1])
+        i += accepted + 1
+        widths.append(len(draft))
+    return widths

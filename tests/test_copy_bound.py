@@ -1,0 +1,51 @@
+"""The copy bound: what a perfect copier drafting <= k tokens per pass gets, against a plain scan, and in bench's table."""
+
+import random
+
+from akunu.bench.copy_bound import bound_tokens_per_pass, copied_share, drafter_tokens_per_pass
+from akunu.bench.runner import PLAIN, SPEC, BenchResult, Measurement, Run
+from akunu.bench.summary import summarize
+from akunu.drafters import SuffixDrafter
+
+
+def occurs(sequence, part):
+    return any(sequence[j : j + len(part)] == part for j in range(len(sequence) - len(part) + 1))
+
+
+def scanned_bound(context, answer, k):
+    i = passes = 0
+    while i < len(answer):
+        earlier, accepted = context + answer[:i], 0
+        while accepted < k and i + accepted < len(answer) and occurs(earlier, answer[i : i + accepted + 1]):
+            accepted += 1
+        i, passes = i + accepted + 1, passes + 1
+    return len(answer) / passes
+
+
+def test_the_bound_equals_a_plain_scan_of_every_earlier_run():
+    rng = random.Random(3)
+    for _ in range(200):
+        context = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        answer = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        for k in (1, 4, 16):
+            assert bound_tokens_per_pass(context, answer, k) == scanned_bound(context, answer, k)
+
+
+def test_a_verbatim_copy_reaches_the_bound_and_novel_text_gets_one_token_per_pass():
+    context = list(range(100, 140))
+    assert bound_tokens_per_pass(context, context[:34], 16) == 34 / 2  # two passes of 16 drafts + 1
+    assert bound_tokens_per_pass(context, list(range(10)), 16) == 1.0
+    assert copied_share(context, context[:20]) == 1.0 and copied_share(context, list(range(20))) == 0.0
+    # the drafter needs a 3-token match first: three plain passes, then 16 drafts + 1, then the last 14
+    assert drafter_tokens_per_pass(SuffixDrafter(), context, context[:34], 16) == 34 / 5
+
+
+def test_bench_summary_puts_the_bound_beside_tokens_per_pass():
+    context, answer = list(range(100, 140)), [100] + list(range(101, 134))
+    result = BenchResult(prompt_ids={"p": context})
+    for method, passes in ((PLAIN, 33), (SPEC, 3)):
+        run = Run(answer, len(context), 0.1, 1.0, forward_passes=passes)
+        result.measurements.append(Measurement("p", "code-edit", method, 0, 0, run))
+    code_edit = summarize(result)[0]
+    assert code_edit.copy_bound == 33 / 2  # after the first token (prefill's): 16 drafts + 1, twice, then 1
+    assert code_edit.tokens_per_pass == 11.0
