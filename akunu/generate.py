@@ -18,6 +18,7 @@ from akunu.decode import plain_decode, prefill, speculative_decode
 from akunu.draft_length import make_draft_length
 from akunu.drafter import Drafter
 from akunu.errors import OptionsError, PromptError
+from akunu.exact import exact_model, flat_costs
 from akunu.kv_cache import PromptCache, why_not_trimmable
 from akunu.sampling import SamplingParams
 from akunu.stats import GenerationStats
@@ -31,6 +32,7 @@ class SpecConfig:
     length_policy: str = "acceptance"  # "acceptance" (against the cost curve) or "entropy" (EGAG)
     ngram_order: int = 4
     window: int = 512
+    exact: bool = False  # exact mode (akunu.exact): passes padded to draft_tokens + 1, so logits never depend on the pass
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,8 @@ def stream_generate(
     params = config.sampling
     if params.seed is not None:
         mx.random.seed(params.seed)
+    if config.spec.exact:  # plain steps too, so that plain and speculative output compare exactly
+        model, costs = exact_model(model, config.spec.draft_tokens), flat_costs(config.spec.draft_tokens + 1)
     prompt_cache = prompt_cache or PromptCache(model)
     budget = config.max_tokens
     if context_length:
@@ -163,6 +167,8 @@ def _decode_loop(model, cache, logits, prompt, config, stats, drafter, costs, bu
     draft_cost = getattr(drafter, "cost_per_token", 0.0)  # a drafter that runs a model says what a token costs
     lengths = make_draft_length(spec.length_policy, spec.draft_tokens, costs, spec.adaptive, draft_cost)
     decode = getattr(drafter, "decode_loop", speculative_decode)  # a token-tree drafter brings its own
+    if spec.exact and decode is not speculative_decode:
+        raise OptionsError("--exact verifies linear drafts; a token-tree drafter has its own pass shapes")
     return decode(model, cache, logits, params, stats, drafter, lengths, budget)
 
 
