@@ -50,6 +50,7 @@ def generate(
     spec: options.Spec = True,
     draft_tokens: options.DraftTokens = 4,
     draft_length: options.DraftLength = options.DraftLengthPolicy.adaptive,
+    exact: options.Exact = False,
     draft: Annotated[
         str,
         typer.Option(
@@ -94,7 +95,7 @@ def generate(
     text = read_prompt(prompt, prompt_file)
     config = options.generation_config(
         max_tokens=max_tokens, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop, spec=spec,
-        draft_tokens=draft_tokens, draft_length=draft_length,
+        draft_tokens=draft_tokens, draft_length=draft_length, exact=exact,
     )  # fmt: skip
     loaded = runtime.load(model, dtype)
     config.sampling.validate(loaded.tokenizer.vocab_size)
@@ -198,4 +199,5 @@ def describe_run(loaded, config) -> None:
     spec = config.spec
     policy = ("adaptive" if spec.length_policy == "acceptance" else spec.length_policy) if spec.adaptive else "fixed"
     mode = f"on, up to {spec.draft_tokens} drafts, {policy}" if spec.enabled else "off"
+    mode += f"; exact mode (every pass {spec.draft_tokens + 1} tokens wide)" if spec.exact else ""
     err.print(f"[dim]speculative decoding {mode}; accepted draft tokens are[/] [{display.DRAFT_STYLE}]highlighted[/]")
