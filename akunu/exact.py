@@ -100,7 +100,9 @@ class FixedWidthModel:
 
 def exact_model(model: nn.Module, max_draft: int) -> FixedWidthModel:
     """The exact-mode model for drafts of up to `max_draft` tokens: passes are max_draft + 1 wide."""
-    return model if isinstance(model, FixedWidthModel) else FixedWidthModel(model, max_draft + 1)
+    if isinstance(model, FixedWidthModel):
+        model = model.model
+    return FixedWidthModel(model, max_draft + 1)
 
 
 def flat_costs(width: int) -> list[float]:
