@@ -69,7 +69,7 @@ def test_exact_speculative_equals_exact_plain_over_many_prompts(name):
             _, fast, stats = generate(model, tokenizer, prompt, spec_config)
             assert fast == plain, f"prompt {i}, drafts ≤ {draft_tokens}"
             drafted += stats.accepted
-    assert drafted > 30  # accepted drafts were compared, not only plain steps
+    assert drafted > 10  # accepted drafts were compared, not only plain steps
 
 
 @pytest.mark.skipif(os.environ.get("AKUNU_BLAS") == "none", reason="already running on the reference BLAS")
