@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from akunu.errors import OptionsError
 from akunu.decode import prefill
+from akunu.errors import OptionsError
 from akunu.kv_cache import make_cache, rewind
 
 _ATTENTION = "scaled_dot_product_attention"  # the module-global every mlx-lm model's attention calls

@@ -72,6 +72,15 @@ def test_exact_speculative_equals_exact_plain_over_many_prompts(name):
     assert drafted > 10  # accepted drafts were compared, not only plain steps
 
 
+def test_a_token_tree_drafter_is_refused_in_exact_mode():
+    from akunu.errors import OptionsError
+    from akunu.tree import NGramTreeDrafter
+
+    config = GenerationConfig(max_tokens=4, spec=SpecConfig(exact=True))
+    with pytest.raises(OptionsError, match="--exact"):
+        generate(MODELS["llama"](), FakeTokenizer(), [1, 2, 3], config, drafter=NGramTreeDrafter(max_nodes=6))
+
+
 @pytest.mark.skipif(os.environ.get("AKUNU_BLAS") == "none", reason="already running on the reference BLAS")
 def test_the_kernel_dependent_checks_also_pass_on_the_reference_blas():
     """The BLAS is chosen before MLX loads, so the other path needs a fresh process."""
