@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,6 +18,7 @@ from akunu.decode import plain_decode, prefill, speculative_decode
 from akunu.draft_length import make_draft_length
 from akunu.drafter import Drafter
 from akunu.errors import OptionsError, PromptError
+from akunu.exact import exact_model, flat_costs
 from akunu.kv_cache import PromptCache, why_not_trimmable
 from akunu.sampling import SamplingParams
 from akunu.stats import GenerationStats
@@ -32,6 +33,7 @@ class SpecConfig:
     length_policy: str = "acceptance"  # "acceptance" (against the cost curve) or "entropy" (EGAG)
     ngram_order: int = 4
     window: int = 512
+    exact: bool = False  # exact mode (akunu.exact): passes padded to draft_tokens + 1, so logits never depend on the pass
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,10 @@ def stream_generate(
     params = config.sampling
     if params.seed is not None:
         mx.random.seed(params.seed)
+    if config.spec.exact:  # plain steps too, so that plain and speculative output compare exactly
+        model = exact_model(model, config.spec.draft_tokens)
+        costs = flat_costs(model.width)
+        config = replace(config, spec=replace(config.spec, draft_tokens=model.width - 1))  # no draft outgrows a pass
     prompt_cache = prompt_cache or PromptCache(model)
     budget = config.max_tokens
     if context_length:
@@ -165,6 +171,8 @@ def _decode_loop(
 
         drafter = make_drafter(DEFAULT_SPEC, ngram_order=speculation.ngram_order, window=speculation.window)
     if drafter.tree_nodes:
+        if speculation.exact:
+            raise OptionsError("--exact verifies linear drafts; a token-tree drafter has its own pass shapes")
         check_tree_support(model)
     drafter.start(prompt)
     draft_length = make_draft_length(

@@ -96,6 +96,15 @@ def bench(
             " Each gets a row in a drafter table, against plain and the default drafter.",
         ),
     ] = None,
+    exact: Annotated[
+        bool,
+        typer.Option(
+            "--exact",
+            rich_help_panel=RUN_PANEL,
+            help="Also run plain and speculative decoding in exact mode (passes padded to --draft-tokens + 1), on the same"
+            " prompts: its cost, and greedy mismatches in both modes.",
+        ),
+    ] = False,
     mlx_lm: Annotated[
         bool,
         typer.Option("--mlx-lm/--no-mlx-lm", rich_help_panel=RUN_PANEL, help="Also time mlx-lm's own plain decoding."),
@@ -153,6 +162,7 @@ def bench(
     )  # fmt: skip
     methods = [lib.PLAIN, lib.SPEC, lib.SPEC_FIXED] + ([lib.MLX_LM] if mlx_lm and _has_mlx_lm_tokenizer(loaded) else [])
     methods += [lib.drafter_method(spec) for spec in _split_categories(drafters) or []]
+    methods += [lib.PLAIN_EXACT, lib.SPEC_EXACT] if exact else []
     result = _run_with_progress(prompts, engine, methods, repeats, check_tokens=temp == 0)
     summaries = lib.summarize(result)
     out = _table_console()
@@ -161,6 +171,8 @@ def bench(
     out.print(summary_table(summaries, has_mlx=lib.MLX_LM in methods))
     if drafters:
         out.print(drafter_table(lib.summarize_drafters(result)))
+    if exact:
+        out.print(exact_table(lib.summarize_exact(result)))
     _print_checks(out, result, temp)
     settings = {
         "max_tokens": max_tokens, "repeats": repeats, "temp": temp, "seed": seed, "draft_tokens": draft_tokens, "length_policy": length_policy.value,
@@ -177,7 +189,7 @@ def bench(
 
         write_plot(plot_path, result, summaries, title=f"akunu bench · {loaded.name} · {machine['backend']}")
         print_note(f"chart written to {plot_path}")
-    if result.counted_mismatches:
+    if result.failing_mismatches:
         raise typer.Exit(1)
 
 
@@ -231,10 +243,7 @@ def _run_with_progress(prompts, engine, methods, repeats, *, check_tokens: bool)
         def mismatch(m) -> None:
             if m.informational:
                 return
-            err.print(
-                f"[bold red]MISMATCH[/] {m.prompt_id} (pass {m.repeat}): {m.method} differs from plain at token {m.index}"
-                f" ({m.got} instead of {m.expected})"
-            )
+            err.print(f"[bold red]MISMATCH[/] {m.prompt_id} (pass {m.repeat}): {_describe_mismatch(m)}")
 
         return run_benchmark(
             prompts, engine, methods=methods, repeats=repeats, check_tokens=check_tokens,
@@ -337,11 +346,17 @@ def _print_checks(out: Console, result, temp: float) -> None:
     if not result.checked:
         out.print(f"[yellow]tokens not compared: at temperature {temp} speculative sampling may pick other tokens[/]")
         return
-    counted = result.counted_mismatches
+    from akunu.exact import NEAR_TIE_GAP
+
+    counted, failing = result.counted_mismatches, result.failing_mismatches
     if counted:
-        out.print(f"[bold red]✗ {len(counted)} GREEDY MISMATCH(ES): speculative tokens differ from plain decoding[/]")
+        style = "bold red" if failing else "yellow"
+        out.print(
+            f"[{style}]{'✗' if failing else '!'} {len(counted)} greedy mismatch(es), {len(counted) - len(failing)} at a near-tie"
+            f" (top-two gap ≤ {NEAR_TIE_GAP:g}, which the default mode allows; see README 'exactness')[/]"
+        )
         for m in counted:
-            out.print(f"[red]  {m.prompt_id} pass {m.repeat}: {m.method} at token {m.index}: {m.got} instead of {m.expected}[/]")
+            out.print(f"[{'yellow' if m.near_tie else 'red'}]  {m.prompt_id} pass {m.repeat}: {_describe_mismatch(m)}[/]")
     else:
         out.print("[green]✓ 0 greedy mismatches: speculative tokens equal plain tokens on every prompt[/]")
     informational = [m for m in result.mismatches if m.informational]
@@ -352,6 +367,30 @@ def _print_checks(out: Console, result, temp: float) -> None:
         )
     elif any(m.method == "mlx-lm" for m in result.measurements):
         out.print("[dim]information: mlx-lm's tokens equal ours on every prompt[/]")
+
+
+def _describe_mismatch(m) -> str:
+    gap = "" if m.top2_gap is None else f"; top-two logit gap there {m.top2_gap:.3g}{', a near-tie' if m.near_tie else ''}"
+    return f"{m.method} differs from {m.reference} at token {m.index} ({m.got} instead of {m.expected}{gap})"
+
+
+def exact_table(rows) -> Table:
+    """Exact mode against the default: tok/s, cost, speedup, and greedy mismatches in each mode."""
+    table = Table(title="exact mode (passes of one width) against the default", title_justify="left")
+    columns = (
+        "category", "plain tok/s", "exact plain", "exact/default", "spec tok/s", "exact spec", "exact/default", "exact speedup",
+        "mismatches default (near-ties)", "mismatches exact",
+    )  # fmt: skip
+    for name in columns:
+        table.add_column(name, justify="left" if name == "category" else "right")
+    for r in rows:
+        table.add_row(
+            r.category, _number(r.plain_tps, ".1f"), _number(r.plain_exact_tps, ".1f"), _number(r.plain_cost, ".2f", "×"),
+            _number(r.spec_tps, ".1f"), _number(r.spec_exact_tps, ".1f"), _number(r.spec_cost, ".2f", "×"),
+            _speedup(r.exact_speedup), f"{r.mismatches} ({r.near_ties})",
+            f"[bold red]{r.exact_mismatches}[/]" if r.exact_mismatches else "0",
+        )  # fmt: skip
+    return table
 
 
 def show_cost_curve(loaded, draft_tokens: int) -> None:

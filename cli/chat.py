@@ -50,6 +50,7 @@ def chat(
     stop: options.Stop = None,
     spec: options.Spec = True,
     draft_tokens: options.DraftTokens = 32,
+    exact: options.Exact = False,
     save: Annotated[
         Optional[Path],
         typer.Option(rich_help_panel=CONVERSATION_PANEL, help="Save the conversation to this JSON file after every answer."),
@@ -70,7 +71,7 @@ def chat(
         conversation.system = system
     config = options.generation_config(
         max_tokens=max_tokens, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop, spec=spec,
-        draft_tokens=draft_tokens,
+        draft_tokens=draft_tokens, exact=exact,
     )  # fmt: skip
     loaded = runtime.load(model, dtype)
     config.sampling.validate(loaded.tokenizer.vocab_size)
@@ -250,10 +251,13 @@ class ChatSession:
         self.view.dim(f"saved {len(self.conversation.turns)} messages to {path}")
 
     def _spec_state(self) -> str:
+        from akunu.exact import exact_width
+
         spec = self.config.spec
+        exact = f", exact mode (passes of {exact_width(spec.draft_tokens)})" if spec.exact else ""
         if not spec.enabled:
-            return "off"
-        return f"on (up to {spec.draft_tokens} drafts{', adaptive' if spec.adaptive else ''})"
+            return "off" + exact
+        return f"on (up to {spec.draft_tokens} drafts{', adaptive' if spec.adaptive else ''}{exact})"
 
     def _costs_now(self) -> list[float] | None:
         """The cost curve, measured the first time speculation needs it."""

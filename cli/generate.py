@@ -53,6 +53,7 @@ def generate(
     spec: options.Spec = True,
     draft_tokens: options.DraftTokens = 32,
     draft_length: options.DraftLength = options.DraftLengthPolicy.adaptive,
+    exact: options.Exact = False,
     draft: Annotated[
         str,
         typer.Option(
@@ -100,7 +101,7 @@ def generate(
         options.check_writable_file(ngram_cache, "--ngram-cache")
     config = options.generation_config(
         max_tokens=max_tokens, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop, spec=spec,
-        draft_tokens=draft_tokens, draft_length=draft_length,
+        draft_tokens=draft_tokens, draft_length=draft_length, exact=exact,
     )  # fmt: skip
     with _interrupt_as_error(json_output):
         loaded = runtime.load(model, dtype)
@@ -227,4 +228,8 @@ def describe_run(loaded, config) -> None:
     spec = config.spec
     policy = ("adaptive" if spec.length_policy == "acceptance" else spec.length_policy) if spec.adaptive else "fixed"
     mode = f"on, up to {spec.draft_tokens} drafts, {policy}" if spec.enabled else "off"
+    if spec.exact:
+        from akunu.exact import exact_width
+
+        mode += f"; exact mode (every pass {exact_width(spec.draft_tokens)} tokens wide)"
     err.print(f"[dim]speculative decoding {mode}; accepted draft tokens are[/] [{display.DRAFT_STYLE}]highlighted[/]")

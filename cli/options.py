@@ -100,6 +100,15 @@ DraftTokens = Annotated[
     ),
 ]
 
+Exact = Annotated[
+    bool,
+    typer.Option(
+        "--exact",
+        rich_help_panel=SPEC_PANEL,
+        help="Exact mode: every forward pass is --draft-tokens + 1 wide and attention runs token by token, so greedy"
+        " speculative output equals plain decoding on any backend, bit for bit. Slower; see the README.",
+    ),
+]
 
 
 class DraftLengthPolicy(str, Enum):
@@ -148,6 +157,7 @@ def generation_config(
     spec: bool,
     draft_tokens: int,
     draft_length: DraftLengthPolicy = DraftLengthPolicy.adaptive,
+    exact: bool = False,
 ):
     """The engine's GenerationConfig for the parsed options (imports the engine, hence MLX)."""
     from akunu.generate import GenerationConfig, SpecConfig
@@ -161,6 +171,7 @@ def generation_config(
             draft_tokens=draft_tokens,
             adaptive=draft_length != DraftLengthPolicy.fixed,
             length_policy="entropy" if draft_length == DraftLengthPolicy.entropy else "acceptance",
+            exact=exact,
         ),
         stop=tuple(unescape(s) for s in stop or ()),
     )

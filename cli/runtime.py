@@ -95,8 +95,8 @@ def cost_curve(loaded, max_draft: int) -> list[float]:
 
 
 def costs_for(loaded, config) -> list[float] | None:
-    """The cost curve when the config drafts adaptively; None otherwise (no measuring needed)."""
-    if config.spec.enabled and config.spec.adaptive:
+    """The cost curve when the config drafts adaptively; None otherwise (no measuring needed; exact mode's is flat)."""
+    if config.spec.enabled and config.spec.adaptive and not config.spec.exact:
         return cost_curve(loaded, config.spec.draft_tokens)
     return None
 

@@ -10,7 +10,9 @@ from akunu.bench import (
     METHODS,
     MLX_LM,
     PLAIN,
+    PLAIN_EXACT,
     SPEC,
+    SPEC_EXACT,
     SPEC_FIXED,
     BenchResult,
     Measurement,
@@ -19,6 +21,7 @@ from akunu.bench import (
     method_order,
     run_benchmark,
     summarize,
+    summarize_exact,
 )
 from akunu.bench.report import result_record
 from akunu.bench.runner import first_difference
@@ -177,6 +180,37 @@ def test_mismatches_are_counted_for_speculation_and_informational_for_mlx_lm():
     assert reported == result.mismatches
     rows = {row.category: row for row in summarize(result)}
     assert rows[OVERALL].mismatches == 4 and rows[OVERALL].mlx_mismatches == 2
+
+
+def test_exact_speculation_is_compared_with_exact_plain_and_mismatches_carry_the_gap():
+    tokens = {
+        ("a", PLAIN_EXACT): [0, 1, 2, 3, 50],  # exact plain may differ from default plain: not a mismatch
+        ("a", SPEC_EXACT): [0, 1, 2, 3, 50],
+        ("b", SPEC): [0, 1, 99],
+        ("b", PLAIN_EXACT): [0, 1, 2, 3, 50],
+        ("b", SPEC_EXACT): [0, 7],
+    }
+    engine = FakeEngine(tokens=tokens)
+    gaps = []
+    engine.top2_gap = lambda reference, ids, tokens, index: gaps.append((reference, index)) or {PLAIN: 1e-4, PLAIN_EXACT: 1e-4}[reference]
+    result = run_benchmark(prompts("a", "b"), engine, methods=(PLAIN, SPEC, PLAIN_EXACT, SPEC_EXACT))
+    mismatches = sorted(result.mismatches, key=lambda m: m.method)  # the run order alternates
+    assert [(m.prompt_id, m.method, m.reference, m.index) for m in mismatches] == [
+        ("b", SPEC, PLAIN, 2), ("b", SPEC_EXACT, PLAIN_EXACT, 1)
+    ]
+    assert sorted(gaps) == [(PLAIN, 2), (PLAIN_EXACT, 1)]
+    default, exact = mismatches
+    assert default.near_tie and not exact.near_tie  # the same small gap excuses only the default mode
+    assert result.failing_mismatches == [exact]
+    rows = {row.category: row for row in summarize_exact(result)}
+    assert (rows[OVERALL].mismatches, rows[OVERALL].near_ties, rows[OVERALL].exact_mismatches) == (1, 1, 1)
+
+
+def test_a_default_mismatch_with_a_wide_gap_fails():
+    engine = FakeEngine(tokens={("a", SPEC): [0, 1, 99]})
+    engine.top2_gap = lambda reference, ids, tokens, index: 0.5
+    result = run_benchmark(prompts("a"), engine, methods=(PLAIN, SPEC))
+    assert result.failing_mismatches == result.mismatches and result.mismatches[0].top2_gap == 0.5
 
 
 def test_no_token_checks_when_sampling():

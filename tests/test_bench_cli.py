@@ -95,7 +95,36 @@ def test_a_mismatch_is_loud_and_fails_the_command(fake_engine, workload, monkeyp
     result = invoke("bench", "--workload", str(workload), "--limit", "1", "-c", "copy", "--max-tokens", "6")
     text = ANSI.sub("", result.output)
     assert result.exit_code == 1
-    assert "MISMATCH" in text and "1 GREEDY MISMATCH" in text and "at token 2" in text
+    assert "MISMATCH" in text and "1 greedy mismatch(es), 0 at a near-tie" in text and "at token 2" in text
+    gap = float(re.search(r"top-two logit gap there ([0-9.e+-]+)", text).group(1))
+    assert gap > 1e-3  # the corrupted token was no near-tie: the plain logits there are far apart
+
+
+def test_a_near_tie_mismatch_of_the_default_mode_is_reported_but_allowed(fake_engine, workload, monkeypatch):
+    real_run = ModelEngine.run
+    monkeypatch.setattr(ModelEngine, "top2_gap", lambda self, reference, ids, tokens, index: 2e-5)
+
+    def corrupt_speculation(self, method, prompt_ids):
+        run = real_run(self, method, prompt_ids)
+        if method == "spec":
+            run.tokens[2] = (run.tokens[2] + 1) % 64
+        return run
+
+    monkeypatch.setattr(ModelEngine, "run", corrupt_speculation)
+    result = invoke("bench", "--workload", str(workload), "--limit", "1", "-c", "copy", "--max-tokens", "6")
+    text = ANSI.sub("", result.output)
+    assert result.exit_code == 0, text
+    assert "1 greedy mismatch(es), 1 at a near-tie" in text and "2e-05, a near-tie" in text
+
+
+def test_exact_runs_both_modes_on_the_same_prompts_and_compares_each_with_its_own_plain(fake_engine, workload):
+    result = invoke("bench", "--workload", str(workload), "--limit", "1", "-c", "copy", "--max-tokens", "8", "--exact")
+    text = ANSI.sub("", result.output)
+    assert result.exit_code == 0, text
+    assert "exact mode" in text and "exact plain" in text and "mismatches exact" in text
+    exact = [s["config"].spec for s in fake_engine.streams if s["config"].spec.exact]
+    assert {(spec.enabled, spec.draft_tokens) for spec in exact} == {(False, 32), (True, 32)}  # the engine caps exact passes (akunu.exact.exact_width)
+    assert len(exact) == 2 * 2  # a warm-up and a measured run of each exact method
 
 
 def test_sampling_skips_the_token_check(fake_engine, workload):

@@ -58,6 +58,15 @@ def test_draft_tokens_reaches_the_engine_with_spec_on(fake_engine):
     assert fake_engine.cost_curves[0]["max_width"] == 8  # the curve covers a pass of 7 drafts + 1
 
 
+def test_exact_reaches_the_engine_and_its_speculation_prints_what_its_plain_decoding_prints(fake_engine):
+    results = [invoke("generate", "hello", "--exact", "--draft-tokens", "3", *flag, "--max-tokens", "24") for flag in ([], ["--no-spec"])]
+    assert [r.exit_code for r in results] == [0, 0], results[0].output
+    spec, plain = (call["config"].spec for call in fake_engine.streams)
+    assert spec == SpecConfig(enabled=True, draft_tokens=3, exact=True) and plain == SpecConfig(enabled=False, draft_tokens=3, exact=True)
+    assert results[0].stdout == results[1].stdout
+    assert fake_engine.cost_curves == []  # exact mode's passes all cost the same: nothing to measure
+
+
 @pytest.mark.parametrize(
     "choice, adaptive, policy", [("adaptive", True, "acceptance"), ("entropy", True, "entropy"), ("fixed", False, "acceptance")]
 )

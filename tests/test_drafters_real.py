@@ -4,6 +4,7 @@ import pytest
 
 from akunu.drafters import make_drafter
 from akunu.generate import GenerationConfig, SpecConfig, generate
+from tests.greedy_checks import assert_same_or_near_tie
 
 pytestmark = pytest.mark.real_model
 
@@ -37,7 +38,7 @@ def test_float32_weights_draft_for_the_4bit_model_without_changing_its_output(qu
     _, plain, _ = run(quantized, None)
     drafter = make_drafter("model:smollm2-135m", quantized, load=lambda name: float32)
     _, fast, stats = run(quantized, drafter)
-    assert fast == plain
+    assert_same_or_near_tie(quantized.model, chat_ids(quantized, PROMPT), plain, fast)
     assert stats.acceptance_rate > 0.6, stats.to_dict()  # the same model at another precision mostly agrees
 
 
@@ -45,5 +46,5 @@ def test_float32_weights_draft_for_the_4bit_model_without_changing_its_output(qu
 def test_layer_skip_self_drafting_keeps_greedy_output(float32, spec):
     _, plain, _ = run(float32, None)
     _, fast, stats = run(float32, make_drafter(spec, float32))
-    assert fast == plain
+    assert_same_or_near_tie(float32.model, chat_ids(float32, PROMPT), plain, fast)
     assert stats.drafted > 0

@@ -6,6 +6,7 @@ from akunu.errors import OptionsError
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.ngram_cache import CachedNGramDrafter, NGramCache
 from tests.fakes import FakeTokenizer
+from tests.greedy_checks import assert_same_or_near_tie
 from tests.tiny import tiny_llama
 
 
@@ -47,7 +48,7 @@ def test_a_second_run_drafts_what_the_first_one_generated_and_output_is_unchange
         drafter = CachedNGramDrafter(path)
         _, tokens, stats = generate(model, FakeTokenizer(), prompt, config, drafter=drafter)
         drafter.save()
-        assert tokens == plain
+        assert_same_or_near_tie(model, prompt, plain, tokens)
         runs.append(stats)
     assert runs[1].accepted > runs[0].accepted
     assert runs[1].tokens_per_pass > 2

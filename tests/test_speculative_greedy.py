@@ -1,4 +1,4 @@
-"""Greedy speculative decoding must equal plain greedy decoding token for token."""
+"""Greedy speculative decoding equals plain greedy decoding token for token, or parts from it only at a near-tie."""
 
 import random
 
@@ -9,6 +9,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import PromptCache, cache_length, make_cache
 from tests.fakes import FakeTokenizer
+from tests.greedy_checks import assert_same_or_near_tie
 from tests.tiny import tiny_gemma3, tiny_llama
 
 TOKENIZER = FakeTokenizer()
@@ -37,7 +38,7 @@ def test_speculative_equals_plain_over_many_prompts(model_fn):
         specs = (SpecConfig(draft_tokens=4), SpecConfig(draft_tokens=7, adaptive=False), SpecConfig(length_policy="entropy"))
         for spec in specs:
             _, fast, stats = run(model, prompt, spec)
-            assert fast == plain, f"prompt {i} {spec}"
+            assert_same_or_near_tie(model, prompt, plain, fast, f"prompt {i} {spec}")
             drafted += stats.accepted
     assert drafted > 100  # the comparison exercised accepted drafts, not only plain steps
 
@@ -48,7 +49,7 @@ def test_repetitive_generation_yields_several_tokens_per_pass():
     prompt = [5, 6, 7, 8] * 4
     _, plain, plain_stats = run(model, prompt, SpecConfig(enabled=False), max_tokens=120)
     _, fast, stats = run(model, prompt, SpecConfig(draft_tokens=6, adaptive=False), max_tokens=120)
-    assert fast == plain
+    assert_same_or_near_tie(model, prompt, plain, fast)
     assert stats.tokens_per_pass > 2
     assert stats.forward_passes < len(fast) / 2
     assert plain_stats.drafting_seconds == 0 < stats.drafting_seconds < stats.decode_seconds
@@ -80,24 +81,26 @@ def test_rollback_leaves_the_cache_exactly_at_the_generated_sequence():
 
 
 def test_max_tokens_and_eos_stop_speculative_rounds_mid_way():
+    # Exact mode, where token identity holds by construction, so the stops can be compared token for token.
     model = tiny_llama(seed=5, sharpness=4.0)
     prompt = [9, 8, 7] * 6
-    _, plain, _ = run(model, prompt, SpecConfig(enabled=False), max_tokens=50)
+    _, plain, _ = run(model, prompt, SpecConfig(enabled=False, draft_tokens=8, exact=True), max_tokens=50)
     for n in (1, 2, 7, 13):
-        _, fast, stats = run(model, prompt, SpecConfig(draft_tokens=8, adaptive=False), max_tokens=n)
+        _, fast, stats = run(model, prompt, SpecConfig(draft_tokens=8, adaptive=False, exact=True), max_tokens=n)
         assert fast == plain[:n] and stats.finish_reason == "length"
     eos = plain[10]
     tokenizer = FakeTokenizer(eos_ids=frozenset({eos}))
-    config = GenerationConfig(max_tokens=50, spec=SpecConfig(draft_tokens=8, adaptive=False))
+    config = GenerationConfig(max_tokens=50, spec=SpecConfig(draft_tokens=8, adaptive=False, exact=True))
     text, fast, stats = generate(model, tokenizer, prompt, config)
     assert fast == plain[: plain.index(eos)] and stats.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("model_fn", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-sliding"])
 def test_a_wide_pass_computes_the_logits_of_one_token_steps(model_fn):
-    """Why greedy identity holds: verifying k tokens at once gives each position the logits a
-    1-token step gives it. On the CPU backend they are bit-identical; Metal's matrix-vector and
-    matrix-matrix kernels may round differently, so there only closeness is asserted."""
+    """Why greedy output agrees in the default mode: verifying k tokens at once gives each position
+    the logits a 1-token step gives it, up to rounding. Bit-identity is not guaranteed: a BLAS may
+    round a k-row product differently from a 1-row one (OpenBLAS on AVX-512, Metal's matrix-vector
+    and matrix-matrix kernels); tests/test_exact.py proves it for exact mode."""
     model = model_fn(seed=2)
     tokens = [random.Random(1).randrange(64) for _ in range(24)]
     cache = make_cache(model)
@@ -105,6 +108,4 @@ def test_a_wide_pass_computes_the_logits_of_one_token_steps(model_fn):
     for width in (2, 5, 9):
         cache = make_cache(model)
         wide = mx.concatenate([model(mx.array([tokens[i : i + width]]), cache=cache)[0] for i in range(0, 24, width)])
-        assert mx.allclose(wide, steps[: wide.shape[0]], atol=1e-4).item()
-        if mx.default_device().type == mx.DeviceType.cpu:
-            assert mx.array_equal(wide, steps[: wide.shape[0]]).item(), f"width {width}"
+        assert mx.allclose(wide, steps[: wide.shape[0]], rtol=1e-4, atol=1e-4).item(), f"width {width}"

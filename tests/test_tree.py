@@ -12,6 +12,7 @@ from akunu.kv_cache import make_cache
 from akunu.sampling import SamplingParams
 from akunu.stats import GenerationStats
 from akunu.tree import NGramTreeDrafter, TokenTree, keep_path, tree_forward
+from tests.greedy_checks import assert_same_or_near_tie
 from tests.tiny import tiny_gemma3, tiny_llama
 
 # root -> 5 -> 6 -> 7, root -> 5 -> 9, root -> 8 -> 2   (depth-first packing)
@@ -110,7 +111,7 @@ def test_tree_decoding_equals_plain_greedy_decoding(name, monkeypatch):
         plain = run_plain(model, prompt, 30)
         for adaptive in (True, False):
             fast, stats = run_tree(model, prompt, 30, adaptive=adaptive)
-            assert fast == plain, f"prompt {i}"
+            assert_same_or_near_tie(model, prompt, plain, fast, f"prompt {i}")
             accepted += stats.accepted
     assert accepted > 20 and sum(compactions) >= 3, (accepted, sum(compactions))  # some accepted off the leading chain
 
@@ -124,7 +125,8 @@ def test_stream_generate_runs_the_tree_loop_for_a_tree_drafter():
     config = GenerationConfig(max_tokens=60, spec=SpecConfig(draft_tokens=6, adaptive=False))
     _, plain, _ = generate(model, FakeTokenizer(), prompt, GenerationConfig(max_tokens=60, spec=SpecConfig(enabled=False)))
     _, fast, stats = generate(model, FakeTokenizer(), prompt, config, drafter=NGramTreeDrafter(max_nodes=10))
-    assert fast == plain and stats.tokens_per_pass > 2
+    assert_same_or_near_tie(model, prompt, plain, fast)
+    assert stats.tokens_per_pass > 2
 
 
 def test_a_tree_drafter_on_an_architecture_it_does_not_know_is_an_options_error():

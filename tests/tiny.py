@@ -33,14 +33,14 @@ def tiny_llama(
     return model
 
 
-def tiny_gemma3(vocab: int = 64, layers: int = 4, window: int = 8, seed: int = 0):
+def tiny_gemma3(vocab: int = 64, layers: int = 4, window: int = 8, seed: int = 0, hidden: int = 32):
     """A random Gemma-3 with a short sliding window, so tests cross it quickly."""
     mx.random.seed(seed)
     args = gemma3_text.ModelArgs(
         model_type="gemma3_text",
-        hidden_size=32,
+        hidden_size=hidden,
         num_hidden_layers=layers,
-        intermediate_size=64,
+        intermediate_size=hidden * 2,
         num_attention_heads=2,
         head_dim=16,
         num_key_value_heads=1,

@@ -8,7 +8,9 @@ from akunu.bench.runner import (
     METHODS,
     MLX_LM,
     PLAIN,
+    PLAIN_EXACT,
     SPEC,
+    SPEC_EXACT,
     SPEC_FIXED,
     BenchResult,
     Engine,
@@ -19,7 +21,9 @@ from akunu.bench.runner import (
     method_order,
     run_benchmark,
 )
-from akunu.bench.summary import CategorySummary, DrafterSummary, median_of_ratios, summarize, summarize_drafters
+from akunu.bench.summary import (
+    CategorySummary, DrafterSummary, ExactSummary, median_of_ratios, summarize, summarize_drafters, summarize_exact,
+)  # fmt: skip
 from akunu.bench.workloads import CATEGORIES, Prompt, WorkloadError, load_workload, select, shipped_workload
 
 __all__ = [
@@ -27,11 +31,14 @@ __all__ = [
     "METHODS",
     "MLX_LM",
     "PLAIN",
+    "PLAIN_EXACT",
     "SPEC",
+    "SPEC_EXACT",
     "SPEC_FIXED",
     "BenchResult",
     "CategorySummary",
     "DrafterSummary",
+    "ExactSummary",
     "Engine",
     "Measurement",
     "Mismatch",
@@ -47,4 +54,5 @@ __all__ = [
     "shipped_workload",
     "summarize",
     "summarize_drafters",
+    "summarize_exact",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 
-from akunu.bench.runner import DRAFTER_PREFIX, MLX_LM, PLAIN, SPEC, SPEC_FIXED, Run
+from akunu.bench.runner import DRAFTER_PREFIX, MLX_LM, PLAIN, PLAIN_EXACT, SPEC, SPEC_EXACT, SPEC_FIXED, Run
 from akunu.bench.workloads import Prompt
 
 
@@ -60,10 +60,17 @@ class ModelEngine:
             return self._run_mlx_lm(prompt_ids)
         if method.startswith(DRAFTER_PREFIX):
             return self._run_akunu(prompt_ids, True, self._drafter(method[len(DRAFTER_PREFIX) :]))
-        adaptive_by_method = {PLAIN: None, SPEC: True, SPEC_FIXED: False}  # None: no speculation
-        if method not in adaptive_by_method:
+        adaptive_by_method = {PLAIN: None, SPEC: True, SPEC_FIXED: False, PLAIN_EXACT: None, SPEC_EXACT: True}
+        if method not in adaptive_by_method:  # None: no speculation
             raise ValueError(f"unknown benchmark method {method!r}")
-        return self._run_akunu(prompt_ids, adaptive_by_method[method])
+        return self._run_akunu(prompt_ids, adaptive_by_method[method], exact=method in (PLAIN_EXACT, SPEC_EXACT))
+
+    def top2_gap(self, reference: str, prompt_ids: list[int], tokens: list[int], index: int) -> float:
+        """The top-two logit gap `reference` (plain or exact plain decoding) saw when choosing tokens[index]."""
+        from akunu.exact import exact_model, top2_gap
+
+        model = exact_model(self.model, self.draft_tokens) if reference == PLAIN_EXACT else self.model
+        return top2_gap(model, prompt_ids, tokens, index)
 
     def _drafter(self, spec: str):
         """One drafter per spec for the whole benchmark (a draft model loads once; `start` resets it)."""
@@ -74,12 +81,13 @@ class ModelEngine:
             self._drafters[spec] = make_drafter(spec, self, params=SamplingParams(temp=self.temp))
         return self._drafters[spec]
 
-    def _run_akunu(self, prompt_ids: list[int], adaptive: bool | None, drafter=None) -> Run:
+    def _run_akunu(self, prompt_ids: list[int], adaptive: bool | None, drafter=None, exact: bool = False) -> Run:
         from akunu.generate import GenerationConfig, SpecConfig, stream_generate
         from akunu.sampling import SamplingParams
 
         speculation = SpecConfig(
-            enabled=adaptive is not None, draft_tokens=self.draft_tokens, adaptive=bool(adaptive), length_policy=self.length_policy
+            enabled=adaptive is not None, draft_tokens=self.draft_tokens, adaptive=bool(adaptive), length_policy=self.length_policy,
+            exact=exact,
         )
         sampling = SamplingParams(temp=self.temp, seed=self.seed)
         config = GenerationConfig(max_tokens=self.max_tokens, sampling=sampling, spec=speculation)

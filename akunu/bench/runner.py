@@ -8,13 +8,17 @@ For each prompt the methods run back to back in one process, so slow drift of th
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
 from akunu.bench.workloads import Prompt
+from akunu.exact import NEAR_TIE_GAP
 
 PLAIN, SPEC, SPEC_FIXED, MLX_LM = "plain", "spec", "spec-fixed", "mlx-lm"
 METHODS = (PLAIN, SPEC, SPEC_FIXED, MLX_LM)
+# Exact mode (akunu.exact): its speculative tokens are compared with its own plain decoding.
+PLAIN_EXACT, SPEC_EXACT = "plain-exact", "spec-exact"
+REFERENCES = (PLAIN, PLAIN_EXACT)
 # Methods whose greedy tokens must equal PLAIN's; MLX_LM is compared for information only.
 MUST_MATCH_PLAIN = (SPEC, SPEC_FIXED)
 # "drafter:SPEC" runs speculative decoding (adaptive) with another drafter (akunu.drafters); it must match too.
@@ -84,6 +88,12 @@ class Mismatch:
     expected: int | None  # the reference's token there (None: the reference ended)
     got: int | None
     informational: bool  # True for comparisons that may legitimately differ (mlx-lm)
+    top2_gap: float | None = None  # the reference's top-two logit gap at `index` (None: not measured)
+
+    @property
+    def near_tie(self) -> bool:
+        """Allowed by the default mode's guarantee: a k-token pass rounded a (near-)tie the other way."""
+        return self.reference == PLAIN and self.top2_gap is not None and self.top2_gap <= NEAR_TIE_GAP
 
 
 @dataclass
@@ -97,13 +107,25 @@ class BenchResult:
     def counted_mismatches(self) -> list[Mismatch]:
         return [m for m in self.mismatches if not m.informational]
 
+    @property
+    def failing_mismatches(self) -> list[Mismatch]:
+        """Mismatches the guarantee does not allow: any in exact mode; in the default mode, any not at a near-tie."""
+        return [m for m in self.counted_mismatches if not m.near_tie]
+
 
 class Engine(Protocol):
-    """What the runner needs from a model: prompt ids, and one timed generation per method."""
+    """What the runner needs from a model: prompt ids, and one timed generation per method.
+
+    An engine may also offer `top2_gap(reference_method, prompt_ids, tokens, index)`, measured on mismatches.
+    """
 
     def encode(self, prompt: Prompt) -> list[int]: ...
 
     def run(self, method: str, prompt_ids: list[int]) -> Run: ...
+
+
+def reference_of(method: str) -> str:
+    return PLAIN_EXACT if method == SPEC_EXACT else PLAIN
 
 
 def method_order(pass_index: int, methods: Sequence[str]) -> list[str]:
@@ -120,21 +142,29 @@ def first_difference(reference: Sequence[int], other: Sequence[int]) -> int | No
 
 
 def compare_tokens(prompt: Prompt, repeat: int, runs: dict[str, Run]) -> list[Mismatch]:
-    """Mismatches of this pass against the plain tokens: counted for speculation, informational for mlx-lm."""
-    reference = runs.get(PLAIN)
-    if reference is None:
-        return []
+    """Mismatches of this pass against the plain tokens of the same mode: counted for speculation, informational for mlx-lm."""
     found = []
     for method, run in runs.items():
-        if method == PLAIN:
+        reference = reference_of(method)
+        if method in REFERENCES or reference not in runs:
             continue
-        index = first_difference(reference.tokens, run.tokens)
+        expected_tokens = runs[reference].tokens
+        index = first_difference(expected_tokens, run.tokens)
         if index is not None:
-            expected = reference.tokens[index] if index < len(reference.tokens) else None
+            expected = expected_tokens[index] if index < len(expected_tokens) else None
             got = run.tokens[index] if index < len(run.tokens) else None
-            informational = method not in MUST_MATCH_PLAIN and not method.startswith(DRAFTER_PREFIX)
-            found.append(Mismatch(prompt.id, prompt.category, repeat, method, PLAIN, index, expected, got, informational))
+            informational = method not in (*MUST_MATCH_PLAIN, SPEC_EXACT) and not method.startswith(DRAFTER_PREFIX)
+            found.append(Mismatch(prompt.id, prompt.category, repeat, method, reference, index, expected, got, informational))
     return found
+
+
+def _with_gap(engine: Engine, mismatch: Mismatch, prompt_ids: list[int], runs: dict[str, Run]) -> Mismatch:
+    """The mismatch with the reference's top-two logit gap where the tokens part, if the engine can measure it."""
+    measure = getattr(engine, "top2_gap", None)
+    tokens = runs[mismatch.reference].tokens
+    if measure is None or mismatch.informational or mismatch.index >= len(tokens):
+        return mismatch
+    return replace(mismatch, top2_gap=measure(mismatch.reference, prompt_ids, tokens, mismatch.index))
 
 
 def run_benchmark(
@@ -151,7 +181,8 @@ def run_benchmark(
 ) -> BenchResult:
     """Run `methods` on every prompt `repeats` times, interleaved, after one unrecorded warm-up per method.
 
-    `check_tokens` (for greedy runs) compares every method's tokens with plain decoding's.
+    `check_tokens` (for greedy runs) compares every method's tokens with plain decoding's (exact mode's
+    with exact plain decoding's) and, where they differ, asks the engine for the top-two logit gap there.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1 (got {repeats})")
@@ -176,6 +207,7 @@ def run_benchmark(
             pass_index += 1
             if check_tokens:
                 for mismatch in compare_tokens(prompt, repeat, runs):
+                    mismatch = _with_gap(engine, mismatch, ids, runs)
                     result.mismatches.append(mismatch)
                     if on_mismatch:
                         on_mismatch(mismatch)

@@ -12,7 +12,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from akunu.bench.copy_bound import bound_tokens_per_pass
-from akunu.bench.runner import DRAFTER_PREFIX, MLX_LM, PLAIN, SPEC, SPEC_FIXED, BenchResult, Measurement
+from akunu.bench.runner import (
+    DRAFTER_PREFIX, MLX_LM, PLAIN, PLAIN_EXACT, SPEC, SPEC_EXACT, SPEC_FIXED, BenchResult, Measurement,
+)  # fmt: skip
 
 OVERALL = "overall"
 
@@ -164,12 +166,8 @@ class DrafterSummary:
 def summarize_drafters(result: BenchResult) -> list[DrafterSummary]:
     """A row per category and drafter method, then per drafter over every prompt."""
     methods = list(dict.fromkeys(m.method for m in result.measurements if m.method.startswith(DRAFTER_PREFIX)))
-    by_category: dict[str, list[Measurement]] = defaultdict(list)
-    for m in result.measurements:
-        by_category[m.category].append(m)
-    groups = list(by_category.items()) + [(OVERALL, result.measurements)]
     rows = []
-    for name, group in groups:
+    for name, group in _groups(result):
         prompt_ids = {m.prompt_id for m in group}
         for method in methods:
             acceptance, tokens_per_pass, _ = _pooled(group, method)
@@ -185,4 +183,58 @@ def summarize_drafters(result: BenchResult) -> list[DrafterSummary]:
                     mismatches=sum(m.method == method and m.prompt_id in prompt_ids for m in result.mismatches),
                 )
             )
+    return rows
+
+
+def _groups(result: BenchResult) -> list[tuple[str, list[Measurement]]]:
+    """The measurements by category, in order of appearance, then all of them as the overall group."""
+    by_category: dict[str, list[Measurement]] = defaultdict(list)
+    for m in result.measurements:
+        by_category[m.category].append(m)
+    return list(by_category.items()) + [(OVERALL, list(result.measurements))]
+
+
+@dataclass
+class ExactSummary:
+    """Exact mode against the default in one category: what it costs, and the greedy mismatches in each mode."""
+
+    category: str
+    plain_tps: float | None
+    plain_exact_tps: float | None
+    spec_tps: float | None
+    spec_exact_tps: float | None
+    plain_cost: float | None  # exact plain vs plain: median of per-prompt ratios
+    spec_cost: float | None  # exact spec vs spec
+    exact_speedup: float | None  # exact spec vs exact plain
+    mismatches: int  # default mode: spec vs plain
+    near_ties: int  # of those, at a near-tie
+    exact_mismatches: int  # exact mode: exact spec vs exact plain
+
+    def to_dict(self) -> dict:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+def summarize_exact(result: BenchResult) -> list[ExactSummary]:
+    """A row per category, then the overall row."""
+    rows = []
+    for name, group in _groups(result):
+        prompt_ids = {m.prompt_id for m in group}
+        mismatches = [m for m in result.mismatches if m.prompt_id in prompt_ids]
+        default = [m for m in mismatches if m.method == SPEC]
+        ratio = lambda top, bottom: median_of_ratios(per_prompt_ratios(group, top, bottom).values())  # noqa: E731
+        rows.append(
+            ExactSummary(
+                category=name,
+                plain_tps=median(per_prompt_tps(group, PLAIN).values()),
+                plain_exact_tps=median(per_prompt_tps(group, PLAIN_EXACT).values()),
+                spec_tps=median(per_prompt_tps(group, SPEC).values()),
+                spec_exact_tps=median(per_prompt_tps(group, SPEC_EXACT).values()),
+                plain_cost=ratio(PLAIN_EXACT, PLAIN),
+                spec_cost=ratio(SPEC_EXACT, SPEC),
+                exact_speedup=ratio(SPEC_EXACT, PLAIN_EXACT),
+                mismatches=len(default),
+                near_ties=sum(m.near_tie for m in default),
+                exact_mismatches=sum(m.method == SPEC_EXACT for m in mismatches),
+            )
+        )
     return rows

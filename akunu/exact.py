@@ -1,0 +1,137 @@
+"""Exact mode: a position's logits do not depend on how many tokens its forward pass held.
+
+A BLAS may round row i of `X @ W.T` differently for different row counts M (OpenBLAS on
+AVX-512 CPUs; Metal's matrix-vector and matrix-matrix kernels), and attention over a pass
+of L queries is one call whose shape depends on L. So by default a k-token verification
+pass can give a position logits a few ulps away from a 1-token step, and greedy output can
+differ where the top two logits (nearly) tie.
+
+`FixedWidthModel` removes both sources: every decode pass is padded to one fixed width, so
+every weight matmul has the same shape whether it is a plain step or a verification (a row
+of a fixed-shape product does not depend on its place or on the other rows), and attention
+is computed one query row at a time over exactly the keys that row may see, so its call
+shape depends only on the row's position. The padding's cache entries are rolled back.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import sys
+from collections.abc import Callable, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from akunu.decode import prefill
+from akunu.errors import OptionsError
+from akunu.kv_cache import make_cache, rewind
+
+_ATTENTION = "scaled_dot_product_attention"  # the module-global every mlx-lm model's attention calls
+_per_row = contextvars.ContextVar("akunu_exact_per_row", default=False)
+
+
+def _attention_per_row(queries, keys, values, cache, scale, mask, sinks=None, *, attend: Callable):
+    """Row j (the query at key index kL - L + j) attends to keys[:kL - L + j + 1] alone, with its mask row."""
+    length, key_length = queries.shape[-2], keys.shape[-2]
+    rows = []
+    for j in range(length):
+        end = key_length - length + j + 1
+        row_mask = mask[..., j : j + 1, :end] if isinstance(mask, mx.array) else None  # "causal" is the slicing itself
+        rows.append(attend(queries[..., j : j + 1, :], keys[..., :end, :], values[..., :end, :], cache, scale, row_mask, sinks))
+    return mx.concatenate(rows, axis=-2)
+
+
+def _dispatcher(attend: Callable) -> Callable:
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if _per_row.get():
+            return _attention_per_row(queries, keys, values, cache, scale, mask, sinks, attend=attend)
+        return attend(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    scaled_dot_product_attention.akunu_original = attend
+    return scaled_dot_product_attention
+
+
+def _install_per_row_attention(model: nn.Module) -> None:
+    """Route the attention of `model`'s modules through the dispatcher (inactive outside exact passes)."""
+    found = False
+    for name in {type(m).__module__ for m in model.modules()}:
+        module = sys.modules.get(name)
+        attend = getattr(module, _ATTENTION, None)
+        if attend is None:
+            continue
+        found = True
+        if not hasattr(attend, "akunu_original"):
+            setattr(module, _ATTENTION, _dispatcher(attend))
+    if not found:
+        raise OptionsError(f"exact mode needs a model whose attention calls mlx-lm's {_ATTENTION}; run without --exact")
+
+
+class FixedWidthModel:
+    """`model` with every pass of at most `width` tokens padded to `width`; wider passes (prefill) run as they are.
+
+    Called like the model; returns the logits of the real tokens only and leaves the cache
+    holding only them.
+    """
+
+    def __init__(self, model: nn.Module, width: int) -> None:
+        if width < 1:
+            raise OptionsError(f"exact mode needs a pass width of at least 1 (got {width})")
+        _install_per_row_attention(model)
+        self.model, self.width = model, width
+
+    def __getattr__(self, name: str):  # layers, make_cache, args...: the cache and loaders see the model
+        return getattr(self.model, name)
+
+    def __call__(self, inputs: mx.array, cache: list, **kwargs) -> mx.array:
+        length = inputs.shape[1]
+        if length > self.width:
+            return self.model(inputs, cache=cache, **kwargs)
+        pad = self.width - length
+        if pad:  # repeats of the last token: any token would do, only real rows are kept
+            inputs = mx.concatenate([inputs, mx.repeat(inputs[:, -1:], pad, axis=1)], axis=1)
+        token = _per_row.set(True)
+        try:
+            logits = self.model(inputs, cache=cache, **kwargs)
+        finally:
+            _per_row.reset(token)
+        rewind(cache, pad)
+        return logits[:, :length]
+
+
+# Every exact pass is padded to the widest draft, and on CPU a 33-token pass costs ~3.9 plain steps
+# (a 5-token one ~1.7): so exact mode drafts at most this many tokens whatever the ceiling asked.
+EXACT_MAX_DRAFT = 4
+
+
+def exact_width(max_draft: int) -> int:
+    """The width of every exact-mode pass for a draft ceiling of `max_draft`."""
+    return min(max_draft, EXACT_MAX_DRAFT) + 1
+
+
+def exact_model(model: nn.Module, max_draft: int) -> FixedWidthModel:
+    """The exact-mode model for a draft ceiling of `max_draft`: passes are `exact_width(max_draft)` wide."""
+    if isinstance(model, FixedWidthModel):
+        model = model.model
+    return FixedWidthModel(model, exact_width(max_draft))
+
+
+def flat_costs(width: int) -> list[float]:
+    """Exact mode's cost curve: every pass is `width` wide, so a longer draft costs nothing more."""
+    return [1.0] * width
+
+
+# Rounding moves a logit by ~1e-5 relative; a default-mode mismatch with a wider top-two gap is a bug, not rounding.
+NEAR_TIE_GAP = 1e-3
+
+
+def top2_gap(model, prompt: Sequence[int], tokens: Sequence[int], index: int, prefill_step: int = 512) -> float:
+    """The gap between the two largest logits plain decoding of `prompt` saw when it chose tokens[index].
+
+    Replays plain decoding (the same prefill, then 1-token steps), so the logits are the ones it used.
+    """
+    cache = make_cache(model)
+    logits = prefill(model, cache, prompt, prefill_step)
+    for token in tokens[:index]:
+        logits = model(mx.array([[token]], mx.uint32), cache=cache)[0, -1]
+    top = mx.topk(logits, 2)
+    return (top.max() - top.min()).item()
