@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import socket
 import threading
 import time
@@ -61,16 +62,16 @@ def run_serve_command(monkeypatch, *args: str) -> tuple[object, dict]:
     return captured.pop("app"), captured
 
 
+def start(stack: contextlib.ExitStack, monkeypatch, *args: str) -> Running:
+    """Run the command, then its app on loopback; `stack` stops both."""
+    app, options = run_serve_command(monkeypatch, *args)
+    worker = app.state.worker
+    stack.callback(worker.stop)
+    return Running(stack.enter_context(on_loopback(app)), worker, options)
+
+
 @pytest.fixture
 def serve(monkeypatch):
     """`serve(*args)` -> a Running server for the command's options; stopped after the test."""
-    stack = contextlib.ExitStack()
-
-    def start(*args: str) -> Running:
-        app, options = run_serve_command(monkeypatch, *args)
-        worker = app.state.worker
-        stack.callback(worker.stop)
-        return Running(stack.enter_context(on_loopback(app)), worker, options)
-
-    with stack:
-        yield start
+    with contextlib.ExitStack() as stack:
+        yield functools.partial(start, stack, monkeypatch)
