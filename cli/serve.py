@@ -65,7 +65,10 @@ def serve(
     loaded = worker.start()
     configure_logging()
     stderr_console().print(f"[bold]akunu serve[/] · {loaded.describe()} · http://{host}:{port}/v1 · Ctrl-C stops")
-    uvicorn.run(create_app(worker, base_config, api_key=api_key), host=host, port=port, log_level="warning")
+    try:
+        uvicorn.run(create_app(worker, base_config, api_key=api_key), host=host, port=port, log_level="warning")
+    finally:
+        worker.stop()
 
 
 def load_for_serving(model, dtype, config, drafting: Drafting):

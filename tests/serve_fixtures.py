@@ -15,6 +15,7 @@ from openai import OpenAI
 from typer.testing import CliRunner
 
 from akunu.cli.app import app as cli_app
+from akunu.cli.server import Worker
 
 
 @dataclass
@@ -54,10 +55,13 @@ def on_loopback(app):
 
 
 def run_serve_command(monkeypatch, *args: str) -> tuple[object, dict]:
-    """`akunu serve ARGS` as a user runs it, up to the uvicorn.run call: returns (app, its keyword arguments)."""
+    """`akunu serve ARGS` as a user runs it, up to the uvicorn.run call: returns (app, its keyword arguments).
+    The caller stops the worker (`app.state.worker.stop()`)."""
     captured: dict = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **options: captured.update(app=app, **options))
-    result = CliRunner().invoke(cli_app, ["serve", *args])
+    with monkeypatch.context() as patch:  # the command stops its worker once uvicorn returns; the caller does here
+        patch.setattr(uvicorn, "run", lambda app, **options: captured.update(app=app, **options))
+        patch.setattr(Worker, "stop", lambda self, timeout=10.0: None)
+        result = CliRunner().invoke(cli_app, ["serve", *args])
     assert result.exit_code == 0, result.output
     return captured.pop("app"), captured
 

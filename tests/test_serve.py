@@ -274,8 +274,23 @@ def test_a_non_loopback_host_warns(fake_engine, monkeypatch):
 
     notes = []
     monkeypatch.setattr(akunu.cli.serve, "print_note", notes.append)
-    _, options = run_serve_command(monkeypatch, "--host", "0.0.0.0", "--port", "9001")
+    app, options = run_serve_command(monkeypatch, "--host", "0.0.0.0", "--port", "9001")
+    app.state.worker.stop()
     assert (options["host"], options["port"]) == ("0.0.0.0", 9001)
     assert "0.0.0.0" in notes[0] and "--api-key" in notes[0]
-    _, options = run_serve_command(monkeypatch)
+    app, options = run_serve_command(monkeypatch)
+    app.state.worker.stop()
     assert (options["host"], options["port"], len(notes)) == ("127.0.0.1", 8080, 1)
+
+
+def test_the_worker_thread_ends_when_the_server_does(fake_engine, monkeypatch):
+    import threading as threads
+
+    import uvicorn
+    from typer.testing import CliRunner
+
+    from akunu.cli.app import app
+
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: None)  # the server stops at once
+    assert CliRunner().invoke(app, ["serve"]).exit_code == 0
+    assert "akunu-mlx" not in [t.name for t in threads.enumerate()]  # joined, its MLX streams freed

@@ -125,9 +125,9 @@ class Worker:
         self._jobs.put(job)
 
     def _retry_after(self) -> int:
-        """Seconds until a place frees up: the recent mean request time per job ahead."""
+        """Seconds until a place in the queue frees up: about one request's time (the recent mean)."""
         mean = sum(self._recent_seconds) / len(self._recent_seconds) if self._recent_seconds else 1.0
-        return max(1, math.ceil(mean * (self.waiting + 1) / max(1, self.max_waiting)))
+        return max(1, math.ceil(mean))
 
     def _loop(self) -> None:
         try:
@@ -135,9 +135,16 @@ class Worker:
             self.pool = PromptCachePool(self.loaded.model, self.cache_slots)
         except BaseException as error:  # noqa: BLE001  (handed to start(), in the caller's thread)
             self._startup_error = error
-            return
-        finally:
+            _free_mlx_streams()
             self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._serve_jobs()
+        finally:
+            _free_mlx_streams()
+
+    def _serve_jobs(self) -> None:
         while (job := self._jobs.get()) is not None:
             with self._lock:
                 self.waiting -= 1
@@ -181,3 +188,10 @@ def _summary(stats, finish: str | None) -> str:
     from akunu.cli.display import summary_line
 
     return summary_line(stats, finish)
+
+
+def _free_mlx_streams() -> None:
+    """MLX's per-thread streams must be freed by their own thread, or the process may abort at exit (mlx#3126)."""
+    import mlx.core as mx
+
+    mx.clear_streams()
