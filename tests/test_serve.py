@@ -133,6 +133,7 @@ def test_a_seed_makes_sampling_repeatable(fake_engine, serve):
         ({"messages": []}, "messages", "non-empty"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "user"),
         ({"messages": USER, "n": 2}, "n", "n=1"),
+        ({"messages": USER, "seed": -1}, "seed", "[0, 18446744073709551615]"),
     ],
 )
 def test_a_bad_field_gets_a_400_naming_it(fake_engine, serve, body, param, words):

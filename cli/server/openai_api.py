@@ -107,7 +107,7 @@ def _parsed(kind: str, body: dict, loaded, base_config, prompt_ids: list[int], e
         top_p=_field(body, "top_p", 1.0, float, low=0.0, high=1.0, low_open=True),
         top_k=_field(body, "top_k", 0, int, low=0, high=loaded.tokenizer.vocab_size - 1),
         min_p=_field(body, "min_p", 0.0, float, low=0.0, high=1.0),
-        seed=_field(body, "seed", None, int),
+        seed=_field(body, "seed", None, int, low=0, high=2**64 - 1),
     )
     stream = _field(body, "stream", False, bool)
     options = body.get("stream_options") or {}
