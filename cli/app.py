@@ -17,7 +17,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from akunu import __version__
-from akunu.cli import chat, generate, models_command
+from akunu.cli import chat, generate, models_command, serve
 from akunu.cli.console import debug_enabled, print_error
 from akunu.errors import AkunuError
 
@@ -130,6 +130,7 @@ EXAMPLES = """[bold]Examples[/]
   akunu generate "Write a haiku on rain"  text on stdout, stats on stderr
   akunu models                            the catalogue, and what is cached
   akunu bench --max-tokens 64 --limit 2   speculative vs plain, measured here
+  akunu serve                             an OpenAI-compatible server on 127.0.0.1:8080
   akunu COMMAND --help                    options and examples of a command"""
 
 app = typer.Typer(
@@ -171,6 +172,7 @@ def root(
 
 app.command(epilog=generate.EXAMPLES)(generate.generate)
 app.command(epilog=chat.EXAMPLES)(chat.chat)
+app.command(epilog=serve.EXAMPLES)(serve.serve)
 app.add_typer(models_command.app, name="models")
 
 

@@ -54,19 +54,8 @@ def generate(
     draft_tokens: options.DraftTokens = 32,
     draft_length: options.DraftLength = options.DraftLengthPolicy.adaptive,
     exact: options.Exact = False,
-    draft: Annotated[
-        str,
-        typer.Option(
-            rich_help_panel=options.SPEC_PANEL,
-            help="The drafter: ngram (n-gram tables), lookup (continue the longest earlier 4-16 token run), suffix (the"
-            " likeliest continuation of the longest earlier match), model:NAME|PATH,"
-            " layer-skip:N (the model's first N layers), A+B (A where it has a draft, else B) or hybrid:SPEC (ngram+SPEC).",
-        ),
-    ] = DEFAULT_SPEC,
-    draft_model: Annotated[
-        Optional[str],
-        typer.Option(rich_help_panel=options.SPEC_PANEL, help="A draft model with the same tokenizer (same as --draft model:NAME)."),
-    ] = None,
+    draft: options.Draft = DEFAULT_SPEC,
+    draft_model: options.DraftModel = None,
     ngram_cache: Annotated[
         Optional[Path],
         typer.Option(
@@ -74,10 +63,7 @@ def generate(
             help="Keep n-gram counts in this file across runs; drafts fall back on them (off by default).",
         ),
     ] = None,
-    tree: Annotated[
-        Optional[int],
-        typer.Option(min=1, max=32, rich_help_panel=options.SPEC_PANEL, help="Verify n-gram drafts as token trees of up to N nodes."),
-    ] = None,
+    tree: options.Tree = None,
     json_output: Annotated[
         bool, typer.Option("--json", rich_help_panel=OUTPUT_PANEL, help="Print one JSON object: text, token ids and stats.")
     ] = False,
@@ -136,8 +122,8 @@ def _save_ngram_cache(drafter, path: Path) -> None:
         print_note(f"cannot save the n-gram cache to {path}: {error.strerror or error}")
 
 
-def make_drafter_for(loaded, config, draft: str, draft_model: str | None, ngram_cache: Path | None, tree: int | None):
-    """The drafter the options ask for; None keeps the engine's default (suffix+ngram)."""
+def make_drafter_for(loaded, config, draft: str, draft_model: str | None, ngram_cache: Path | None, tree: int | None, load=None):
+    """The drafter the options ask for; None keeps the engine's default (suffix+ngram). `load` loads a draft model."""
     from akunu.drafters import make_drafter
 
     if draft_model is not None:
@@ -151,7 +137,7 @@ def make_drafter_for(loaded, config, draft: str, draft_model: str | None, ngram_
     spec = config.spec
     return make_drafter(
         draft, loaded, params=config.sampling, ngram_order=spec.ngram_order, window=spec.window,
-        ngram_cache=ngram_cache, tree=tree,
+        ngram_cache=ngram_cache, tree=tree, load=load,
     )  # fmt: skip
 
 

@@ -140,6 +140,25 @@ def check_writable_file(path: Path, option: str) -> None:
         raise OptionsError(f"{option} {path}: not writable")
 
 
+Draft = Annotated[
+    str,
+    typer.Option(
+        rich_help_panel=SPEC_PANEL,
+        help="The drafter: ngram (n-gram tables), lookup (continue the longest earlier 4-16 token run), suffix (the"
+        " likeliest continuation of the longest earlier match), model:NAME|PATH,"
+        " layer-skip:N (the model's first N layers), A+B (A where it has a draft, else B) or hybrid:SPEC (ngram+SPEC).",
+    ),
+]
+DraftModel = Annotated[
+    Optional[str],
+    typer.Option(rich_help_panel=SPEC_PANEL, help="A draft model with the same tokenizer (same as --draft model:NAME)."),
+]
+Tree = Annotated[
+    Optional[int],
+    typer.Option(min=1, max=32, rich_help_panel=SPEC_PANEL, help="Verify n-gram drafts as token trees of up to N nodes."),
+]
+
+
 def unescape(text: str) -> str:
     """`\\n`, `\\t` and `\\\\` typed in a shell argument, as the characters they name."""
     return text.replace("\\\\", "\0").replace("\\n", "\n").replace("\\t", "\t").replace("\0", "\\")

@@ -60,3 +60,15 @@ def fake_engine(monkeypatch, isolated_home):
     monkeypatch.setattr(akunu.generate, "stream_generate", stream_generate)
     monkeypatch.setattr(akunu.cost_curve, "cached", cached_cost_curve)
     return calls
+
+
+@pytest.fixture
+def serve(monkeypatch):
+    """`serve(*args)` -> a Running `akunu serve` for those options on loopback; stopped after the test."""
+    import contextlib
+    import functools
+
+    from tests.serve_fixtures import start
+
+    with contextlib.ExitStack() as stack:
+        yield functools.partial(start, stack, monkeypatch)

@@ -1,0 +1,122 @@
+"""`akunu serve`: an OpenAI-compatible HTTP server over one model, with speculative decoding and prompt-cache reuse."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from akunu.cli import options, runtime
+from akunu.cli.console import print_note, stderr_console
+from akunu.drafter_specs import DEFAULT_SPEC
+
+EXAMPLES = """[bold]Examples[/]
+  akunu serve                                   the default model on http://127.0.0.1:8080/v1
+  akunu serve --model gemma3-270m --port 9000 --no-spec
+  akunu serve --api-key sk-local                requests need 'Authorization: Bearer sk-local'
+  curl -s localhost:8080/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'"""
+
+SERVER_PANEL = "Server"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def serve(
+    model: options.Model = None,
+    dtype: options.Dtype = options.WeightsDtype.auto,
+    host: Annotated[str, typer.Option(rich_help_panel=SERVER_PANEL, help="Address to listen on; anything but loopback exposes the model to the network.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, rich_help_panel=SERVER_PANEL, help="Port to listen on.")] = 8080,
+    api_key: Annotated[
+        Optional[str],
+        typer.Option(envvar="AKUNU_API_KEY", show_default=False, rich_help_panel=SERVER_PANEL, help="Require 'Authorization: Bearer KEY' on every request."),
+    ] = None,
+    queue_depth: Annotated[int, typer.Option(min=0, rich_help_panel=SERVER_PANEL, help="Requests that may wait behind the running one; more get 429 with Retry-After.")] = 32,
+    cache_slots: Annotated[int, typer.Option(min=1, rich_help_panel=SERVER_PANEL, help="KV caches kept for recent conversations (LRU), each at most the context long.")] = 4,
+    max_tokens: Annotated[int, typer.Option(min=1, rich_help_panel=options.SAMPLING_PANEL, help="Tokens per answer when a request gives no max_tokens.")] = 512,
+    spec: options.Spec = True,
+    draft_tokens: options.DraftTokens = 32,
+    draft_length: options.DraftLength = options.DraftLengthPolicy.adaptive,
+    exact: options.Exact = False,
+    draft: options.Draft = DEFAULT_SPEC,
+    draft_model: options.DraftModel = None,
+    tree: options.Tree = None,
+) -> None:
+    """Serve a model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions, /v1/models, /health.
+
+    Requests run one at a time in arrival order; each response carries `usage` and an `akunu` object with the speculative statistics.
+    """
+    import uvicorn
+
+    from akunu.cli.server import Worker, create_app
+
+    if host not in LOOPBACK:
+        print_note(f"listening on {host}: anyone who can reach this address can use the model" + ("" if api_key else " (no --api-key)"))
+    base_config = options.generation_config(
+        max_tokens=max_tokens, temp=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, stop=None, spec=spec,
+        draft_tokens=draft_tokens, draft_length=draft_length, exact=exact,
+    )  # fmt: skip
+    drafting = Drafting(draft, draft_model, tree)
+    worker = Worker(
+        functools.partial(load_for_serving, model, dtype, base_config, drafting),
+        drafting.stream,
+        max_waiting=queue_depth,
+        cache_slots=cache_slots,
+    )
+    loaded = worker.start()
+    configure_logging()
+    stderr_console().print(f"[bold]akunu serve[/] · {loaded.describe()} · http://{host}:{port}/v1 · Ctrl-C stops")
+    try:
+        uvicorn.run(create_app(worker, base_config, api_key=api_key), host=host, port=port, log_level="warning")
+    finally:
+        worker.stop()
+
+
+def load_for_serving(model, dtype, config, drafting: Drafting):
+    """On the worker thread: the model and its cost curve; a first drafter is built to reject bad options now."""
+    loaded = runtime.load(model, dtype)
+    drafting.drafter(loaded, config)
+    return loaded, runtime.costs_for(loaded, config)
+
+
+class Drafting:
+    """The drafter options; each request gets a drafter that samples as it does, draft models load once."""
+
+    def __init__(self, draft: str, draft_model: str | None, tree: int | None) -> None:
+        from akunu.models import load_model
+
+        self.draft, self.draft_model, self.tree = draft, draft_model, tree
+        self.load = functools.cache(load_model)
+
+    def drafter(self, loaded, config):
+        from akunu.cli.generate import make_drafter_for
+
+        return make_drafter_for(loaded, config, self.draft, self.draft_model, None, self.tree, load=self.load)
+
+    def stream(self, loaded, job, prompt_cache, costs):
+        """The engine's response stream for one request (the worker's `run`)."""
+        drafter = self.drafter(loaded, job.config)
+        return runtime.stream(loaded, job.prompt_ids, job.config, prompt_cache=prompt_cache, costs=costs, drafter=drafter)
+
+
+def configure_logging() -> None:
+    """One line per request on stderr (the `akunu.serve` logger)."""
+    logger = logging.getLogger("akunu.serve")
+    if not logger.handlers:
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a line is logged, not when the handler was made."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _) -> None:
+        pass

@@ -1,0 +1,73 @@
+"""Running `akunu serve` for tests: the real command (uvicorn.run captured), then its app on a loopback port.
+The `serve` fixture (conftest.py) wraps `start`."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import uvicorn
+from openai import OpenAI
+from typer.testing import CliRunner
+
+from akunu.cli.app import app as cli_app
+from akunu.cli.server import Worker
+
+
+@dataclass
+class Running:
+    base_url: str  # http://127.0.0.1:PORT
+    worker: object
+    options: dict  # what the command passed to uvicorn.run (host, port, ...)
+
+    def client(self, api_key: str = "none", **kwargs) -> OpenAI:
+        return OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, timeout=60, **kwargs)
+
+    def wait_idle(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while self.worker.running or self.worker.waiting:
+            assert time.monotonic() < deadline, "the worker did not go idle"
+            time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def on_loopback(app):
+    """Serve `app` with uvicorn in a thread on 127.0.0.1 and a free port."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def run_serve_command(monkeypatch, *args: str) -> tuple[object, dict]:
+    """`akunu serve ARGS` as a user runs it, up to the uvicorn.run call: returns (app, its keyword arguments).
+    The caller stops the worker (`app.state.worker.stop()`)."""
+    captured: dict = {}
+    with monkeypatch.context() as patch:  # the command stops its worker once uvicorn returns; the caller does here
+        patch.setattr(uvicorn, "run", lambda app, **options: captured.update(app=app, **options))
+        patch.setattr(Worker, "stop", lambda self, timeout=10.0: None)
+        result = CliRunner().invoke(cli_app, ["serve", *args])
+    assert result.exit_code == 0, result.output
+    return captured.pop("app"), captured
+
+
+def start(stack: contextlib.ExitStack, monkeypatch, *args: str) -> Running:
+    """Run the command, then its app on loopback; `stack` stops both."""
+    app, options = run_serve_command(monkeypatch, *args)
+    worker = app.state.worker
+    stack.callback(worker.stop)
+    return Running(stack.enter_context(on_loopback(app)), worker, options)
