@@ -22,7 +22,7 @@ from rich.progress import (
 
 from akunu.cli.console import print_note, stderr_console
 
-_BYTE_STAGES = {"download", "extract"}
+_BYTE_STAGES = {"download", "extract", "verify"}
 
 
 @contextlib.contextmanager
