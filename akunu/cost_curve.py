@@ -83,8 +83,8 @@ def cached(model: nn.Module, key: str, directory: Path, max_width: int = 9) -> l
     """
     try:
         saved = json.loads(curve_path(key, directory).read_text())["seconds"]
-        if len(saved) >= max_width:
-            return relative_costs(saved)
+        if len(saved) >= max_width and all(isinstance(s, (int, float)) and 0 < s < float("inf") for s in saved):
+            return relative_costs(saved)  # anything else (zeros, text) is measured again
     except (OSError, ValueError, KeyError, TypeError):
         pass
     seconds = measure(model, max_width, sweeps=3)
