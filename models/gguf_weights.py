@@ -99,8 +99,11 @@ def _read_with_dequantize(gguf_file: GGUFFile, keep_quantized: bool, progress: P
 def _decode_tensor(gguf_file: GGUFFile, info: TensorInfo, keep_quantized: bool) -> dict[str, mx.array]:
     raw = gguf_file.tensor_bytes(info)
     stem = info.name.removesuffix(".weight")
-    if info.ggml_type not in FLOAT_TYPES and (triple := exact_triple(raw, info.ggml_type, info.shape)):
+    with np.errstate(all="ignore"):  # garbage scales overflow; checked below, naming the tensor
+        triple = exact_triple(raw, info.ggml_type, info.shape) if info.ggml_type not in FLOAT_TYPES else None
+    if triple:
         # Exact in both modes: `to_float32` dequantizes it later in float32 mode.
+        _check_finite(info, triple.scales, triple.biases)
         return {info.name: mx.array(triple.packed), f"{stem}.scales": mx.array(triple.scales),
                 f"{stem}.biases": mx.array(triple.biases)}
     array = mx.array(_to_float32(raw, info), dtype=mx.float32)
@@ -121,9 +124,13 @@ def _to_float32(raw: np.ndarray, info: TensorInfo) -> np.ndarray:
     rows = int(np.prod(info.shape[:-1], dtype=np.int64)) if len(info.shape) > 1 else 1
     with np.errstate(all="ignore"):  # garbage blocks overflow; the check below names the tensor instead
         values = dequantize(raw.reshape(rows, -1), info.ggml_type).reshape(info.shape)
-    if not np.isfinite(values).all():
-        raise ModelError(f"tensor {info.name} decodes to NaN or infinite weights: the file is corrupt")
+    _check_finite(info, values)
     return values
+
+
+def _check_finite(info: TensorInfo, *arrays: np.ndarray) -> None:
+    if not all(np.isfinite(array).all() for array in arrays):
+        raise ModelError(f"tensor {info.name} decodes to NaN or infinite weights: the file is corrupt")
 
 
 def quantized_stems(weights: dict[str, mx.array]) -> dict[str, int]:

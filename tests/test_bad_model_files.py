@@ -132,14 +132,15 @@ def test_float64_metadata_loads_without_mlx_s_reader(tiny_layout, tmp_path):
     _load_and_run(craft.write(layout, tmp_path / "crafted.gguf"))
 
 
-def test_weights_that_decode_to_infinity_are_one_line(tmp_path):
+@pytest.mark.parametrize(("ggml_type", "scale_at"), [(Q.Q6_K, -2), (Q.Q5_0, 0)])  # dequantized; an exact triple
+def test_weights_that_decode_to_infinity_are_one_line(tmp_path, ggml_type, scale_at):
     path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(path, matrix_type=Q.Q5_0, types_by_name={"blk.0.ffn_down.weight": Q.Q6_K})
+    write_tiny_gguf(path, matrix_type=Q.Q5_0, types_by_name={"blk.0.ffn_down.weight": ggml_type})
     layout = craft.parse(path)
     entry = next(t for t in layout.tensors if t.name == "blk.0.ffn_down.weight")
     data = bytearray(layout.data)
-    type_size = GGML_QUANT_SIZES[Q.Q6_K][1]
-    data[entry.offset + type_size - 2 : entry.offset + type_size] = np.float16(np.inf).tobytes()  # d of block 0
+    start = entry.offset + scale_at % GGML_QUANT_SIZES[ggml_type][1]
+    data[start : start + 2] = np.float16(np.nan).tobytes()  # the f16 scale d of block 0
     layout.data = bytes(data)
     with pytest.raises(ModelError, match="blk.0.ffn_down.weight decodes to NaN or infinite weights"):
         _load_and_run(craft.write(layout, tmp_path / "crafted.gguf"))
