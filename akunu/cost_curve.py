@@ -99,8 +99,10 @@ def cached(model: nn.Module, key: str, directory: Path, max_width: int = MAX_WID
     """
     try:
         record = json.loads(curve_path(key, directory).read_text())
-        if len(record["seconds"]) >= max_width and record.get("context") == CONTEXT:
-            return relative_costs(record["seconds"])
+        saved = record["seconds"]
+        valid = all(isinstance(s, (int, float)) and 0 < s < float("inf") for s in saved)  # zeros or text: measure again
+        if valid and len(saved) >= max_width and record.get("context") == CONTEXT:
+            return relative_costs(saved)
     except (OSError, ValueError, KeyError, TypeError):
         pass
     seconds = measure(model, max_width, sweeps=3)

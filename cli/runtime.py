@@ -24,7 +24,7 @@ from rich.progress import (
 from akunu.cli.console import print_note, stderr_console
 from akunu.errors import PromptError
 
-_BYTE_STAGES = {"download", "extract"}
+_BYTE_STAGES = {"download", "extract", "verify"}
 
 
 @contextlib.contextmanager

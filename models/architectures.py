@@ -6,6 +6,7 @@ names (`blk.N.attn_q`, ...) into an mlx-lm `config.json`-style dict and module p
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -51,6 +52,13 @@ class Architecture:
             raise ModelError(f"unexpected tensor {gguf_name} in a {self.gguf_name} GGUF file")
         return f"{_TOP_LEVEL[stem]}.{suffix}"
 
+    def check_names(self, gguf_names) -> None:
+        """Refuse a file with a tensor this architecture has no place for, before reading any weight."""
+        for name in gguf_names:
+            if not name.endswith((".weight", ".bias")):
+                raise ModelError(f"unexpected tensor {name!r:.80} in a {self.gguf_name} GGUF file")
+            self.mlx_name(name)
+
     def map_weights(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         mapped = {}
         for name, array in weights.items():
@@ -67,46 +75,84 @@ def _required(gguf_file: GGUFFile, key: str) -> Any:
     return value
 
 
-def _int(gguf_file: GGUFFile, key: str, default: int | None = None) -> int:
+def _number(gguf_file: GGUFFile, key: str, default: float | None = None) -> float:
+    """A finite scalar metadata value; a text, array or NaN is a one-line ModelError."""
     value = gguf_file.arch_value(key, default) if default is not None else _required(gguf_file, key)
-    if not isinstance(value, (int, float)):
-        full_key = f"{gguf_file.architecture}.{key}"
+    full_key = f"{gguf_file.architecture}.{key}"
+    if isinstance(value, (list, np.ndarray)):
         raise ModelError(f"{gguf_file.path.name}: per-layer values for {full_key} are not supported")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ModelError(f"{gguf_file.path.name}: metadata {full_key} should be a number, not {value!r:.40}")
+    return value
+
+
+def _int(gguf_file: GGUFFile, key: str, default: int | None = None, *, minimum: int = 1) -> int:
+    """A whole-number metadata value of at least `minimum` (sizes and counts are never 0)."""
+    value = _number(gguf_file, key, default)
+    if value != int(value) or value < minimum:
+        full_key = f"{gguf_file.architecture}.{key}"
+        raise ModelError(f"{gguf_file.path.name}: metadata {full_key} = {value} is out of range")
     return int(value)
 
 
 def _vocab_size(gguf_file: GGUFFile) -> int:
     embedding = gguf_file.tensors.get("token_embd.weight")
-    if embedding is None:
-        raise ModelError(f"{gguf_file.path.name} has no token_embd.weight tensor")
+    if embedding is None or len(embedding.shape) != 2:
+        raise ModelError(f"{gguf_file.path.name} has no token_embd.weight matrix")
     return embedding.shape[0]
 
 
 def _rope_scaling(gguf_file: GGUFFile) -> dict[str, Any] | None:
     kind = gguf_file.arch_value("rope.scaling.type")
-    factor = gguf_file.arch_value("rope.scaling.factor")
-    if kind in (None, "none") or not factor or float(factor) == 1.0:
+    factor = _number(gguf_file, "rope.scaling.factor", 1.0)
+    if kind in (None, "none") or factor in (0, 1):
         return None
     if kind != "linear":
-        raise ModelError(f"{gguf_file.path.name} uses rope scaling '{kind}', which akunu does not support yet")
+        raise ModelError(f"{gguf_file.path.name} uses rope scaling {str(kind)[:40]!r}, which akunu does not support yet")
     return {"rope_type": "linear", "factor": float(factor)}
 
 
 def _common_config(gguf_file: GGUFFile) -> dict[str, Any]:
     heads = _int(gguf_file, "attention.head_count")
     hidden = _int(gguf_file, "embedding_length")
-    return {
+    config = {
         "hidden_size": hidden,
         "num_hidden_layers": _int(gguf_file, "block_count"),
         "intermediate_size": _int(gguf_file, "feed_forward_length"),
         "num_attention_heads": heads,
         "num_key_value_heads": _int(gguf_file, "attention.head_count_kv", heads),
-        "head_dim": _int(gguf_file, "attention.key_length", hidden // heads),
-        "rms_norm_eps": float(_required(gguf_file, "attention.layer_norm_rms_epsilon")),
+        "head_dim": _int(gguf_file, "attention.key_length", max(hidden // heads, 1)),
+        "rms_norm_eps": float(_number(gguf_file, "attention.layer_norm_rms_epsilon")),
         "vocab_size": _vocab_size(gguf_file),
         "max_position_embeddings": _int(gguf_file, "context_length", 4096),
         "rope_scaling": _rope_scaling(gguf_file),
     }
+    _check_against_tensors(gguf_file, config)
+    return config
+
+
+def _check_against_tensors(gguf_file: GGUFFile, config: dict[str, Any]) -> None:
+    """Sizes the tensors must agree with before a model is built (a huge block_count would build forever)."""
+    layers = {int(n.split(".")[1]) for n in gguf_file.tensors if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    if len(layers) != config["num_hidden_layers"] or layers != set(range(len(layers))):
+        _inconsistent(gguf_file, f"block_count is {config['num_hidden_layers']}, but tensors exist for {len(layers)} layers")
+    if heads % kv_heads:
+        _inconsistent(gguf_file, f"{heads} attention heads cannot share {kv_heads} KV heads")
+    if config["rms_norm_eps"] < 0:
+        _inconsistent(gguf_file, f"layer_norm_rms_epsilon is negative ({config['rms_norm_eps']})")
+    expected_rows = {"token_embd.weight": (1, config["hidden_size"], "embedding_length"),
+                     "blk.0.attn_q.weight": (0, heads * head_dim, "head_count x key_length"),
+                     "blk.0.attn_k.weight": (0, kv_heads * head_dim, "head_count_kv x key_length"),
+                     "blk.0.ffn_up.weight": (0, config["intermediate_size"], "feed_forward_length")}
+    for tensor, (axis, size, what) in expected_rows.items():
+        shape = gguf_file.tensors[tensor].shape if tensor in gguf_file.tensors else None
+        if shape is not None and (len(shape) != 2 or shape[axis] != size):
+            _inconsistent(gguf_file, f"{what} is {size}, but {tensor} has shape {shape}")
+
+
+def _inconsistent(gguf_file: GGUFFile, fault: str) -> None:
+    raise ModelError(f"{gguf_file.path.name}: inconsistent metadata: {fault}")
 
 
 def _llama3_rope_scaling(gguf_file: GGUFFile, head_dim: int, base: float) -> dict[str, Any] | None:
@@ -144,7 +190,7 @@ def llama3_rope_divisors(head_dim: int, base: float, scaling: dict[str, Any]) ->
 
 def _llama_config(gguf_file: GGUFFile) -> dict[str, Any]:
     common = _common_config(gguf_file)
-    base = float(gguf_file.arch_value("rope.freq_base", 10000.0))
+    base = float(_number(gguf_file, "rope.freq_base", 10000.0))
     return {
         "model_type": "llama",
         **common,
@@ -163,7 +209,7 @@ def _gemma3_config(gguf_file: GGUFFile) -> dict[str, Any]:
     return {
         "model_type": "gemma3_text",
         **common,
-        "rope_theta": float(gguf_file.arch_value("rope.freq_base", 1_000_000.0)),
+        "rope_theta": float(_number(gguf_file, "rope.freq_base", 1_000_000.0)),
         "rope_local_base_freq": 10_000.0,
         "query_pre_attn_scalar": common["head_dim"],
         "sliding_window": _int(gguf_file, "attention.sliding_window", 512),

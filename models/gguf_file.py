@@ -8,6 +8,7 @@ file can be cut short or garbled becomes a one-line `ModelError`.
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f"
 _NUMPY_TYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
                 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
+_FLOAT64 = 12
+_MX_LOAD_CRASHES = {_FLOAT64}  # mlx 0.32 (gguflib) segfaults on float64 values
 
 
 class _Corrupt(Exception):
@@ -48,6 +51,7 @@ class GGUFFile:
     version: int
     metadata: dict[str, Any]
     tensors: dict[str, TensorInfo]
+    mx_loadable: bool = True  # False: metadata MLX's own GGUF reader crashes on (float64 values: a segfault)
     _data: np.ndarray | None = field(default=None, repr=False)
 
     @property
@@ -88,6 +92,8 @@ def _parse(view: mmap.mmap, path: Path) -> GGUFFile:
     reader.pos = 4
     try:
         version = reader.scalar("<I")
+        if struct.unpack(">I", view[4:8])[0] in (2, 3):
+            raise ModelError(f"{path} is a big-endian GGUF file; akunu reads little-endian GGUF files only")
         if version not in (2, 3):
             raise ModelError(f"{path} uses GGUF version {version}; only versions 2 and 3 are supported")
         tensor_count, kv_count = reader.scalar("<Q"), reader.scalar("<Q")
@@ -95,18 +101,70 @@ def _parse(view: mmap.mmap, path: Path) -> GGUFFile:
             raise _Corrupt(f"implausible counts ({tensor_count} tensors, {kv_count} keys)")
         metadata = {}
         for _ in range(kv_count):
-            key = reader.string()
+            key = reader.string(strict=True)
+            if key in metadata:
+                raise _Corrupt(f"metadata key {key!r:.60} appears twice")
             metadata[key] = reader.value(reader.scalar("<I"))
         raw_tensors = [reader.tensor_entry() for _ in range(tensor_count)]
+        _check_key_types(metadata)
+        alignment = _alignment(metadata)
     except (_Corrupt, struct.error, UnicodeDecodeError, ValueError, KeyError) as error:
-        raise ModelError(f"{path} is a corrupt GGUF file (header: {error or type(error).__name__})") from None
+        raise ModelError(f"{path} is a corrupt GGUF file (header: {_describe(error)})") from None
 
-    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT)) or DEFAULT_ALIGNMENT
     data_start = -(-reader.pos // alignment) * alignment
     tensors = {}
     for name, ne, type_id, offset in raw_tensors:
+        if name in tensors:
+            raise ModelError(f"{path} is a corrupt GGUF file (tensor {name!r:.60} appears twice)")
         tensors[name] = _tensor_info(path, name, ne, type_id, data_start + offset)
-    return GGUFFile(path=path, version=version, metadata=metadata, tensors=tensors)
+    return GGUFFile(path=path, version=version, metadata=metadata, tensors=tensors,
+                    mx_loadable=not reader.types_seen & _MX_LOAD_CRASHES)
+
+
+def _is_text_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def _is_array_of(kinds: str):
+    return lambda value: isinstance(value, np.ndarray) and value.dtype.kind in kinds
+
+
+# Keys read outside the architecture's numbers (which `architectures` checks), and the type each must have.
+_KEY_TYPES = {
+    "general.architecture": ("text", lambda v: isinstance(v, str)),
+    "tokenizer.ggml.model": ("text", lambda v: isinstance(v, str)),
+    "tokenizer.ggml.pre": ("text", lambda v: isinstance(v, str)),
+    "tokenizer.chat_template": ("text", lambda v: isinstance(v, str)),
+    "tokenizer.ggml.tokens": ("a list of texts", _is_text_list),
+    "tokenizer.ggml.merges": ("a list of texts", _is_text_list),
+    "tokenizer.ggml.token_type": ("an integer array", _is_array_of("iub")),
+    "tokenizer.ggml.scores": ("a number array", _is_array_of("iuf")),
+    "tokenizer.ggml.add_bos_token": ("a boolean", lambda v: isinstance(v, (bool, int))),
+    "tokenizer.ggml.add_space_prefix": ("a boolean", lambda v: isinstance(v, (bool, int))),
+    **{f"tokenizer.ggml.{name}_token_id": ("an integer", lambda v: isinstance(v, int))
+       for name in ("bos", "eos", "eot", "eom", "unknown", "padding", "seperator")},
+}
+
+
+def _check_key_types(metadata: dict[str, Any]) -> None:
+    for key, value in metadata.items():
+        rule = _KEY_TYPES.get(key) or (_KEY_TYPES["general.architecture"] if key.endswith(".rope.scaling.type") else None)
+        if rule and not rule[1](value):
+            raise _Corrupt(f"metadata {key} should be {rule[0]}")
+
+
+def _alignment(metadata: dict[str, Any]) -> int:
+    """general.alignment: a power of two (llama.cpp's rule), 32 when absent."""
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise _Corrupt(f"general.alignment is {alignment!r:.40}, not a power of two")
+    return alignment
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, UnicodeDecodeError):
+        return "a key or tensor name is not UTF-8 text"
+    return str(error)[:200] or type(error).__name__
 
 
 def _tensor_info(path: Path, name: str, ne: tuple[int, ...], type_id: int, offset: int) -> TensorInfo:
@@ -115,7 +173,7 @@ def _tensor_info(path: Path, name: str, ne: tuple[int, ...], type_id: int, offse
     except ValueError:
         raise ModelError(f"{path}: tensor {name} has unknown GGML type id {type_id}") from None
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-    count = int(np.prod(ne, dtype=np.int64)) if ne else 1
+    count = math.prod(ne)  # Python ints: absurd dimensions must not wrap around to a small size
     if ne and ne[0] % block_size:
         raise ModelError(f"{path} is a corrupt GGUF file (tensor {name} rows do not fill {ggml_type.name} blocks)")
     nbytes = count // block_size * type_size
@@ -136,21 +194,24 @@ class _Reader:
 
     def __init__(self, view: mmap.mmap):
         self.view, self.pos = view, 0
+        self.types_seen: set[int] = set()
 
     def scalar(self, fmt: str) -> Any:
         (value,) = struct.unpack_from(fmt, self.view, self.pos)
         self.pos += struct.calcsize(fmt)
         return value
 
-    def string(self) -> str:
+    def string(self, *, strict: bool = False) -> str:
+        """A length-prefixed string; keys and tensor names (`strict`) must be valid UTF-8."""
         length = self.scalar("<Q")
         if self.pos + length > len(self.view):
             raise _Corrupt("string runs past the end of the file")
         raw = self.view[self.pos : self.pos + length]
         self.pos += length
-        return raw.decode("utf-8", errors="surrogateescape")
+        return raw.decode("utf-8", errors="strict" if strict else "surrogateescape")
 
     def value(self, type_id: int) -> Any:
+        self.types_seen.add(type_id)
         if type_id in _SCALAR_FORMATS:
             return self.scalar(_SCALAR_FORMATS[type_id])
         if type_id == _STRING:
@@ -161,6 +222,7 @@ class _Reader:
 
     def array(self) -> Any:
         item_type, count = self.scalar("<I"), self.scalar("<Q")
+        self.types_seen.add(item_type)
         if item_type in _NUMPY_TYPES:
             dtype = np.dtype(_NUMPY_TYPES[item_type])
             end = self.pos + count * dtype.itemsize
@@ -174,9 +236,11 @@ class _Reader:
         return [self.value(item_type) for _ in range(count)]
 
     def tensor_entry(self) -> tuple[str, tuple[int, ...], int, int]:
-        name = self.string()
+        name = self.string(strict=True)
         n_dims = self.scalar("<I")
-        if n_dims > 8:
-            raise _Corrupt(f"tensor {name} claims {n_dims} dimensions")
+        if not 1 <= n_dims <= 4:  # GGML_MAX_DIMS; MLX's own reader trusts this
+            raise _Corrupt(f"tensor {name!r:.60} claims {n_dims} dimensions")
         ne = tuple(self.scalar("<Q") for _ in range(n_dims))
+        if 0 in ne:
+            raise _Corrupt(f"tensor {name!r:.60} has an empty dimension")
         return name, ne, self.scalar("<I"), self.scalar("<Q")

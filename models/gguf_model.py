@@ -21,6 +21,7 @@ def load_gguf_model(
     path = gguf_file.path
     architecture = architecture_of(gguf_file)
     check_supported_types(gguf_file)
+    architecture.check_names(gguf_file.tensors)
     config = architecture.build_config(gguf_file)
     weights = architecture.map_weights(read_weights(gguf_file, keep_quantized=quantized, progress=progress))
     model = _instantiate(config)

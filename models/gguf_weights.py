@@ -7,11 +7,13 @@ Weight policy (the README quotes this):
   group size 32, 4 or 8 bits read from the packed shapes).
 * Other files are read tensor by tensor. Q8_0, Q5_0, Q5_1, Q4_0, Q4_1 and Q4_K blocks are
   re-expressed exactly as MLX affine triples (`ggml_blocks`: 8-bit for Q8_0 and Q5_*,
-  4-bit for Q4_*; group size 32). Types without an exact MLX form (Q6_K, Q5_K, Q3_K, Q2_K,
-  IQ*) are dequantized to float32 with the `gguf` package and, in "quantized" mode,
+  4-bit for Q4_*; group size 32). Types without an exact MLX form (Q6_K, Q5_K, Q3_K, Q2_K)
+  are dequantized to float32 with the `gguf` package and, in "quantized" mode,
   re-quantized to MLX affine with group size 32: 4-bit for types of at most 5 bits per
-  weight (Q2_K, Q3_K, IQ4_*), 8-bit for richer ones (Q5_K, Q6_K), so precision never drops
-  below the source's.
+  weight (Q2_K, Q3_K), 8-bit for richer ones (Q5_K, Q6_K), so precision never drops
+  below the source's. Other types (IQ*, TQ*, ...) are refused with one line.
+* A quantized tensor that is not a matrix (a relabelled norm, say) is dequantized, never
+  handed to MLX as a triple; a dequantized weight that is NaN or infinite means a corrupt file.
 * "quantized" mode keeps those triples, with float32 scales and biases (float32 activations).
 * "float32" mode dequantizes every quantized weight to float32 at load time.
 * Non-matrix tensors (norms, biases) are always float32.
@@ -42,29 +44,28 @@ def requantize_bits(ggml_type: GGMLQuantizationType) -> int:
     return 4 if type_size * 8 / block_size <= 5.0 else 8
 
 
+# The types akunu decodes and tests; others (IQ*, TQ*, MXFP4) are refused rather than trusted untested.
+SUPPORTED_TYPES = FLOAT_TYPES | {
+    getattr(GGMLQuantizationType, name)
+    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+}
+
+
 def check_supported_types(gguf_file: GGUFFile) -> None:
     """Raise ModelError naming any tensor type we cannot decode, before reading anything."""
     for ggml_type in sorted({t.ggml_type for t in gguf_file.tensors.values()}, key=int):
-        if ggml_type not in FLOAT_TYPES and not _can_dequantize(ggml_type):
+        if ggml_type not in SUPPORTED_TYPES:
             raise ModelError(
-                f"{gguf_file.path.name} uses quantization type {ggml_type.name}, which akunu "
-                "cannot decode (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K)"
+                f"{gguf_file.path.name} uses quantization type {ggml_type.name}, which akunu does not support "
+                "(supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K)"
             )
-
-
-def _can_dequantize(ggml_type: GGMLQuantizationType) -> bool:
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-    try:
-        dequantize(np.zeros((1, type_size), dtype=np.uint8), ggml_type)
-    except (NotImplementedError, ValueError, KeyError):
-        return False
-    return True
 
 
 def read_weights(gguf_file: GGUFFile, *, keep_quantized: bool, progress: Progress | None = None) -> dict[str, mx.array]:
     """All tensors, keyed like `mx.load` keys them: `x.weight` plus `x.scales`/`x.biases` if quantized."""
     check_supported_types(gguf_file)
-    if all(t.ggml_type in MX_LOAD_TYPES for t in gguf_file.tensors.values()):
+    if gguf_file.mx_loadable and all(t.ggml_type in MX_LOAD_TYPES and (t.ggml_type in FLOAT_TYPES or len(t.shape) == 2)
+                                     for t in gguf_file.tensors.values()):
         if progress:
             progress("load", 0, len(gguf_file.tensors))
         weights = _read_with_mx_load(gguf_file)
@@ -95,8 +96,11 @@ def _read_with_dequantize(gguf_file: GGUFFile, keep_quantized: bool, progress: P
 def _decode_tensor(gguf_file: GGUFFile, info: TensorInfo, keep_quantized: bool) -> dict[str, mx.array]:
     raw = gguf_file.tensor_bytes(info)
     stem = info.name.removesuffix(".weight")
-    if info.ggml_type not in FLOAT_TYPES and (triple := exact_triple(raw, info.ggml_type, info.shape)):
+    with np.errstate(all="ignore"):  # garbage scales overflow; checked below, naming the tensor
+        triple = exact_triple(raw, info.ggml_type, info.shape) if info.ggml_type not in FLOAT_TYPES else None
+    if triple:
         # Exact in both modes: `to_float32` dequantizes it later in float32 mode.
+        _check_finite(info, triple.scales, triple.biases)
         return {info.name: mx.array(triple.packed), f"{stem}.scales": mx.array(triple.scales),
                 f"{stem}.biases": mx.array(triple.biases)}
     array = mx.array(_to_float32(raw, info), dtype=mx.float32)
@@ -115,7 +119,15 @@ def _to_float32(raw: np.ndarray, info: TensorInfo) -> np.ndarray:
     if info.ggml_type == GGMLQuantizationType.F16:
         return raw.view(np.float16).reshape(info.shape).astype(np.float32)
     rows = int(np.prod(info.shape[:-1], dtype=np.int64)) if len(info.shape) > 1 else 1
-    return dequantize(raw.reshape(rows, -1), info.ggml_type).reshape(info.shape)
+    with np.errstate(all="ignore"):  # garbage blocks overflow; the check below names the tensor instead
+        values = dequantize(raw.reshape(rows, -1), info.ggml_type).reshape(info.shape)
+    _check_finite(info, values)
+    return values
+
+
+def _check_finite(info: TensorInfo, *arrays: np.ndarray) -> None:
+    if not all(np.isfinite(array).all() for array in arrays):
+        raise ModelError(f"tensor {info.name} decodes to NaN or infinite weights: the file is corrupt")
 
 
 def quantized_stems(weights: dict[str, mx.array]) -> dict[str, int]:

