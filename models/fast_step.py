@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -37,6 +39,18 @@ def enable(model: nn.Module) -> bool:
 
 def disable(model: nn.Module) -> bool:
     return _set_attention(model, _mlx_attention)
+
+
+@contextmanager
+def unpatched(model: nn.Module) -> Iterator[None]:
+    """Run mlx-lm's own attention for a while (mlx-lm's column of a benchmark, A/B measurements)."""
+    was = is_enabled(model)
+    disable(model)
+    try:
+        yield
+    finally:
+        if was:
+            enable(model)
 
 
 def is_enabled(model: nn.Module) -> bool:
