@@ -25,6 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models import base
 
 ENV_SWITCH = "AKUNU_FAST_STEP"
+MAX_QUERY_ROWS = 16  # decode steps and verification passes; prefill chunks keep mlx's path
 _mlx_attention = base.scaled_dot_product_attention
 
 
@@ -80,9 +81,9 @@ def cpu_attention(
     sinks: mx.array | None = None,
 ) -> mx.array:
     """mlx-lm's `scaled_dot_product_attention`, computed as K @ q^T per KV head on the CPU."""
-    if sinks is not None or hasattr(cache, "bits") or mx.default_device() != mx.cpu:
-        return _mlx_attention(queries, keys, values, cache, scale, mask, sinks)
     B, n_heads, L, D = queries.shape
+    if L > MAX_QUERY_ROWS or sinks is not None or hasattr(cache, "bits") or mx.default_device() != mx.cpu:
+        return _mlx_attention(queries, keys, values, cache, scale, mask, sinks)
     n_kv_heads, S = keys.shape[1], keys.shape[2]
     repeats = n_heads // n_kv_heads
     q = (queries * scale).reshape(B, n_kv_heads, repeats * L, D)  # query head h reads KV head h // repeats

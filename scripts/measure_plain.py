@@ -1,0 +1,70 @@
+"""Issue 19's targets in one command: akunu's plain decoding against mlx-lm's, short and long prompts.
+
+    .venv/bin/python scripts/measure_plain.py [--model smollm2-135m] [--limit 2] [--tokens 48]
+
+On one loaded model (float32 by default), for each prompt of the shipped short workloads
+(chat, code-edit) and long ones (rag, summarize: 1-2k tokens), runs in turn: akunu plain
+with the fast step (models/fast_step.py), akunu plain without it, and mlx-lm's
+`stream_generate` (always with mlx-lm's own attention). Prints one JSON line per group with
+the median decode tok/s of each and the ratios the issue asks for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
+from akunu.bench.engine import ModelEngine
+from akunu.bench.workloads import select, shipped_workload
+from akunu.models import fast_step, load_model
+
+GROUPS = {"short": ("chat", "code-edit"), "long": ("rag", "summarize")}
+
+
+def measure(engine: ModelEngine, ids: list[int]) -> dict[str, float]:
+    speeds = {"fast": engine.run("plain", ids).decode_tps}
+    with fast_step.unpatched(engine.model):
+        speeds["unpatched"] = engine.run("plain", ids).decode_tps
+    speeds["mlx-lm"] = engine.run("mlx-lm", ids).decode_tps
+    return speeds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--limit", type=int, default=2, help="prompts per category")
+    parser.add_argument("--tokens", type=int, default=48)
+    args = parser.parse_args()
+    loaded = load_model(args.model, dtype=args.dtype)
+    engine = ModelEngine(loaded.model, loaded.tokenizer, max_tokens=args.tokens, context_length=loaded.context_length)
+    prompts = shipped_workload()
+    measure(engine, engine.encode(prompts[0]))  # warm-up
+    overall: dict[str, list[float]] = {}
+    for group, categories in GROUPS.items():
+        speeds: dict[str, list[float]] = {}
+        lengths = []
+        for prompt in select(prompts, categories, args.limit):
+            ids = engine.encode(prompt)
+            lengths.append(len(ids))
+            for name, value in measure(engine, ids).items():
+                speeds.setdefault(name, []).append(value)
+                overall.setdefault(name, []).append(value)
+        print(json.dumps({"group": group, "prompt_tokens": lengths, **summary(speeds)}), flush=True)
+    print(json.dumps({"group": "overall", **summary(overall)}), flush=True)
+
+
+def summary(speeds: dict[str, list[float]]) -> dict[str, float]:
+    median = {name: statistics.median(values) for name, values in speeds.items()}
+    return {
+        **{f"{name}_tok_per_s": round(value, 2) for name, value in median.items()},
+        "fast_vs_mlx_lm": round(median["fast"] / median["mlx-lm"], 3),
+        "unpatched_vs_mlx_lm": round(median["unpatched"] / median["mlx-lm"], 3),
+        "fast_vs_unpatched": round(median["fast"] / median["unpatched"], 3),
+    }
+
+
+if __name__ == "__main__":
+    main()
