@@ -2,9 +2,9 @@
 
 mlx-lm's attention calls the module-global `scaled_dot_product_attention`; on the CPU,
 `mx.fast.scaled_dot_product_attention` falls back to `q @ K^T` with K broadcast over the
-query heads of each KV head, a shape OpenBLAS handles poorly (one skinny sgemm per query
-head, K transposed). `cpu_attention` computes the same thing as `K @ q^T` with every query
-head of a KV group (and every query row) in one matmul. It replaces the module global of
+query heads of each KV head: a 1-row sgemm against a transposed 64-wide K, which OpenBLAS
+runs at a fraction of its matrix-vector speed. `cpu_attention` computes the scores as
+`K @ q` matrix-vector products on K as stored (about 2x faster at 1.5k tokens). It replaces the module global of
 the model's mlx-lm module, so akunu's exact mode (which swaps that same global while
 active) composes with it. Metal keeps mlx's fused kernel.
 
@@ -80,14 +80,15 @@ def cpu_attention(
     mask: mx.array | str | None,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    """mlx-lm's `scaled_dot_product_attention`, computed as K @ q^T per KV head on the CPU."""
+    """mlx-lm's `scaled_dot_product_attention`, with the scores as K @ q matrix-vector products on the CPU."""
     B, n_heads, L, D = queries.shape
     if L > MAX_QUERY_ROWS or sinks is not None or hasattr(cache, "bits") or mx.default_device() != mx.cpu:
         return _mlx_attention(queries, keys, values, cache, scale, mask, sinks)
     n_kv_heads, S = keys.shape[1], keys.shape[2]
     repeats = n_heads // n_kv_heads
     q = (queries * scale).reshape(B, n_kv_heads, repeats * L, D)  # query head h reads KV head h // repeats
-    scores = (keys @ q.swapaxes(-1, -2)).swapaxes(-1, -2)  # (B, n_kv_heads, repeats * L, S)
+    # One matrix-vector product per query row, K as stored: (B, n_kv_heads, repeats * L, S)
+    scores = (mx.expand_dims(keys, 2) @ q[..., None]).squeeze(-1)
     if mask is not None:
         scores = _apply_mask(scores.reshape(B, n_kv_heads, repeats, L, S), mask, L, S)
         scores = scores.reshape(B, n_kv_heads, repeats * L, S)
