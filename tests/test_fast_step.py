@@ -89,8 +89,17 @@ def test_attention_matches_mlx_on_every_mask_kind():
         assert mx.allclose(ours, theirs, atol=1e-5).item(), mask
 
 
-def test_loader_switch_reads_the_environment(monkeypatch):
-    monkeypatch.setenv(fast_step.ENV_SWITCH, "0")
-    assert not fast_step.enabled_by_environment()
-    monkeypatch.delenv(fast_step.ENV_SWITCH)
-    assert fast_step.enabled_by_environment()
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_load_model_applies_the_fast_step_unless_switched_off(tmp_path, monkeypatch, restore_attention, switch):
+    from akunu.models import load_model
+    from tests.test_gguf_loader import write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    monkeypatch.setenv(fast_step.ENV_SWITCH, switch)
+    fast_step.disable(tiny_llama())
+    loaded = load_model(str(path), dtype="float32")
+    assert fast_step.is_enabled(loaded.model) == (switch == "1")
+    with fast_step.unpatched(loaded.model):
+        assert not fast_step.is_enabled(loaded.model)
+    assert fast_step.is_enabled(loaded.model) == (switch == "1")
