@@ -3,7 +3,8 @@
     .venv/bin/python scripts/measure_plain.py [--model smollm2-135m] [--limit 2] [--tokens 48]
 
 On one loaded model (float32 by default), for each prompt of the shipped short workloads
-(chat, code-edit) and long ones (rag, summarize: 1-2k tokens), runs in turn: akunu plain
+(chat, code-edit: 40-550 tokens) and of benchmarks/long-context.jsonl (shipped summarize and
+rag prompts joined: 1.3-1.8k tokens), runs in turn: akunu plain
 with the fast step (models/fast_step.py), akunu plain without it, and mlx-lm's
 `stream_generate` (always with mlx-lm's own attention). Prints one JSON line per group with
 the median decode tok/s of each and the ratios the issue asks for.
@@ -14,13 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from pathlib import Path
 
 import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
 from akunu.bench.engine import ModelEngine
-from akunu.bench.workloads import select, shipped_workload
+from akunu.bench.workloads import load_workload, select, shipped_workload
 from akunu.models import fast_step, load_model
 
-GROUPS = {"short": ("chat", "code-edit"), "long": ("rag", "summarize")}
+LONG_PROMPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "long-context.jsonl"
 
 
 def measure(engine: ModelEngine, ids: list[int]) -> dict[str, float]:
@@ -40,13 +42,16 @@ def main() -> None:
     args = parser.parse_args()
     loaded = load_model(args.model, dtype=args.dtype)
     engine = ModelEngine(loaded.model, loaded.tokenizer, max_tokens=args.tokens, context_length=loaded.context_length)
-    prompts = shipped_workload()
-    measure(engine, engine.encode(prompts[0]))  # warm-up
+    groups = {
+        "short": select(shipped_workload(), ("chat", "code-edit"), args.limit),
+        "long": load_workload(LONG_PROMPTS)[: 2 * args.limit],
+    }
+    measure(engine, engine.encode(groups["short"][0]))  # warm-up
     overall: dict[str, list[float]] = {}
-    for group, categories in GROUPS.items():
+    for group, prompts in groups.items():
         speeds: dict[str, list[float]] = {}
         lengths = []
-        for prompt in select(prompts, categories, args.limit):
+        for prompt in prompts:
             ids = engine.encode(prompt)
             lengths.append(len(ids))
             for name, value in measure(engine, ids).items():
