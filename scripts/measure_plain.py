@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from contextlib import nullcontext
 from pathlib import Path
 
 import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
@@ -25,11 +26,13 @@ from akunu.models import fast_step, load_model
 LONG_PROMPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "long-context.jsonl"
 
 
-def measure(engine: ModelEngine, ids: list[int]) -> dict[str, float]:
-    speeds = {"fast": engine.run("plain", ids).decode_tps}
-    with fast_step.unpatched(engine.model):
-        speeds["unpatched"] = engine.run("plain", ids).decode_tps
-    speeds["mlx-lm"] = engine.run("mlx-lm", ids).decode_tps
+def measure(engine: ModelEngine, ids: list[int], mirrored: bool) -> dict[str, float]:
+    """Each way once, in mirrored order on alternate prompts (the shared machine's speed drifts)."""
+    ways = {"fast": "plain", "unpatched": "plain", "mlx-lm": "mlx-lm"}
+    speeds = {}
+    for name in reversed(ways) if mirrored else ways:
+        with fast_step.unpatched(engine.model) if name == "unpatched" else nullcontext():
+            speeds[name] = engine.run(ways[name], ids).decode_tps
     return speeds
 
 
@@ -46,15 +49,15 @@ def main() -> None:
         "short": select(shipped_workload(), ("chat", "code-edit"), args.limit),
         "long": load_workload(LONG_PROMPTS)[: 2 * args.limit],
     }
-    measure(engine, engine.encode(groups["short"][0]))  # warm-up
+    measure(engine, engine.encode(groups["short"][0]), False)  # warm-up
     overall: dict[str, list[float]] = {}
     for group, prompts in groups.items():
         speeds: dict[str, list[float]] = {}
         lengths = []
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
             ids = engine.encode(prompt)
             lengths.append(len(ids))
-            for name, value in measure(engine, ids).items():
+            for name, value in measure(engine, ids, mirrored=i % 2 == 1).items():
                 speeds.setdefault(name, []).append(value)
                 overall.setdefault(name, []).append(value)
         print(json.dumps({"group": group, "prompt_tokens": lengths, **summary(speeds)}), flush=True)
