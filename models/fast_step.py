@@ -55,8 +55,7 @@ def unpatched(model: nn.Module) -> Iterator[None]:
 
 
 def is_enabled(model: nn.Module) -> bool:
-    module = _model_module(model)
-    return getattr(module, "scaled_dot_product_attention", None) is cpu_attention
+    return _current_attention(model) is cpu_attention
 
 
 def _model_module(model: nn.Module) -> Any:
@@ -65,10 +64,18 @@ def _model_module(model: nn.Module) -> Any:
 
 def _set_attention(model: nn.Module, function: Any) -> bool:
     module = _model_module(model)
-    if getattr(module, "scaled_dot_product_attention", None) not in (_mlx_attention, cpu_attention):
+    current = getattr(module, "scaled_dot_product_attention", None)
+    holder = current if hasattr(current, "akunu_original") else module  # exact mode's dispatcher wraps it
+    name = "akunu_original" if holder is current else "scaled_dot_product_attention"
+    if getattr(holder, name, None) not in (_mlx_attention, cpu_attention):
         return False  # an architecture with its own attention, or one patched by someone else
-    module.scaled_dot_product_attention = function
+    setattr(holder, name, function)
     return True
+
+
+def _current_attention(model: nn.Module) -> Any:
+    current = getattr(_model_module(model), "scaled_dot_product_attention", None)
+    return getattr(current, "akunu_original", current)
 
 
 def cpu_attention(

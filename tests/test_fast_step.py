@@ -8,7 +8,8 @@ import pytest
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import make_cache, rewind
 from akunu.models import fast_step
-from tests.tiny import FakeTokenizer, tiny_gemma3, tiny_llama
+from tests.fakes import FakeTokenizer
+from tests.tiny import tiny_gemma3, tiny_llama
 
 MODELS = pytest.mark.parametrize("model_fn", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-sliding"])
 
@@ -103,3 +104,21 @@ def test_load_model_applies_the_fast_step_unless_switched_off(tmp_path, monkeypa
     with fast_step.unpatched(loaded.model):
         assert not fast_step.is_enabled(loaded.model)
     assert fast_step.is_enabled(loaded.model) == (switch == "1")
+
+
+def test_exact_mode_and_the_fast_step_compose_in_either_order(restore_attention):
+    from akunu.exact import FixedWidthModel
+
+    model = tiny_llama(seed=2)
+    fast_step.enable(model)
+    exact = FixedWidthModel(model, width=5)  # wraps whatever attention the module has now
+    assert fast_step.is_enabled(model)
+    with fast_step.unpatched(model):  # mlx-lm's own attention under exact mode's dispatcher
+        assert not fast_step.is_enabled(model)
+        cache = make_cache(model)
+        unpatched = exact(mx.array([[1, 2, 3, 4, 5, 6]]), cache=cache), exact(mx.array([[7]]), cache=cache)
+    assert fast_step.is_enabled(model)
+    cache = make_cache(model)
+    patched = exact(mx.array([[1, 2, 3, 4, 5, 6]]), cache=cache), exact(mx.array([[7]]), cache=cache)
+    for a, b in zip(unpatched, patched):
+        assert mx.allclose(a, b, atol=1e-4).item()
