@@ -42,7 +42,11 @@ def _attention_per_row(queries, keys, values, cache, scale, mask, sinks=None, *,
 
 
 def _dispatcher(attend: Callable) -> Callable:
+    """The module's attention, per row inside exact passes; `akunu_original` is read per call, so whoever
+    swaps the module's attention later (models.fast_step) swaps it there."""
+
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        attend = scaled_dot_product_attention.akunu_original
         if _per_row.get():
             return _attention_per_row(queries, keys, values, cache, scale, mask, sinks, attend=attend)
         return attend(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)

@@ -101,13 +101,17 @@ def bench(
         typer.Option(
             "--exact",
             rich_help_panel=RUN_PANEL,
-            help="Also run plain and speculative decoding in exact mode (passes padded to --draft-tokens + 1), on the same"
-            " prompts: its cost, and greedy mismatches in both modes.",
+            help="Also run plain and speculative decoding in exact mode (every pass padded to one width, at most 5), on the"
+            " same prompts: its cost, and greedy mismatches in both modes.",
         ),
     ] = False,
     mlx_lm: Annotated[
         bool,
         typer.Option("--mlx-lm/--no-mlx-lm", rich_help_panel=RUN_PANEL, help="Also time mlx-lm's own plain decoding."),
+    ] = True,
+    fixed: Annotated[
+        bool,
+        typer.Option("--fixed/--no-fixed", rich_help_panel=RUN_PANEL, help="Also time speculation that always drafts --draft-tokens."),
     ] = True,
     per_prompt: Annotated[
         bool, typer.Option("--per-prompt", rich_help_panel=OUTPUT_PANEL, help="Also print a row for every prompt.")
@@ -160,7 +164,8 @@ def bench(
         loaded.model, loaded.tokenizer, max_tokens=max_tokens, temp=temp, draft_tokens=draft_tokens, length_policy=length_policy.value,
         costs=runtime.cost_curve(loaded, draft_tokens), context_length=loaded.context_length, seed=seed,
     )  # fmt: skip
-    methods = [lib.PLAIN, lib.SPEC, lib.SPEC_FIXED] + ([lib.MLX_LM] if mlx_lm and _has_mlx_lm_tokenizer(loaded) else [])
+    methods = [lib.PLAIN, lib.SPEC] + ([lib.SPEC_FIXED] if fixed else [])
+    methods += [lib.MLX_LM] if mlx_lm and _has_mlx_lm_tokenizer(loaded) else []
     methods += [lib.drafter_method(spec) for spec in _split_categories(drafters) or []]
     methods += [lib.PLAIN_EXACT, lib.SPEC_EXACT] if exact else []
     result = _run_with_progress(prompts, engine, methods, repeats, check_tokens=temp == 0)

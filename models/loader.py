@@ -13,6 +13,7 @@ import mlx.nn as nn
 
 from akunu.errors import ModelError
 from akunu.models import catalogue
+from akunu.models import fast_step
 from akunu.models.dtype_policy import DtypeChoice, choose_dtype
 from akunu.models.gguf_file import read_gguf
 from akunu.models.fetch import Progress
@@ -55,6 +56,8 @@ def load_model(spec: str, *, dtype: str = "auto", progress: Progress | None = No
         loaded = _load_gguf(catalogue.resolve(spec, progress=progress), spec, dtype, progress)
     else:
         loaded = _load_local_or_hub(spec, dtype, progress)
+    if fast_step.enabled_by_environment():
+        fast_step.enable(loaded.model)
     loaded.load_seconds = time.perf_counter() - started
     return loaded
 

@@ -64,6 +64,13 @@ def test_length_policy_reaches_the_adaptive_run_only(fake_engine, workload):
     assert "(entropy)" in text
 
 
+def test_no_fixed_skips_the_fixed_length_run(fake_engine, workload):
+    result = invoke("bench", "--workload", str(workload), "--limit", "1", "-c", "open", "--max-tokens", "4", "--no-fixed")
+    assert result.exit_code == 0, ANSI.sub("", result.output)
+    adaptive = {s["config"].spec.adaptive for s in fake_engine.streams if s["config"].spec.enabled}
+    assert adaptive == {True}  # only the adaptive run speculates
+
+
 def test_bench_uses_the_cli_cost_curve_key(fake_engine, workload):
     result = invoke("bench", "--workload", str(workload), "--limit", "1", "--categories", "open", "--max-tokens", "4")
     text = ANSI.sub("", result.output)

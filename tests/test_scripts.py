@@ -43,3 +43,19 @@ def test_copy_bound_reads_a_bench_record(model_home, tmp_path):
     # a 12-token answer: at most 12 tokens per pass
     assert 0 <= row["copied"] <= 1 and 1 <= row["bound"] <= 12
     assert 1 <= row["suffix+ngram"] <= 12 and 1 <= row["lookup+ngram"] <= 12
+
+
+def test_profile_step_splits_a_step_by_kind(model_home):
+    line = run_script("scripts/profile_step.py", "--contexts", "16", "--reps", "1")
+    record = json.loads(line.splitlines()[-1])
+    assert record["context"] == 16 and record["matmuls"] == 211  # 30 layers x 7 projections + the output head
+    kinds = ("weight matmuls", "norms", "rope", "attention (mlx)", "attention (fast)", "step (mlx)", "step (fast)")
+    assert all(record[kind] > 0 for kind in kinds)
+
+
+def test_measure_plain_reports_the_targets(model_home):
+    out = run_script("scripts/measure_plain.py", "--limit", "1", "--tokens", "4")
+    groups = {record["group"]: record for record in map(json.loads, out.splitlines())}
+    assert list(groups) == ["short", "long"] + ["overall"]
+    assert min(groups["long"]["prompt_tokens"]) > 1000 > max(groups["short"]["prompt_tokens"])
+    assert all(groups["overall"][key] > 0 for key in ("fast_vs_mlx_lm", "unpatched_vs_mlx_lm", "fast_vs_unpatched"))

@@ -1,0 +1,135 @@
+"""Where one greedy decode step goes, by kind of operation, at a short and a long context.
+
+    .venv/bin/python scripts/profile_step.py [--model smollm2-135m] [--contexts 64 1536] [--reps 15]
+
+Each kind is timed alone, as the step runs it (same shapes, one graph, one evaluation):
+weight matmuls (every Linear and the output head as matrix-vector products), norms,
+RoPE, attention over the cache, and the elementwise rest (residual adds, SwiGLU).
+"overhead" is the full step minus their sum: graph building, dispatch, reshapes, copies.
+The full step and attention are timed with akunu's fast step (models/fast_step.py) on and
+off. Timings interleave and report the minimum over --reps (the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+
+from akunu.decode import prefill
+from akunu.kv_cache import make_cache
+from akunu.models import fast_step, load_model
+
+
+def linears(model: nn.Module) -> list[mx.array]:
+    """The weight of every matrix applied per token, output head included (tied or not)."""
+    weights = [m.weight for _, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not any(name.endswith("lm_head") for name, m in model.named_modules() if isinstance(m, nn.Linear)):
+        weights.append(model.model.embed_tokens.weight)
+    return weights
+
+
+def norms(model: nn.Module) -> list[nn.Module]:
+    return [m for _, m in model.named_modules() if "RMSNorm" in type(m).__name__]
+
+
+def kinds(model: nn.Module, cache: list) -> dict[str, Callable[[], list[mx.array]]]:
+    """Graph builders for each kind of work in one step, at the cache's current length."""
+    layers = model.layers
+    hidden = layers[0].self_attn.q_proj.weight.shape[1]
+    x = mx.random.normal((1, 1, hidden))
+    weights = linears(model)
+    inputs = [mx.random.normal((1, 1, w.shape[1])) for w in weights]
+    norm_modules = norms(model)
+    norm_inputs = [mx.random.normal((1, 1, m.weight.shape[0])) for m in norm_modules]
+    attn = [layer.self_attn for layer in layers]
+    heads = [(a.n_heads, a.n_kv_heads, a.q_proj.weight.shape[0] // a.n_heads) for a in attn]
+    queries = [mx.random.normal((1, h, 1, d)) for h, _, d in heads]
+    new_keys = [mx.random.normal((1, kv, 1, d)) for _, kv, d in heads]
+    inter = layers[0].mlp.gate_proj.weight.shape[0]
+    gate, up = mx.random.normal((1, 1, inter)), mx.random.normal((1, 1, inter))
+    mx.eval(x, inputs, norm_inputs, queries, new_keys, gate, up)
+    module = __import__(type(model).__module__, fromlist=["scaled_dot_product_attention"])
+
+    def attention() -> list[mx.array]:
+        out = []
+        for a, c, q in zip(attn, cache, queries):
+            keys, values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+            out.append(module.scaled_dot_product_attention(q, keys, values, cache=c, scale=a.scale, mask=None))
+        return out
+
+    return {
+        "weight matmuls": lambda: [v @ w.T for v, w in zip(inputs, weights)],
+        "norms": lambda: [m(v) for m, v in zip(norm_modules, norm_inputs)],
+        "rope": lambda: [a.rope(t, offset=c.offset) for a, c, q, k in zip(attn, cache, queries, new_keys) for t in (q, k)],
+        "attention": attention,
+        "elementwise": lambda: [t for _ in layers for t in (x + x, x + x, swiglu(gate, up))],
+    }
+
+
+def best_ms(run: Callable[[], object], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        mx.eval(run())
+        times.append(time.perf_counter() - started)
+    return min(times) * 1e3
+
+
+def step_once(model: nn.Module, cache: list) -> Callable[[], mx.array]:
+    token = mx.array([[100]], mx.uint32)
+
+    def run() -> mx.array:
+        logits = model(token, cache=cache)
+        for c in cache:
+            c.trim(1)  # keep the context length fixed across repetitions
+        return mx.argmax(logits[0, -1])
+
+    return run
+
+
+def profile(model: nn.Module, context: int, reps: int) -> dict:
+    cache = make_cache(model)
+    mx.eval(prefill(model, cache, [100 + i % 1000 for i in range(context)]))
+    work = kinds(model, cache)
+    step = step_once(model, cache)
+    timings: dict[str, list[float]] = {}
+    for _ in range(reps):  # interleave every measurement, one repetition at a time
+        for patched in (False, True):
+            (fast_step.enable if patched else fast_step.disable)(model)
+            tag = "fast" if patched else "mlx"
+            timings.setdefault(f"step ({tag})", []).append(best_ms(step, 1))
+            timings.setdefault(f"attention ({tag})", []).append(best_ms(work["attention"], 1))
+        for name, run in work.items():
+            if name != "attention":
+                timings.setdefault(name, []).append(best_ms(run, 1))
+    result = {name: round(min(values), 2) for name, values in timings.items()}
+    for tag in ("mlx", "fast"):
+        parts = sum(result[k] for k in ("weight matmuls", "norms", "rope", "elementwise")) + result[f"attention ({tag})"]
+        result[f"overhead ({tag})"] = round(result[f"step ({tag})"] - parts, 2)
+        result[f"step/matmuls ({tag})"] = round(result[f"step ({tag})"] / result["weight matmuls"], 3)
+    return {"context": context, "matmuls": len(linears(model)), **result}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[64, 1536])
+    parser.add_argument("--reps", type=int, default=15)
+    args = parser.parse_args()
+    loaded = load_model(args.model, dtype=args.dtype)
+    was = fast_step.is_enabled(loaded.model)
+    for context in args.contexts:
+        print(json.dumps({"model": args.model, "dtype": loaded.dtype, **profile(loaded.model, context, args.reps)}), flush=True)
+    (fast_step.enable if was else fast_step.disable)(loaded.model)
+
+
+if __name__ == "__main__":
+    main()

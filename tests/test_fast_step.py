@@ -1,0 +1,124 @@
+"""The fast decode step (akunu.models.fast_step) must compute what mlx-lm's unpatched model computes."""
+
+import random
+
+import mlx.core as mx
+import pytest
+
+from akunu.generate import GenerationConfig, SpecConfig, generate
+from akunu.kv_cache import make_cache, rewind
+from akunu.models import fast_step
+from tests.fakes import FakeTokenizer
+from tests.tiny import tiny_gemma3, tiny_llama
+
+MODELS = pytest.mark.parametrize("model_fn", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-sliding"])
+
+
+@pytest.fixture
+def restore_attention():
+    """The patch is a module global: leave mlx-lm's modules as each test found them."""
+    models = [tiny_llama(), tiny_gemma3()]
+    before = [fast_step.is_enabled(m) for m in models]
+    yield
+    for model, was in zip(models, before):
+        (fast_step.enable if was else fast_step.disable)(model)
+
+
+def scripted_logits(model, tokens):
+    """Logits of a prefill, 1-token steps, k-token passes and rollbacks, as speculation does them."""
+    cache, out = make_cache(model), []
+    out.append(model(mx.array([tokens[:11]]), cache=cache)[0])  # prefill, past gemma's window of 8
+    for t in tokens[11:14]:
+        out.append(model(mx.array([[t]]), cache=cache)[0])
+    for width, rejected in ((4, 2), (5, 0), (3, 3), (6, 1)):
+        start = cache[0].offset
+        out.append(model(mx.array([tokens[start : start + width]]), cache=cache)[0])
+        rewind(cache, rejected)
+    out.append(model(mx.array([[tokens[cache[0].offset]]]), cache=cache)[0])
+    return mx.concatenate(out)
+
+
+@MODELS
+def test_patched_model_gives_the_unpatched_logits(model_fn, restore_attention):
+    model = model_fn(seed=3)
+    tokens = [random.Random(5).randrange(64) for _ in range(40)]
+    assert fast_step.disable(model)
+    reference = scripted_logits(model, tokens)
+    assert fast_step.enable(model) and fast_step.is_enabled(model)
+    patched = scripted_logits(model, tokens)
+    assert reference.shape == patched.shape == (33, 64)
+    assert mx.allclose(patched, reference, atol=1e-4, rtol=1e-4).item()
+
+
+@MODELS
+def test_patched_model_decodes_the_same_tokens(model_fn, restore_attention):
+    model = model_fn(seed=1)
+    rng = random.Random(2)
+    tokenizer = FakeTokenizer()
+    for _ in range(6):
+        prompt = [rng.randrange(64) for _ in range(rng.randint(3, 30))]
+        outputs = []
+        for switch in (fast_step.disable, fast_step.enable):
+            switch(model)
+            for spec in (SpecConfig(enabled=False), SpecConfig(draft_tokens=5, adaptive=False)):
+                outputs.append(generate(model, tokenizer, prompt, GenerationConfig(max_tokens=30, spec=spec))[1])
+        assert all(o == outputs[0] for o in outputs)
+
+
+@MODELS
+def test_a_wide_pass_matches_one_token_steps_with_the_patch(model_fn, restore_attention):
+    """Greedy speculation's premise, as in test_speculative_greedy, holds for the patched attention too."""
+    model = model_fn(seed=2)
+    fast_step.enable(model)
+    tokens = [random.Random(1).randrange(64) for _ in range(24)]
+    cache = make_cache(model)
+    steps = mx.concatenate([model(mx.array([[t]]), cache=cache)[0] for t in tokens])
+    for width in (2, 5, 9):
+        cache = make_cache(model)
+        wide = mx.concatenate([model(mx.array([tokens[i : i + width]]), cache=cache)[0] for i in range(0, 24, width)])
+        assert mx.allclose(wide, steps[: wide.shape[0]], atol=1e-4).item(), f"width {width}"
+
+
+def test_attention_matches_mlx_on_every_mask_kind():
+    mx.random.seed(0)
+    q, k, v = mx.random.normal((2, 6, 3, 8)), mx.random.normal((2, 2, 10, 8)), mx.random.normal((2, 2, 10, 8))
+    window = mx.arange(7, 10)[:, None] < mx.arange(10)[None] + 4
+    masks = [None, "causal", window, window[None, None], mx.where(window, 0.0, -1e9)]
+    for mask in masks:
+        ours = fast_step.cpu_attention(q, k, v, None, 0.3, mask)
+        theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
+        assert mx.allclose(ours, theirs, atol=1e-5).item(), mask
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_load_model_applies_the_fast_step_unless_switched_off(tmp_path, monkeypatch, restore_attention, switch):
+    from akunu.models import load_model
+    from tests.test_gguf_loader import write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    monkeypatch.setenv(fast_step.ENV_SWITCH, switch)
+    fast_step.disable(tiny_llama())
+    loaded = load_model(str(path), dtype="float32")
+    assert fast_step.is_enabled(loaded.model) == (switch == "1")
+    with fast_step.unpatched(loaded.model):
+        assert not fast_step.is_enabled(loaded.model)
+    assert fast_step.is_enabled(loaded.model) == (switch == "1")
+
+
+def test_exact_mode_and_the_fast_step_compose_in_either_order(restore_attention):
+    from akunu.exact import FixedWidthModel
+
+    model = tiny_llama(seed=2)
+    fast_step.enable(model)
+    exact = FixedWidthModel(model, width=5)  # wraps whatever attention the module has now
+    assert fast_step.is_enabled(model)
+    with fast_step.unpatched(model):  # mlx-lm's own attention under exact mode's dispatcher
+        assert not fast_step.is_enabled(model)
+        cache = make_cache(model)
+        unpatched = exact(mx.array([[1, 2, 3, 4, 5, 6]]), cache=cache), exact(mx.array([[7]]), cache=cache)
+    assert fast_step.is_enabled(model)
+    cache = make_cache(model)
+    patched = exact(mx.array([[1, 2, 3, 4, 5, 6]]), cache=cache), exact(mx.array([[7]]), cache=cache)
+    for a, b in zip(unpatched, patched):
+        assert mx.allclose(a, b, atol=1e-4).item()
