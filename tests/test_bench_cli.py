@@ -89,16 +89,21 @@ def test_categories_limit_and_per_prompt(fake_engine, workload):
     assert "copy-a" in text and "open-a" in text and "copy-b" not in text
 
 
-def test_a_mismatch_is_loud_and_fails_the_command(fake_engine, workload, monkeypatch):
+def corrupt_speculation(monkeypatch) -> None:
+    """Make the speculative run's third token differ from plain decoding's."""
     real_run = ModelEngine.run
 
-    def corrupt_speculation(self, method, prompt_ids):
+    def corrupted(self, method, prompt_ids):
         run = real_run(self, method, prompt_ids)
         if method == "spec":
             run.tokens[2] = (run.tokens[2] + 1) % 64
         return run
 
-    monkeypatch.setattr(ModelEngine, "run", corrupt_speculation)
+    monkeypatch.setattr(ModelEngine, "run", corrupted)
+
+
+def test_a_mismatch_is_loud_and_fails_the_command(fake_engine, workload, monkeypatch):
+    corrupt_speculation(monkeypatch)
     result = invoke("bench", "--workload", str(workload), "--limit", "1", "-c", "copy", "--max-tokens", "6")
     text = ANSI.sub("", result.output)
     assert result.exit_code == 1
@@ -108,16 +113,8 @@ def test_a_mismatch_is_loud_and_fails_the_command(fake_engine, workload, monkeyp
 
 
 def test_a_near_tie_mismatch_of_the_default_mode_is_reported_but_allowed(fake_engine, workload, monkeypatch):
-    real_run = ModelEngine.run
     monkeypatch.setattr(ModelEngine, "top2_gap", lambda self, reference, ids, tokens, index: 2e-5)
-
-    def corrupt_speculation(self, method, prompt_ids):
-        run = real_run(self, method, prompt_ids)
-        if method == "spec":
-            run.tokens[2] = (run.tokens[2] + 1) % 64
-        return run
-
-    monkeypatch.setattr(ModelEngine, "run", corrupt_speculation)
+    corrupt_speculation(monkeypatch)
     result = invoke("bench", "--workload", str(workload), "--limit", "1", "-c", "copy", "--max-tokens", "6")
     text = ANSI.sub("", result.output)
     assert result.exit_code == 0, text

@@ -93,7 +93,7 @@ def test_attention_matches_mlx_on_every_mask_kind():
 @pytest.mark.parametrize("switch", ["1", "0"])
 def test_load_model_applies_the_fast_step_unless_switched_off(tmp_path, monkeypatch, restore_attention, switch):
     from akunu.models import load_model
-    from tests.test_gguf_loader import write_tiny_gguf
+    from tests.tiny_gguf import write_tiny_gguf
 
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path)

@@ -63,15 +63,12 @@ def chat_ids(loaded, text):
     return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
 
 
-# Every drafter on the fast float32 weights; the 4-bit ones (slow on CPU) with the default drafter.
-@pytest.mark.parametrize(
-    "dtype, drafter",
-    [("float32", "suffix+ngram"), ("float32", "lookup+ngram"), ("float32", "tree:8"), ("quantized", "suffix+ngram")],
-)
-def test_copy_heavy_prompt_is_identical_and_takes_two_tokens_per_pass(dtype, drafter):
+# Every drafter on the float32 weights; the 4-bit weights (6-17x slower matvecs on CPU) are covered by the open-ended test.
+@pytest.mark.parametrize("drafter", ["suffix+ngram", "lookup+ngram", "tree:8"])
+def test_copy_heavy_prompt_is_identical_and_takes_two_tokens_per_pass(drafter):
     from akunu.drafters import make_drafter
 
-    smollm2 = load_smollm2(dtype)
+    smollm2 = load_smollm2("float32")
     ids = chat_ids(smollm2, COPY_PROMPT)
     config = lambda spec: GenerationConfig(max_tokens=128, spec=spec)
     _, plain, _ = generate(smollm2.model, smollm2.tokenizer, ids, config(SpecConfig(enabled=False)))
