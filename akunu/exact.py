@@ -102,9 +102,10 @@ class FixedWidthModel:
         return logits[:, :length]
 
 
-# Every exact pass is padded to the widest draft, and on CPU a 33-token pass costs ~3.9 plain steps
-# (a 5-token one ~1.7): so exact mode drafts at most this many tokens whatever the ceiling asked.
-EXACT_MAX_DRAFT = 4
+# Every exact pass is padded to the widest draft. On CPU, akunu's decode matmuls read each weight
+# once for up to 4 rows (a 4-token pass ~1.13 plain steps, a 5-token one ~1.6, a 33-token one ~4.6):
+# so exact mode drafts at most this many tokens whatever the ceiling asked.
+EXACT_MAX_DRAFT = 3
 
 
 def exact_width(max_draft: int) -> int:

@@ -12,6 +12,15 @@ if [ "$(uname -s)" = "Linux" ] && ! ls /usr/lib/*/openblas-pthread/libopenblas.s
   fi
 fi
 
+if [ "$(uname -s)" = "Linux" ] && ! command -v cc >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = "0" ]; then
+    echo "Installing a C compiler (akunu builds its decode matmuls: faster CPU decoding)..."
+    (apt-get update -qq && apt-get install -y -qq gcc libc6-dev) >/dev/null || echo "warning: no C compiler; akunu runs without its decode matmuls"
+  else
+    echo "note: install gcc for akunu's decode matmuls (faster CPU decoding)"
+  fi
+fi
+
 PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip

@@ -1,0 +1,84 @@
+"""akunu's cblas_sgemm router (akunu/_matvec.c): every product it takes is right, and it is in use.
+
+MLX calls cblas_sgemm for every float32 matmul on the CPU, so these drive it through MLX with
+the shapes and layouts MLX produces: Linear layers (x @ W.T), transposed and strided operands,
+batched attention products, single rows and single columns.
+"""
+
+import shutil
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from akunu import _blas
+
+linux_with_openblas = pytest.mark.skipif(
+    sys.platform != "linux" or _blas.loaded_path is None, reason="the router sits in front of OpenBLAS on Linux"
+)
+
+
+def reference(a: mx.array, b: mx.array) -> np.ndarray:
+    return np.matmul(np.array(a, dtype=np.float64), np.array(b, dtype=np.float64))
+
+
+@linux_with_openblas
+def test_the_router_is_built_and_loaded_where_a_compiler_exists():
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler: the package installs without the router")
+    assert _blas.matvec_path is not None, "akunu/_matvec.c was not built or not loaded (pip install -e . builds it)"
+    assert "decode matmuls" in _blas.describe()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 40])
+@pytest.mark.parametrize("inner", [64, 576, 100])  # 100: not a multiple of 16, so OpenBLAS's path
+@pytest.mark.parametrize("a_transposed", [False, True])
+@pytest.mark.parametrize("b_transposed", [False, True])
+def test_every_layout_and_row_count_matches_a_float64_reference(rows, inner, a_transposed, b_transposed):
+    mx.random.seed(rows * 1000 + inner)
+    cols = 300
+    a = mx.random.normal((inner, rows)).T if a_transposed else mx.random.normal((rows, inner))
+    b = mx.random.normal((cols, inner)).T if b_transposed else mx.random.normal((inner, cols))
+    np.testing.assert_allclose(np.array(a @ b), reference(a, b), rtol=0, atol=1e-4 * inner**0.5)
+    column = b[:, :1]  # one output column: the sgemv path
+    np.testing.assert_allclose(np.array(a @ column), reference(a, column), rtol=0, atol=1e-4 * inner**0.5)
+
+
+def test_batched_and_strided_operands_as_attention_makes_them():
+    mx.random.seed(3)
+    q = mx.random.normal((1, 9, 3, 64))
+    keys = mx.random.normal((1, 9, 40, 64 * 2))[..., ::2]  # a strided view
+    values = mx.random.normal((1, 9, 40, 64))
+    scores = q @ keys.swapaxes(-1, -2)
+    out = mx.softmax(scores, axis=-1) @ values
+    ref_scores = np.einsum("bhqd,bhkd->bhqk", np.array(q, np.float64), np.array(keys, np.float64))
+    np.testing.assert_allclose(np.array(scores), ref_scores, atol=1e-4)
+    ref_weights = np.exp(ref_scores - ref_scores.max(-1, keepdims=True))
+    ref_weights /= ref_weights.sum(-1, keepdims=True)
+    np.testing.assert_allclose(np.array(out), ref_weights @ np.array(values, np.float64), atol=1e-4)
+
+
+@linux_with_openblas
+def test_a_rows_result_does_not_depend_on_how_many_rows_share_its_pass():
+    """What the kernel guarantees for up to 8 rows: a Linear layer's row is bit-identical alone or batched."""
+    if _blas.matvec_path is None:
+        pytest.skip("the router is not built here")
+    mx.random.seed(5)
+    weight = mx.random.normal((1536, 576))
+    rows = mx.random.normal((8, 576))
+    alone = mx.concatenate([rows[i : i + 1] @ weight.T for i in range(8)])
+    for width in range(2, 9):
+        together = rows[:width] @ weight.T
+        assert mx.array_equal(together, alone[:width]).item(), f"{width} rows"
+
+
+def test_output_buffers_holding_nans_do_not_leak_into_results():
+    """sgemv with beta = 0 may scale what the output held; MLX's fresh buffers can hold anything."""
+    for _ in range(20):
+        garbage = mx.full((4096,), float("nan"))
+        mx.eval(garbage)
+        del garbage  # its memory goes back to MLX's allocator for the next output to reuse
+        x, w = mx.ones((1, 64)), mx.ones((4096, 64))
+        assert mx.all(x @ w.T == 64).item()
+        assert mx.all(w @ x.T == 64).item()
