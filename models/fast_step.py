@@ -8,12 +8,18 @@ runs at a fraction of its matrix-vector speed. `cpu_attention` computes the scor
 the model's mlx-lm module, so akunu's exact mode (which swaps that same global while
 active) composes with it. Metal keeps mlx's fused kernel.
 
+Likewise `mx.fast.rope` and `mx.fast.rms_norm` are single kernels on Metal but a dozen and a
+handful of small ops on the CPU, each paying a dispatch: on the CPU the model's `nn.RoPE` and
+`nn.RMSNorm` modules run them through `mx.compile`, which fuses each into one kernel with the
+same results (their class is swapped for a subclass; parameters are untouched).
+
 `enable(model)` is applied by `load_model`; AKUNU_FAST_STEP=0 (or `disable(model)`) turns
 it off for comparison.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Iterator
@@ -34,11 +40,15 @@ def enabled_by_environment() -> bool:
 
 
 def enable(model: nn.Module) -> bool:
-    """Route the model's attention through `cpu_attention`; False if its module has no such hook."""
+    """Route the model's attention through `cpu_attention`, and on the CPU its RoPE and RMSNorm
+    through compiled kernels; False if its module has no attention hook."""
+    if mx.default_device() == mx.cpu and _compiling_works():
+        _swap_classes(model, _COMPILED)
     return _set_attention(model, cpu_attention)
 
 
 def disable(model: nn.Module) -> bool:
+    _swap_classes(model, {compiled: original for original, compiled in _COMPILED.items()})
     return _set_attention(model, _mlx_attention)
 
 
@@ -112,3 +122,51 @@ def _apply_mask(scores: mx.array, mask: mx.array | str, L: int, S: int) -> mx.ar
     if mask.dtype == mx.bool_:
         return mx.where(mask, scores, mx.finfo(scores.dtype).min)
     return scores + mask
+
+
+class CompiledRoPE(nn.RoPE):
+    """nn.RoPE as one fused kernel; the offset goes in as an array so one trace serves every position."""
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        if isinstance(offset, int):
+            offset = mx.array(offset, mx.int32)
+        return _rope_kernel(self.dims, self.traditional, self.base, self.scale)(x, offset)
+
+
+class CompiledRMSNorm(nn.RMSNorm):
+    """nn.RMSNorm as one fused kernel."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return _rms_norm_kernel(self.eps)(x, self["weight"])
+
+
+_COMPILED = {nn.RoPE: CompiledRoPE, nn.RMSNorm: CompiledRMSNorm}
+
+
+@functools.lru_cache(maxsize=None)
+def _rope_kernel(dims: int, traditional: bool, base: float | None, scale: float):
+    return mx.compile(
+        lambda x, offset: mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _rms_norm_kernel(eps: float):
+    return mx.compile(lambda x, weight: mx.fast.rms_norm(x, weight, eps))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiling_works() -> bool:
+    """MLX's CPU backend builds fused kernels with the system C++ compiler; without one, keep the ops."""
+    try:
+        mx.eval(_rms_norm_kernel(1e-5)(mx.ones((1, 8)), mx.ones((8,))))
+        return True
+    except Exception:  # noqa: BLE001 - any failure to build a kernel means: do without
+        return False
+
+
+def _swap_classes(model: nn.Module, mapping: dict[type, type]) -> None:
+    """Give every module of exactly a mapped class the class it maps to (same parameters)."""
+    for _, module in model.named_modules():
+        if type(module) in mapping:
+            module.__class__ = mapping[type(module)]

@@ -122,3 +122,30 @@ def test_exact_mode_and_the_fast_step_compose_in_either_order(restore_attention)
     patched = exact(mx.array([[1, 2, 3, 4, 5, 6]]), cache=cache), exact(mx.array([[7]]), cache=cache)
     for a, b in zip(unpatched, patched):
         assert mx.allclose(a, b, atol=1e-4).item()
+
+
+def test_compiled_rope_and_norm_equal_mlx_fast_at_every_offset():
+    """One trace serves every position: the offset is an input of the compiled kernel, not a constant."""
+    import mlx.nn as nn
+
+    mx.random.seed(4)
+    x = mx.random.normal((1, 4, 3, 16))
+    rope = fast_step.CompiledRoPE(16, traditional=True, base=10000.0)
+    for offset in (0, 1, 17, 300):
+        expected = mx.fast.rope(x, 16, traditional=True, base=10000.0, scale=1.0, offset=offset)
+        assert mx.array_equal(rope(x, offset=offset), expected).item(), offset
+    norm = nn.RMSNorm(16, eps=1e-6)
+    norm.weight = mx.random.normal((16,))
+    norm.__class__ = fast_step.CompiledRMSNorm
+    assert mx.array_equal(norm(x), mx.fast.rms_norm(x, norm.weight, 1e-6)).item()
+
+
+def test_unpatched_runs_mlx_lm_s_own_modules(restore_attention):
+    """The bench's mlx-lm column must not run akunu's compiled RoPE and norms either."""
+    model = tiny_llama(seed=3)
+    fast_step.enable(model)
+    kinds = lambda: {type(m) for _, m in model.named_modules()}  # noqa: E731
+    assert {fast_step.CompiledRoPE, fast_step.CompiledRMSNorm} <= kinds()
+    with fast_step.unpatched(model):
+        assert not kinds() & {fast_step.CompiledRoPE, fast_step.CompiledRMSNorm}
+    assert {fast_step.CompiledRoPE, fast_step.CompiledRMSNorm} <= kinds()
