@@ -36,39 +36,38 @@ def preload() -> str | None:
     choice = os.environ.get("AKUNU_BLAS", "auto")
     if choice == "none":
         return None
-    matvec = _load_matvec()  # first, so MLX's cblas_sgemm resolves to it
     for path in (choice,) if choice != "auto" else _CANDIDATES:
         if os.path.exists(path):
             try:
-                blas = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                blas = ctypes.CDLL(path)  # local first: the router must precede it in the global scope
             except OSError:
                 continue
+            _put_router_ahead(blas)
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # now MLX's BLAS calls resolve to it
             loaded_path = path
-            if matvec is not None:
-                _route(matvec, blas)
             break
     return loaded_path
 
 
-def _load_matvec() -> ctypes.CDLL | None:
-    """akunu's sgemm router, if it was built and not opted out of."""
+def _put_router_ahead(blas: ctypes.CDLL) -> None:
+    """Load akunu's sgemm router globally, handing it `blas`'s own sgemm and sgemv to fall through to.
+
+    Only with a BLAS in hand: a router loaded without one would catch MLX's calls and drop them."""
+    global matvec_path
     if os.environ.get("AKUNU_MATVEC", "1") == "0":
-        return None
+        return
+    try:
+        targets = ctypes.cast(blas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(blas.cblas_sgemv, ctypes.c_void_p)
+    except AttributeError:
+        return
     for path in glob.glob(os.path.join(os.path.dirname(__file__), "_matvec*.so")):
         try:
-            return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            router = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError:
             continue
-    return None
-
-
-def _route(matvec: ctypes.CDLL, blas: ctypes.CDLL) -> None:
-    """Hand the router OpenBLAS's own sgemm and sgemv to fall through to."""
-    global matvec_path
-    matvec.akunu_matvec_init(
-        ctypes.cast(blas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(blas.cblas_sgemv, ctypes.c_void_p)
-    )
-    matvec_path = matvec._name
+        router.akunu_matvec_init(*targets)
+        matvec_path = path
+        return
 
 
 def describe() -> str:

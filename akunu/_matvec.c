@@ -41,6 +41,10 @@ CLONES static void rows_times_wt(int M, int N, int K, const float *x, int ldx,
                                  const float *W, int ldw, float *C, int ldc) {
   int padded = (M + BLOCK - 1) / BLOCK * BLOCK;
   float *xs = calloc((size_t)padded * K, sizeof(float)); /* zero rows pad the last block */
+  if (!xs) {
+    real_sgemm(ROW_MAJOR, NO_TRANS, TRANS, M, N, K, 1.f, x, ldx, W, ldw, 0.f, C, ldc);
+    return;
+  }
   for (int m = 0; m < M; m++) memcpy(xs + (size_t)m * K, x + (size_t)m * ldx, K * sizeof(float));
 #pragma omp parallel for schedule(static)
   for (int j = 0; j < N; j++) {

@@ -12,12 +12,13 @@ if [ "$(uname -s)" = "Linux" ] && ! ls /usr/lib/*/openblas-pthread/libopenblas.s
   fi
 fi
 
-if [ "$(uname -s)" = "Linux" ] && ! command -v cc >/dev/null 2>&1; then
+# C: akunu's decode matmuls (akunu/_matvec.c); C++: MLX's CPU backend builds mx.compile kernels with g++.
+if [ "$(uname -s)" = "Linux" ] && ! { command -v cc && command -v g++; } >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = "0" ]; then
-    echo "Installing a C compiler (akunu builds its decode matmuls: faster CPU decoding)..."
-    (apt-get update -qq && apt-get install -y -qq gcc libc6-dev) >/dev/null || echo "warning: no C compiler; akunu runs without its decode matmuls"
+    echo "Installing C and C++ compilers (akunu's decode matmuls and MLX's fused CPU kernels)..."
+    (apt-get update -qq && apt-get install -y -qq gcc g++ libc6-dev) >/dev/null || echo "warning: no compilers; akunu runs without its decode matmuls and fused kernels"
   else
-    echo "note: install gcc for akunu's decode matmuls (faster CPU decoding)"
+    echo "note: install gcc and g++ for faster CPU decoding (akunu's decode matmuls, MLX's fused kernels)"
   fi
 fi
 
