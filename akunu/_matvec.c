@@ -4,6 +4,8 @@
    or a verification pass OpenBLAS's sgemm packs all of W first and runs at a third of the
    memory bandwidth its sgemv reaches. This library defines cblas_sgemm itself and routes:
      - x @ W^T with at most SMALL_M rows: a kernel that streams W once (rows_times_wt);
+     - x @ B (B not transposed: attention's weights times V) with at most SMALL_M rows: likewise
+       (rows_times_b), so that a decode step never wakes OpenBLAS's threads to contend with ours;
      - any other product with one row or one column: OpenBLAS's sgemv;
      - everything else (prefill, wide passes): OpenBLAS's sgemm, unchanged.
    Plain C with GCC vector extensions and OpenMP; no Python API. */
@@ -65,6 +67,44 @@ CLONES static void rows_times_wt(int M, int N, int K, const float *x, int ldx,
   free(xs);
 }
 
+/* C[m, :] = sum over k of A[m, k] B[k, :] for m < M, B row-major (K x N, not transposed): the
+   attention's weights times V. Rows of B are streamed whole, 64 columns at a time, and added into
+   M accumulators in order of k, so C[m, n] does not depend on M either. */
+static inline __attribute__((always_inline)) void group_times_b(const int M, int K, const float *A,
+                                                                int lda, int a_t, const float *B,
+                                                                int ldb, int n0, int width,
+                                                                float *C, int ldc) {
+  v16 acc[SMALL_M][4] = {{{0}}}; /* M is a constant in each caller below: these stay in registers */
+  for (int k = 0; k < K; k++) {
+    const float *b = B + (size_t)k * ldb + n0;
+    v16 bk[4] = {{0}};
+    if (width == 64)
+      for (int j = 0; j < 4; j++) bk[j] = *(const v16 *)(b + 16 * j);
+    else
+      for (int i = 0; i < width; i++) bk[i / 16][i % 16] = b[i];
+    for (int m = 0; m < M; m++) {
+      float a = A[a_t ? (size_t)k * lda + m : (size_t)m * lda + k];
+      for (int j = 0; j < 4; j++) acc[m][j] += a * bk[j];
+    }
+  }
+  for (int m = 0; m < M; m++)
+    for (int i = 0; i < width; i++) C[(size_t)m * ldc + n0 + i] = acc[m][i / 16][i % 16];
+}
+
+CLONES static void rows_times_b(int M, int N, int K, const float *A, int lda, int a_t,
+                                const float *B, int ldb, float *C, int ldc) {
+  int groups = (N + 63) / 64;
+#pragma omp parallel for schedule(static) if (groups > 1 && (long)K * N >= 65536)
+  for (int g = 0; g < groups; g++) {
+    int n0 = g * 64, width = N - n0 < 64 ? N - n0 : 64;
+    switch (M) {
+#define CASE(m) case m: group_times_b(m, K, A, lda, a_t, B, ldb, n0, width, C, ldc); break;
+      CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+    }
+  }
+}
+
 static void zero(float *y, int n, int inc) {
   for (int i = 0; i < n; i++) y[(size_t)i * inc] = 0.f;
 }
@@ -77,6 +117,8 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float
     real_sgemm(order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   } else if (M <= SMALL_M && !a_t && b_t && K % 16 == 0 && alpha == 1.f && beta == 0.f) {
     rows_times_wt(M, N, K, A, lda, B, ldb, C, ldc);
+  } else if (M <= SMALL_M && !b_t && alpha == 1.f && beta == 0.f) {
+    rows_times_b(M, N, K, A, lda, a_t, B, ldb, C, ldc);
   } else if (M == 1) { /* C[0, :] = op(B)^T a */
     if (beta == 0.f) zero(C, N, 1); /* C may hold NaNs; sgemv's beta = 0 must not see them */
     real_sgemv(ROW_MAJOR, b_t ? NO_TRANS : TRANS, b_t ? N : K, b_t ? K : N, alpha, B, ldb, A,

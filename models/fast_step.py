@@ -2,10 +2,11 @@
 
 mlx-lm's attention calls the module-global `scaled_dot_product_attention`; on the CPU,
 `mx.fast.scaled_dot_product_attention` falls back to `q @ K^T` with K broadcast over the
-query heads of each KV head: a 1-row sgemm against a transposed 64-wide K, which OpenBLAS
-runs at a fraction of its matrix-vector speed. `cpu_attention` computes the scores as
-`K @ q` matrix-vector products on K as stored (attention alone at 1.5k tokens: 17.0 against 23.0 ms
-in scripts/profile_step.py, with akunu's decode matmuls under both). It replaces the module global of
+query heads of each KV head (K read once per query head), then a softmax whose exp runs one
+element at a time. `cpu_attention` computes one position's query heads against their KV head
+in one product (K read once per KV head), and past `cpu_math.WORTH_IT_FROM` keys the softmax
+numerators with akunu's fused exp (attention alone at 1.5k tokens: 8.3 against 14.8 ms for 30
+layers, both with akunu's decode matmuls). It replaces the module global of
 the model's mlx-lm module, so akunu's exact mode (which swaps that same global while
 active) composes with it. Metal keeps mlx's fused kernel.
 
@@ -30,6 +31,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
+
+from akunu import _blas
+from akunu.models import cpu_math
 
 ENV_SWITCH = "AKUNU_FAST_STEP"
 MAX_QUERY_ROWS = 16  # decode steps and verification passes; prefill chunks keep mlx's path
@@ -98,28 +102,45 @@ def cpu_attention(
     mask: mx.array | str | None,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    """mlx-lm's `scaled_dot_product_attention`, with the scores as K @ q matrix-vector products on the CPU."""
+    """mlx-lm's `scaled_dot_product_attention`, as decode-shaped products and a cheaper exp on the CPU."""
     B, n_heads, L, D = queries.shape
     if L > MAX_QUERY_ROWS or sinks is not None or hasattr(cache, "bits") or mx.default_device() != mx.cpu:
         return _mlx_attention(queries, keys, values, cache, scale, mask, sinks)
     n_kv_heads, S = keys.shape[1], keys.shape[2]
     repeats = n_heads // n_kv_heads
-    q = (queries * scale).reshape(B, n_kv_heads, repeats * L, D)  # query head h reads KV head h // repeats
-    # One matrix-vector product per query row, K as stored: (B, n_kv_heads, repeats * L, S)
-    scores = (mx.expand_dims(keys, 2) @ q[..., None]).squeeze(-1)
+    # Query head h reads KV head h // repeats: (B, n_kv_heads, L, repeats, D), so each query
+    # position is one `repeats`-row product whatever L is (a row's result does not depend on L).
+    q = (queries * scale).reshape(B, n_kv_heads, repeats, L, D).swapaxes(2, 3)
+    scores = _scores(q, mx.expand_dims(keys, 2))  # (B, n_kv_heads, L, repeats, S)
     if mask is not None:
-        scores = _apply_mask(scores.reshape(B, n_kv_heads, repeats, L, S), mask, L, S)
-        scores = scores.reshape(B, n_kv_heads, repeats * L, S)
-    weights = mx.softmax(scores, axis=-1, precise=True)
-    return (weights @ values).reshape(B, n_heads, L, values.shape[-1])
+        scores = _apply_mask(scores, mask, L, S)
+    values = mx.expand_dims(values, 2)
+    if S < cpu_math.WORTH_IT_FROM or scores.dtype != mx.float32:
+        out = mx.softmax(scores, axis=-1, precise=True) @ values
+    else:
+        numerators = cpu_math.exp_minus(scores, scores.max(axis=-1, keepdims=True))
+        out = (numerators @ values) / numerators.sum(axis=-1, keepdims=True)  # normalised over D, not S
+    return out.swapaxes(2, 3).reshape(B, n_heads, L, values.shape[-1])
+
+
+def _scores(q: mx.array, keys: mx.array) -> mx.array:
+    """q @ K^T, (..., repeats, D) by (..., S, D). akunu's decode matmuls read K once for all
+    `repeats` rows; OpenBLAS alone runs that product slowly, so without them: one K @ q per row."""
+    if _blas.matvec_path:
+        return q @ keys.swapaxes(-1, -2)
+    return (mx.expand_dims(keys, -3) @ q[..., None]).squeeze(-1)
 
 
 def _apply_mask(scores: mx.array, mask: mx.array | str, L: int, S: int) -> mx.array:
-    """Mask scores (B, kv_heads, repeats, L, S) as mlx's sdpa fallback does."""
+    """Mask scores (B, kv_heads, L, repeats, S) as mlx's sdpa fallback does."""
     if isinstance(mask, str):  # "causal": query i sits at position S - L + i
         mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
-    elif mask.ndim > 3:  # (B, heads or 1, L, S): broadcast over the repeats axis
-        mask = mx.expand_dims(mask, -3)
+    if mask.ndim < 4:
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    if mask.shape[1] == 1:  # (B, 1, L, S): the same for every head
+        mask = mx.expand_dims(mask, -2)
+    else:  # (B, n_heads, L, S) -> (B, n_kv_heads, L, repeats, S)
+        mask = mask.reshape(mask.shape[0], scores.shape[1], -1, L, S).swapaxes(2, 3)
     if mask.dtype == mx.bool_:
         return mx.where(mask, scores, mx.finfo(scores.dtype).min)
     return scores + mask

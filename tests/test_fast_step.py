@@ -7,7 +7,7 @@ import pytest
 
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import make_cache, rewind
-from akunu.models import fast_step
+from akunu.models import cpu_math, fast_step
 from tests.fakes import FakeTokenizer
 from tests.tiny import tiny_gemma3, tiny_llama
 
@@ -24,11 +24,11 @@ def restore_attention():
         (fast_step.enable if was else fast_step.disable)(model)
 
 
-def scripted_logits(model, tokens):
+def scripted_logits(model, tokens, prefix=11):
     """Logits of a prefill, 1-token steps, k-token passes and rollbacks, as speculation does them."""
     cache, out = make_cache(model), []
-    out.append(model(mx.array([tokens[:11]]), cache=cache)[0])  # prefill, past gemma's window of 8
-    for t in tokens[11:14]:
+    out.append(model(mx.array([tokens[:prefix]]), cache=cache)[0])  # prefill, past gemma's window of 8
+    for t in tokens[prefix : prefix + 3]:
         out.append(model(mx.array([[t]]), cache=cache)[0])
     for width, rejected in ((4, 2), (5, 0), (3, 3), (6, 1)):
         start = cache[0].offset
@@ -39,14 +39,15 @@ def scripted_logits(model, tokens):
 
 
 @MODELS
-def test_patched_model_gives_the_unpatched_logits(model_fn, restore_attention):
+@pytest.mark.parametrize("prefix", [11, cpu_math.WORTH_IT_FROM + 9], ids=["short", "long"])
+def test_patched_model_gives_the_unpatched_logits(model_fn, prefix, restore_attention):
     model = model_fn(seed=3)
-    tokens = [random.Random(5).randrange(64) for _ in range(40)]
+    tokens = [random.Random(5).randrange(64) for _ in range(prefix + 29)]
     assert fast_step.disable(model)
-    reference = scripted_logits(model, tokens)
+    reference = scripted_logits(model, tokens, prefix)
     assert fast_step.enable(model) and fast_step.is_enabled(model)
-    patched = scripted_logits(model, tokens)
-    assert reference.shape == patched.shape == (33, 64)
+    patched = scripted_logits(model, tokens, prefix)
+    assert reference.shape == patched.shape == (prefix + 22, 64)
     assert mx.allclose(patched, reference, atol=1e-4, rtol=1e-4).item()
 
 
@@ -79,15 +80,47 @@ def test_a_wide_pass_matches_one_token_steps_with_the_patch(model_fn, restore_at
         assert mx.allclose(wide, steps[: wide.shape[0]], atol=1e-4).item(), f"width {width}"
 
 
-def test_attention_matches_mlx_on_every_mask_kind():
+@pytest.mark.parametrize("keys", [10, cpu_math.WORTH_IT_FROM + 44], ids=["mx.softmax", "akunu's exp"])
+@pytest.mark.parametrize("head_dim", [8, 64])
+@pytest.mark.parametrize("router", [True, False], ids=["q @ K^T", "K @ q per row"])
+def test_attention_matches_mlx_on_every_mask_kind(keys, head_dim, router, monkeypatch):
+    if not router:  # the scores' layout without akunu's decode matmuls
+        monkeypatch.setattr(fast_step._blas, "matvec_path", None)
     mx.random.seed(0)
-    q, k, v = mx.random.normal((2, 6, 3, 8)), mx.random.normal((2, 2, 10, 8)), mx.random.normal((2, 2, 10, 8))
-    window = mx.arange(7, 10)[:, None] < mx.arange(10)[None] + 4
-    masks = [None, "causal", window, window[None, None], mx.where(window, 0.0, -1e9)]
+    q = mx.random.normal((2, 6, 3, head_dim))
+    k, v = mx.random.normal((2, 2, keys, head_dim)), mx.random.normal((2, 2, keys, head_dim))
+    window = mx.arange(keys - 3, keys)[:, None] < mx.arange(keys)[None] + 4
+    per_head = mx.random.uniform(shape=(2, 6, 3, keys)) > 0.3  # a mask that differs between the heads sharing a KV head
+    masks = [None, "causal", window, window[None, None], mx.where(window, 0.0, -1e9), per_head, mx.where(per_head, 0.0, -mx.inf)]
     for mask in masks:
         ours = fast_step.cpu_attention(q, k, v, None, 0.3, mask)
         theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
         assert mx.allclose(ours, theirs, atol=1e-5).item(), mask
+
+
+def test_attention_rows_do_not_depend_on_the_pass_width():
+    """Row j of a causal pass gives what a 1-row call over its own keys gives, past WORTH_IT_FROM keys
+    (akunu's exp). To rounding only: the sum over keys may group its terms by how many there are."""
+    mx.random.seed(1)
+    keys = cpu_math.WORTH_IT_FROM + 20
+    q, k, v = mx.random.normal((1, 6, 5, 64)), mx.random.normal((1, 2, keys, 64)), mx.random.normal((1, 2, keys, 64))
+    wide = fast_step.cpu_attention(q, k, v, None, 0.125, "causal")
+    for j in range(5):
+        end = keys - 5 + j + 1
+        row = fast_step.cpu_attention(q[:, :, j : j + 1], k[:, :, :end], v[:, :, :end], None, 0.125, None)
+        assert mx.allclose(row, wide[:, :, j : j + 1], rtol=1e-6, atol=1e-7).item(), j
+
+
+def test_exp_minus_is_exp_to_float32_precision():
+    x = mx.concatenate([mx.linspace(-87.0, 0.0, 100_001), mx.array([-1e-30, -0.5, -1e4, -mx.inf, mx.finfo(mx.float32).min])])
+    ours, exact = cpu_math.exp_minus(x, mx.array(0.0)), mx.exp(x.astype(mx.float32))
+    relative = mx.abs(ours - exact) / mx.maximum(exact, 1e-30)
+    assert relative.max().item() < 3e-7
+    assert ours[-3:].tolist() == [0.0, 0.0, 0.0]  # masked scores weigh nothing
+    assert mx.isnan(cpu_math.exp_minus(mx.array([mx.nan]), mx.array(0.0))).item()
+    peak = mx.array([[2.0], [-3.0]])  # broadcast over rows, any shape (the kernels are shapeless)
+    scores = mx.array([[2.0, 1.0, -5.0], [-3.0, -4.0, -3.5]])
+    assert mx.allclose(cpu_math.exp_minus(scores, peak), mx.exp(scores - peak), rtol=3e-7).item()
 
 
 @pytest.mark.parametrize("switch", ["1", "0"])

@@ -60,16 +60,17 @@ def test_batched_and_strided_operands_as_attention_makes_them():
 
 
 @linux_with_openblas
-def test_a_rows_result_does_not_depend_on_how_many_rows_share_its_pass():
-    """What the kernel guarantees for up to 8 rows: a Linear layer's row is bit-identical alone or batched."""
+@pytest.mark.parametrize("layout", ["x @ W.T (Linear)", "w @ V (attention)"])
+def test_a_rows_result_does_not_depend_on_how_many_rows_share_its_pass(layout):
+    """What the kernels guarantee for up to 8 rows: a row is bit-identical alone or batched."""
     if _blas.matvec_path is None:
         pytest.skip("the router is not built here")
     mx.random.seed(5)
-    weight = mx.random.normal((1536, 576))
+    matrix = mx.random.normal((1536, 576)).T if layout.startswith("x") else mx.random.normal((576, 100))
     rows = mx.random.normal((8, 576))
-    alone = mx.concatenate([rows[i : i + 1] @ weight.T for i in range(8)])
+    alone = mx.concatenate([rows[i : i + 1] @ matrix for i in range(8)])
     for width in range(2, 9):
-        together = rows[:width] @ weight.T
+        together = rows[:width] @ matrix
         assert mx.array_equal(together, alone[:width]).item(), f"{width} rows"
 
 
