@@ -5,8 +5,8 @@ mlx-lm's attention calls the module-global `scaled_dot_product_attention`; on th
 query heads of each KV head (K read once per query head), then a softmax whose exp runs one
 element at a time. `cpu_attention` computes one position's query heads against their KV head
 in one product (K read once per KV head), and past `cpu_math.WORTH_IT_FROM` keys the softmax
-numerators with akunu's fused exp (attention alone at 1.5k tokens: 8.3 against 14.8 ms for 30
-layers, both with akunu's decode matmuls). It replaces the module global of
+numerators with akunu's fused exp (attention alone at 1.5k tokens, 30 layers: 7.7 against 11.2 ms,
+both with akunu's decode matmuls; BENCHMARKS.md). It replaces the module global of
 the model's mlx-lm module, so akunu's exact mode (which swaps that same global while
 active) composes with it. Metal keeps mlx's fused kernel.
 
