@@ -109,7 +109,7 @@ def cpu_attention(
     n_kv_heads, S = keys.shape[1], keys.shape[2]
     repeats = n_heads // n_kv_heads
     # Query head h reads KV head h // repeats: (B, n_kv_heads, L, repeats, D), so each query
-    # position is one `repeats`-row product whatever L is (a row's result does not depend on L).
+    # position's scores are one `repeats`-row product, the same call whatever L is.
     q = (queries * scale).reshape(B, n_kv_heads, repeats, L, D).swapaxes(2, 3)
     scores = _scores(q, mx.expand_dims(keys, 2))  # (B, n_kv_heads, L, repeats, S)
     if mask is not None:
