@@ -2,9 +2,9 @@
 
 On x86 MLX's CPU `exp` runs one element at a time through libm (about 12 ns an element here),
 so at 1.5k tokens of context a decode step spent 5 ms in its attention softmaxes. This evaluates
-the Cephes polynomial mlx's own `simd::exp` uses, in three shapeless `mx.compile`d kernels with
-bit casts between them (a cast cannot sit inside a shapeless kernel): about 3x less time at 1.5k
-tokens, but three dispatches instead of one, so it pays only over long rows (`WORTH_IT_FROM`).
+the Cephes polynomial mlx's own `simd::exp` uses, in two shapeless `mx.compile`d kernels and a
+multiply, with bit casts between them (a cast cannot sit inside a shapeless kernel): about 3x
+less time at 1.5k tokens, but three dispatches instead of one, so it pays only over long rows (`WORTH_IT_FROM`).
 Elementwise: a row's result never depends on the rows computed with it.
 """
 
@@ -46,12 +46,7 @@ def _power_of_two_bits(rounded_bits: mx.array) -> mx.array:
     return (rounded_bits - (_ROUNDER_BITS - 127)) << 23  # n's float exponent field: the bits of 2**n
 
 
-@partial(mx.compile, shapeless=True)
-def _times(a: mx.array, b: mx.array) -> mx.array:
-    return a * b
-
-
 def exp_minus(x: mx.array, peak: mx.array) -> mx.array:
     """exp(x - peak) for float32 x <= peak (about 1e-7 relative error; 0 below 2**-126)."""
     rounded, power = _fraction_part(x, peak)
-    return _times(power, _power_of_two_bits(rounded.view(mx.int32)).view(mx.float32))
+    return power * _power_of_two_bits(rounded.view(mx.int32)).view(mx.float32)
