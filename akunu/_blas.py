@@ -3,7 +3,7 @@
 The Linux `mlx[cpu]` wheel links a reference BLAS (~4 GFLOP/s here). Loading OpenBLAS
 with RTLD_GLOBAL first makes MLX's BLAS calls resolve to it (~40x faster matmuls).
 Ahead of OpenBLAS goes akunu's own `cblas_sgemm` (akunu/_matvec.c, built at install where a
-C compiler exists): it sends decode-shaped products (1-8 rows) to kernels that read each
+C compiler exists): it sends decode-shaped products (1-128 rows) to kernels that read each
 weight once, and everything else on to OpenBLAS. This module must not import MLX.
 Set AKUNU_BLAS=none to opt out, or to a path to pick one; AKUNU_MATVEC=0 skips the kernels.
 """
@@ -26,6 +26,9 @@ _CANDIDATES = (
 
 loaded_path: str | None = None
 matvec_path: str | None = None
+# Bumped whenever the kernels' speed changes (2: register tiles up to 128 rows), so cost curves
+# saved for the old ones are measured again.
+MATVEC_REVISION = 2
 
 
 def preload() -> str | None:

@@ -1,20 +1,26 @@
 /* Decode-shaped matrix products for MLX's CPU backend, loaded ahead of OpenBLAS (akunu/_blas.py).
 
-   MLX computes every Linear layer as cblas_sgemm(x, W^T). For the 1-8 rows of a decode step
-   or a verification pass OpenBLAS's sgemm packs all of W first and runs at a third of the
-   memory bandwidth its sgemv reaches. This library defines cblas_sgemm itself and routes:
-     - x @ W^T with at most SMALL_M rows: a kernel that streams W once (rows_times_wt);
+   MLX computes every Linear layer as cblas_sgemm(x, W^T). For the 1-33 rows of a decode step
+   or a verification pass OpenBLAS's sgemm packs all of W first: at one row it runs at a third
+   of the memory bandwidth its sgemv reaches, at 9-16 rows at a third of its compute peak, and
+   a row's result depends on how many rows share the call. This library defines cblas_sgemm
+   itself and routes:
+     - x @ W^T with at most SMALL_M rows: 4 x 4 register tiles, each weight row read from
+       memory once (rows_times_wt);
      - x @ B (B not transposed: attention's weights times V) with at most SMALL_M rows: likewise
        (rows_times_b), so that a decode step never wakes OpenBLAS's threads to contend with ours;
      - any other product with one row or one column: OpenBLAS's sgemv;
-     - everything else (prefill, wide passes): OpenBLAS's sgemm, unchanged.
+     - everything else (prefill chunks): OpenBLAS's sgemm, unchanged.
+   In both kernels a row's result is the same whatever the row count.
    Plain C with GCC vector extensions and OpenMP; no Python API. */
 #include <stdlib.h>
 #include <string.h>
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
-#define SMALL_M 8 /* measured: past 8 rows OpenBLAS's sgemm is as fast */
-#define BLOCK 4   /* rows of x sharing one read of a row of W */
+#define SMALL_M 128 /* measured: up to here as fast as OpenBLAS's sgemm or faster; prefill chunks go to it */
+#define MR 4       /* rows of x in one register tile */
+#define NR 4       /* rows of W in one register tile (MR * NR = 16: one lane_sums) */
+#define B_ROWS 8   /* rows of A per pass over B in rows_times_b */
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
                          const float *, int, float, float *, int);
@@ -30,6 +36,8 @@ void akunu_matvec_init(void *sgemm, void *sgemv) {
 }
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef float v4 __attribute__((vector_size(16), aligned(4)));
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
@@ -37,34 +45,67 @@ typedef float v16 __attribute__((vector_size(64), aligned(4)));
 #define CLONES
 #endif
 
-/* C[m, j] = x[m, :] . W[j, :] for m < M, K a multiple of 16. Every C[m, j] is the same
-   sequence of operations whatever M is, so a row's result does not depend on its batch. */
-CLONES static void rows_times_wt(int M, int N, int K, const float *x, int ldx,
-                                 const float *W, int ldw, float *C, int ldc) {
-  int padded = (M + BLOCK - 1) / BLOCK * BLOCK;
-  float *xs = calloc((size_t)padded * K, sizeof(float)); /* zero rows pad the last block */
-  if (!xs) {
-    real_sgemm(ROW_MAJOR, NO_TRANS, TRANS, M, N, K, 1.f, x, ldx, W, ldw, 0.f, C, ldc);
-    return;
+/* The lane sums of 16 vectors at once, lane a of the result summing v[a]: the halving tree
+   (lane i + lane i + 8, then + 4, then (0 + 2) + (1 + 3)) run on pairs of vectors side by side,
+   so it costs 3 operations per sum instead of 8, and every sum is the same tree whichever
+   vectors share it. */
+#define PICK(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#define FIRST8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define LAST8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define FIRST4 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27
+#define LAST4 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31
+#define FIRST2 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29
+#define LAST2 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
+#define EVEN 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
+#define ODD 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
+static inline __attribute__((always_inline)) v16 lane_sums(const v16 v[16]) {
+  v16 eights[8], fours[4], twos[2];
+  for (int i = 0; i < 8; i++) eights[i] = PICK(v[2 * i], v[2 * i + 1], FIRST8) + PICK(v[2 * i], v[2 * i + 1], LAST8);
+  for (int i = 0; i < 4; i++) fours[i] = PICK(eights[2 * i], eights[2 * i + 1], FIRST4) + PICK(eights[2 * i], eights[2 * i + 1], LAST4);
+  for (int i = 0; i < 2; i++) twos[i] = PICK(fours[2 * i], fours[2 * i + 1], FIRST2) + PICK(fours[2 * i], fours[2 * i + 1], LAST2);
+  return PICK(twos[0], twos[1], EVEN) + PICK(twos[0], twos[1], ODD);
+}
+
+/* One mr x nr tile of C = x W^T: mr rows of x against nr rows of W, all mr * nr dot products
+   in registers, so each loaded vector feeds several FMAs. An output's operations (16-lane
+   products summed in order of k, then lane_sums's tree) do not depend on mr or nr. */
+static inline __attribute__((always_inline)) void tile_wt(const int mr, const int nr, int K,
+                                                          const float *x, int ldx, const float *W,
+                                                          int ldw, float *C, int ldc) {
+  v16 acc[MR * NR] = {{0}}; /* acc[m * NR + n]; a smaller tile leaves the rest 0 */
+  for (int k = 0; k < K; k += 16) {
+    v16 w[NR];
+    for (int n = 0; n < nr; n++) w[n] = *(const v16 *)(W + (size_t)n * ldw + k);
+    for (int m = 0; m < mr; m++) {
+      v16 xm = *(const v16 *)(x + (size_t)m * ldx + k);
+      for (int n = 0; n < nr; n++) acc[m * NR + n] += xm * w[n];
+    }
   }
-  for (int m = 0; m < M; m++) memcpy(xs + (size_t)m * K, x + (size_t)m * ldx, K * sizeof(float));
+  v16 sums = lane_sums(acc);
+  for (int m = 0; m < mr; m++)
+    for (int n = 0; n < nr; n++) C[(size_t)m * ldc + n] = sums[m * NR + n];
+}
+
+/* C[m, j] = x[m, :] . W[j, :] for m < M, K a multiple of 16. Each thread takes tiles of NR
+   rows of W and runs every row block of x past them while they sit in L1. */
+CLONES static void rows_times_wt(int M, int N, int K, const float *x, int ldx, const float *W,
+                                 int ldw, float *C, int ldc) {
+  int tiles = (N + NR - 1) / NR;
 #pragma omp parallel for schedule(static)
-  for (int j = 0; j < N; j++) {
-    const float *w = W + (size_t)j * ldw;
-    for (int m0 = 0; m0 < padded; m0 += BLOCK) {
-      v16 acc[BLOCK] = {0};
-      for (int k = 0; k < K; k += 16) {
-        v16 wk = *(const v16 *)(w + k);
-        for (int b = 0; b < BLOCK; b++) acc[b] += *(const v16 *)(xs + (size_t)(m0 + b) * K + k) * wk;
-      }
-      for (int b = 0; b < BLOCK && m0 + b < M; b++) {
-        float s = 0.f;
-        for (int i = 0; i < 16; i++) s += acc[b][i];
-        C[(size_t)(m0 + b) * ldc + j] = s;
+  for (int t = 0; t < tiles; t++) {
+    int j = t * NR, nr = N - j < NR ? N - j : NR;
+    for (int m = 0; m < M; m += MR) {
+      int mr = M - m < MR ? M - m : MR;
+      const float *xm = x + (size_t)m * ldx, *Wj = W + (size_t)j * ldw;
+      float *Cmj = C + (size_t)m * ldc + j;
+      switch (mr * 8 + nr) {
+#define CASE(a, b) case a * 8 + b: tile_wt(a, b, K, xm, ldx, Wj, ldw, Cmj, ldc); break;
+        CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4) CASE(2, 1) CASE(2, 2) CASE(2, 3) CASE(2, 4)
+        CASE(3, 1) CASE(3, 2) CASE(3, 3) CASE(3, 4) CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4)
+#undef CASE
       }
     }
   }
-  free(xs);
 }
 
 /* C[m, :] = sum over k of A[m, k] B[k, :] for m < M, B row-major (K x N, not transposed): the
@@ -74,7 +115,7 @@ static inline __attribute__((always_inline)) void group_times_b(const int M, int
                                                                 int lda, int a_t, const float *B,
                                                                 int ldb, int n0, int width,
                                                                 float *C, int ldc) {
-  v16 acc[SMALL_M][4] = {{{0}}}; /* M is a constant in each caller below: these stay in registers */
+  v16 acc[B_ROWS][4] = {{{0}}}; /* M is a constant in each caller below: these stay in registers */
   for (int k = 0; k < K; k++) {
     const float *b = B + (size_t)k * ldb + n0;
     v16 bk[4] = {{0}};
@@ -93,14 +134,18 @@ static inline __attribute__((always_inline)) void group_times_b(const int M, int
 
 CLONES static void rows_times_b(int M, int N, int K, const float *A, int lda, int a_t,
                                 const float *B, int ldb, float *C, int ldc) {
-  int groups = (N + 63) / 64;
-#pragma omp parallel for schedule(static) if (groups > 1 && (long)K * N >= 65536)
+  int groups = (N + 63) / 64, chunks = (M + B_ROWS - 1) / B_ROWS;
+#pragma omp parallel for collapse(2) schedule(static) if (groups * chunks > 1 && (long)M * K * N >= 65536)
   for (int g = 0; g < groups; g++) {
-    int n0 = g * 64, width = N - n0 < 64 ? N - n0 : 64;
-    switch (M) {
-#define CASE(m) case m: group_times_b(m, K, A, lda, a_t, B, ldb, n0, width, C, ldc); break;
-      CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+    for (int c = 0; c < chunks; c++) {
+      int n0 = g * 64, width = N - n0 < 64 ? N - n0 : 64, m = c * B_ROWS;
+      const float *Am = A + (a_t ? (size_t)m : (size_t)m * lda);
+      float *Cm = C + (size_t)m * ldc;
+      switch (M - m < B_ROWS ? M - m : B_ROWS) {
+#define CASE(r) case r: group_times_b(r, K, Am, lda, a_t, B, ldb, n0, width, Cm, ldc); break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
+      }
     }
   }
 }

@@ -65,10 +65,10 @@ def relative_costs(seconds: Sequence[float]) -> list[float]:
 
 
 def curve_key(model_name: str, dtype: str) -> str:
-    """e.g. "smollm2-135m-float32-cpu-openblas-matvec": the curve belongs to model, dtype, backend
-    and matmul routing together (akunu's decode matmuls change what narrow passes cost)."""
+    """e.g. "smollm2-135m-float32-cpu-openblas-matvec2": the curve belongs to model, dtype, backend
+    and matmul routing together (akunu's decode matmuls, and their revision, set what passes cost)."""
     backend = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
-    blas = _blas.describe().split()[0].lower() + ("-matvec" if _blas.matvec_path else "")
+    blas = _blas.describe().split()[0].lower() + (f"-matvec{_blas.MATVEC_REVISION}" if _blas.matvec_path else "")
     return f"{model_name}-{dtype}-{backend}-{blas}"
 
 

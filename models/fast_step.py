@@ -36,7 +36,7 @@ from akunu import _blas
 from akunu.models import cpu_math
 
 ENV_SWITCH = "AKUNU_FAST_STEP"
-MAX_QUERY_ROWS = 16  # decode steps and verification passes; prefill chunks keep mlx's path
+MAX_QUERY_ROWS = 64  # decode steps and verification passes (up to 33 tokens); prefill chunks keep mlx's path
 _mlx_attention = base.scaled_dot_product_attention
 
 
@@ -102,45 +102,53 @@ def cpu_attention(
     mask: mx.array | str | None,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    """mlx-lm's `scaled_dot_product_attention`, as decode-shaped products and a cheaper exp on the CPU."""
+    """mlx-lm's `scaled_dot_product_attention`, as one product per KV head and a cheaper exp on the CPU."""
     B, n_heads, L, D = queries.shape
     if L > MAX_QUERY_ROWS or sinks is not None or hasattr(cache, "bits") or mx.default_device() != mx.cpu:
         return _mlx_attention(queries, keys, values, cache, scale, mask, sinks)
     n_kv_heads, S = keys.shape[1], keys.shape[2]
     repeats = n_heads // n_kv_heads
-    # Query head h reads KV head h // repeats: (B, n_kv_heads, L, repeats, D), so each query
-    # position's scores are one `repeats`-row product, the same call whatever L is.
-    q = (queries * scale).reshape(B, n_kv_heads, repeats, L, D).swapaxes(2, 3)
-    scores = _scores(q, mx.expand_dims(keys, 2))  # (B, n_kv_heads, L, repeats, S)
+    # Query head h reads KV head h // repeats, so the heads of one KV head are rows of one product.
+    q = (queries * scale).reshape(B, n_kv_heads, repeats, L, D)
+    scores = _scores(q, keys)  # (B, n_kv_heads, repeats, L, S)
     if mask is not None:
         scores = _apply_mask(scores, mask, L, S)
-    values = mx.expand_dims(values, 2)
     if S < cpu_math.WORTH_IT_FROM or scores.dtype != mx.float32:
-        out = mx.softmax(scores, axis=-1, precise=True) @ values
+        out = _weigh(mx.softmax(scores, axis=-1, precise=True), values)
     else:
         numerators = cpu_math.exp_minus(scores, scores.max(axis=-1, keepdims=True))
-        out = (numerators @ values) / numerators.sum(axis=-1, keepdims=True)  # normalised over D, not S
-    return out.swapaxes(2, 3).reshape(B, n_heads, L, values.shape[-1])
+        out = _weigh(numerators, values) / numerators.sum(axis=-1, keepdims=True)  # normalised over D, not S
+    return out.reshape(B, n_heads, L, values.shape[-1])
 
 
 def _scores(q: mx.array, keys: mx.array) -> mx.array:
-    """q @ K^T, (..., repeats, D) by (..., S, D). akunu's decode matmuls read K once for all
-    `repeats` rows; OpenBLAS alone runs that product slowly, so without them: one K @ q per row."""
+    """q @ K^T: (B, kv, repeats, L, D) by (B, kv, S, D). akunu's decode matmuls give a row the
+    same result whatever the row count, so all repeats * L rows go in one product that reads K
+    once; OpenBLAS alone runs that product slowly and batch-dependently, so without them: K @ q per row."""
+    B, n_kv_heads, repeats, L, D = q.shape
     if _blas.matvec_path:
-        return q @ keys.swapaxes(-1, -2)
-    return (mx.expand_dims(keys, -3) @ q[..., None]).squeeze(-1)
+        rows = q.reshape(B, n_kv_heads, repeats * L, D)
+        return (rows @ keys.swapaxes(-1, -2)).reshape(B, n_kv_heads, repeats, L, keys.shape[2])
+    return (keys[:, :, None, None] @ q[..., None]).squeeze(-1)
+
+
+def _weigh(weights: mx.array, values: mx.array) -> mx.array:
+    """weights @ V: (B, kv, repeats, L, S) by (B, kv, S, D) -> (B, kv, repeats, L, D), one product per KV head."""
+    B, n_kv_heads, repeats, L, S = weights.shape
+    out = weights.reshape(B, n_kv_heads, repeats * L, S) @ values
+    return out.reshape(B, n_kv_heads, repeats, L, values.shape[-1])
 
 
 def _apply_mask(scores: mx.array, mask: mx.array | str, L: int, S: int) -> mx.array:
-    """Mask scores (B, kv_heads, L, repeats, S) as mlx's sdpa fallback does."""
+    """Mask scores (B, kv_heads, repeats, L, S) as mlx's sdpa fallback does."""
     if isinstance(mask, str):  # "causal": query i sits at position S - L + i
         mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
     if mask.ndim < 4:
         mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
     if mask.shape[1] == 1:  # (B, 1, L, S): the same for every head
-        mask = mx.expand_dims(mask, -2)
-    else:  # (B, n_heads, L, S) -> (B, n_kv_heads, L, repeats, S)
-        mask = mask.reshape(mask.shape[0], scores.shape[1], -1, L, S).swapaxes(2, 3)
+        mask = mx.expand_dims(mask, 1)
+    else:  # (B, n_heads, L, S) -> (B, n_kv_heads, repeats, L, S)
+        mask = mask.reshape(mask.shape[0], scores.shape[1], scores.shape[2], L, S)
     if mask.dtype == mx.bool_:
         return mx.where(mask, scores, mx.finfo(scores.dtype).min)
     return scores + mask

@@ -71,12 +71,12 @@ def test_a_wide_pass_matches_one_token_steps_with_the_patch(model_fn, restore_at
     """Greedy speculation's premise, as in test_speculative_greedy, holds for the patched attention too."""
     model = model_fn(seed=2)
     fast_step.enable(model)
-    tokens = [random.Random(1).randrange(64) for _ in range(24)]
+    tokens = [random.Random(1).randrange(64) for _ in range(66)]
     cache = make_cache(model)
     steps = mx.concatenate([model(mx.array([[t]]), cache=cache)[0] for t in tokens])
-    for width in (2, 5, 9):
+    for width in (2, 5, 9, 17, 33):
         cache = make_cache(model)
-        wide = mx.concatenate([model(mx.array([tokens[i : i + width]]), cache=cache)[0] for i in range(0, 24, width)])
+        wide = mx.concatenate([model(mx.array([tokens[i : i + width]]), cache=cache)[0] for i in range(0, 66, width)])
         assert mx.allclose(wide, steps[: wide.shape[0]], atol=1e-4).item(), f"width {width}"
 
 
