@@ -3,12 +3,11 @@
 mlx-lm's attention calls the module-global `scaled_dot_product_attention`; on the CPU,
 `mx.fast.scaled_dot_product_attention` falls back to `q @ K^T` with K broadcast over the
 query heads of each KV head (K read once per query head), then a softmax whose exp runs one
-element at a time. `cpu_attention` computes one position's query heads against their KV head
-in one product (K read once per KV head), and past `cpu_math.WORTH_IT_FROM` keys the softmax
-numerators with akunu's fused exp (attention alone at 1.5k tokens, 30 layers: 7.7 against 11.2 ms,
-both with akunu's decode matmuls; BENCHMARKS.md). It replaces the module global of
-the model's mlx-lm module, so akunu's exact mode (which swaps that same global while
-active) composes with it. Metal keeps mlx's fused kernel.
+element at a time. `cpu_attention` computes all the query rows of a KV head (its query heads
+times the pass's positions) in one product, K and V read once per KV head, and past
+`cpu_math.WORTH_IT_FROM` keys the softmax numerators with akunu's fused exp (BENCHMARKS.md has
+the timings). It replaces the module global of the model's mlx-lm module, so akunu's exact
+mode (which swaps that same global while active) composes with it. Metal keeps mlx's fused kernel.
 
 Likewise `mx.fast.rope` and `mx.fast.rms_norm` are single kernels on Metal but a dozen and a
 handful of small ops on the CPU, each paying a dispatch: on the CPU the model's `nn.RoPE` and
