@@ -102,9 +102,9 @@ class FixedWidthModel:
         return logits[:, :length]
 
 
-# Every exact pass is padded to the widest draft. On CPU, akunu's decode matmuls read each weight
-# once for up to 4 rows (a 4-token pass ~1.13 plain steps, a 5-token one ~1.6, a 33-token one ~4.6):
-# so exact mode drafts at most this many tokens whatever the ceiling asked.
+# Every exact pass, plain steps included, is padded to the widest draft, so the width is paid on
+# every token (on this CPU a 4-token pass costs ~1.3 plain steps, an 8-token one ~1.6, a 33-token
+# one ~4.1): exact mode drafts at most this many tokens whatever the ceiling asked.
 EXACT_MAX_DRAFT = 3
 
 
