@@ -103,8 +103,8 @@ class FixedWidthModel:
 
 
 # Every exact pass, plain steps included, is padded to the widest draft, so the width is paid on
-# every token (on this CPU a 4-token pass costs ~1.3 plain steps, an 8-token one ~1.6, a 33-token
-# one ~4.1): exact mode drafts at most this many tokens whatever the ceiling asked.
+# every token (on 2-core x86 CPUs a 4-token pass costs 1.3-1.7 plain steps, a 33-token one 4.1-4.8):
+# exact mode drafts at most this many tokens whatever the ceiling asked.
 EXACT_MAX_DRAFT = 3
 
 
