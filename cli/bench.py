@@ -268,11 +268,17 @@ def _speedup(value: float | None, target: float = 1.0) -> str:
     return f"[{colour}]{value:.2f}×[/]"
 
 
+def _bounds(bound: float | None, anchored: float | None) -> str:
+    """The copy bound, and in brackets the one whose copies continue the sequence's last token."""
+    return "–" if bound is None else f"{bound:.2f} ({_number(anchored, '.2f')})"
+
+
 def summary_table(summaries, *, has_mlx: bool) -> Table:
     table = Table(title="decode tok/s (prefill excluded); speedups are medians of per-prompt ratios", title_justify="left")
     for name, justify in (
         ("category", "left"), ("prompts", "right"), ("plain tok/s", "right"), ("spec tok/s", "right"),
-        ("speedup", "right"), ("accept", "right"), ("tok/pass", "right"), ("copy bound", "right"), ("drafting", "right"),
+        ("speedup", "right"), ("accept", "right"), ("tok/pass", "right"), ("copy bound", "right"),
+        ("drafting", "right"),
         ("fixed-draft speedup", "right"),
         ("mlx-lm tok/s", "right"), ("ours vs mlx-lm", "right"), ("prefill tok/s", "right"), ("mismatches", "right"),
     ):  # fmt: skip
@@ -289,7 +295,7 @@ def summary_table(summaries, *, has_mlx: bool) -> Table:
             _speedup(s.speedup),
             _number(s.acceptance and 100 * s.acceptance, ".0f", "%") if s.acceptance is not None else "–",
             _number(s.tokens_per_pass, ".2f"),
-            _number(s.copy_bound, ".2f"),
+            _bounds(s.copy_bound, s.anchored_bound),
             _number(None if s.drafting_share is None else 100 * s.drafting_share, ".2f", "%"),
             _speedup(s.fixed_speedup),
             _number(s.mlx_tps, ".1f") if has_mlx else "–",

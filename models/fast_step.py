@@ -4,15 +4,19 @@ mlx-lm's attention calls the module-global `scaled_dot_product_attention`; on th
 `mx.fast.scaled_dot_product_attention` falls back to `q @ K^T` with K broadcast over the
 query heads of each KV head (K read once per query head), then a softmax whose exp runs one
 element at a time. `cpu_attention` computes all the query rows of a KV head (its query heads
-times the pass's positions) in one product, K and V read once per KV head, and past
-`cpu_math.WORTH_IT_FROM` keys the softmax numerators with akunu's fused exp (BENCHMARKS.md has
-the timings). It replaces the module global of the model's mlx-lm module, so akunu's exact
-mode (which swaps that same global while active) composes with it. Metal keeps mlx's fused kernel.
+times the pass's positions) in one product, K and V read once per KV head, and where a row of
+queries meets `cpu_math.WORTH_IT_FROM` scores (a long context, or a wide verification pass over
+a short one) the softmax numerators with akunu's fused exp (BENCHMARKS.md has the timings). It
+replaces the module global of the model's mlx-lm module, so akunu's exact mode (which swaps that
+same global while active) composes with it. Metal keeps mlx's fused kernel.
 
 Likewise `mx.fast.rope` and `mx.fast.rms_norm` are single kernels on Metal but a dozen and a
-handful of small ops on the CPU, each paying a dispatch: on the CPU the model's `nn.RoPE` and
-`nn.RMSNorm` modules run them through `mx.compile`, which fuses each into one kernel with the
-same results (their class is swapped for a subclass; parameters are untouched).
+handful of small ops on the CPU, each paying a dispatch. On the CPU the model's `nn.RMSNorm`
+modules run through `mx.compile`, one fused kernel with the same results, and its `nn.RoPE`
+modules apply angles computed once per pass (`cpu_rope`), the same bits too (their class is
+swapped for a subclass; parameters are untouched). SwiGLU's sigmoid, whose exp also ran one
+element at a time (7.6 of a 16-token pass's 63 ms at a 200-token context), goes through akunu's
+exp (`cpu_math.swiglu`) via the model module's `swiglu` global.
 
 `enable(model)` is applied by `load_model`; AKUNU_FAST_STEP=0 (or `disable(model)`) turns
 it off for comparison.
@@ -29,14 +33,15 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import base
+from mlx_lm.models import activations, base
 
 from akunu import _blas
-from akunu.models import cpu_math
+from akunu.models import cpu_math, cpu_rope
 
 ENV_SWITCH = "AKUNU_FAST_STEP"
 MAX_QUERY_ROWS = 64  # decode steps and verification passes (up to 33 tokens); prefill chunks keep mlx's path
 _mlx_attention = base.scaled_dot_product_attention
+_mlx_swiglu = activations.swiglu
 
 
 def enabled_by_environment() -> bool:
@@ -48,11 +53,13 @@ def enable(model: nn.Module) -> bool:
     through compiled kernels; False if its module has no attention hook."""
     if mx.default_device() == mx.cpu and _compiling_works():
         _swap_classes(model, _COMPILED)
+        _set_swiglu(model, cpu_swiglu)
     return _set_attention(model, cpu_attention)
 
 
 def disable(model: nn.Module) -> bool:
     _swap_classes(model, {compiled: original for original, compiled in _COMPILED.items()})
+    _set_swiglu(model, _mlx_swiglu)
     return _set_attention(model, _mlx_attention)
 
 
@@ -87,6 +94,12 @@ def _set_attention(model: nn.Module, function: Any) -> bool:
     return True
 
 
+def _set_swiglu(model: nn.Module, function: Any) -> None:
+    module = _model_module(model)
+    if getattr(module, "swiglu", None) in (_mlx_swiglu, cpu_swiglu):  # llama, qwen, mistral, ...
+        module.swiglu = function
+
+
 def _current_attention(model: nn.Module) -> Any:
     current = getattr(_model_module(model), "scaled_dot_product_attention", None)
     return getattr(current, "akunu_original", current)
@@ -112,12 +125,19 @@ def cpu_attention(
     scores = _scores(q, keys)  # (B, n_kv_heads, repeats, L, S)
     if mask is not None:
         scores = _apply_mask(scores, mask, L, S)
-    if S < cpu_math.WORTH_IT_FROM or scores.dtype != mx.float32:
+    if L * S < cpu_math.WORTH_IT_FROM or scores.dtype != mx.float32:  # few scores: one dispatch is cheaper
         out = _weigh(mx.softmax(scores, axis=-1, precise=True), values)
     else:
         numerators = cpu_math.exp_minus(scores, scores.max(axis=-1, keepdims=True))
         out = _weigh(numerators, values) / numerators.sum(axis=-1, keepdims=True)  # normalised over D, not S
     return out.reshape(B, n_heads, L, values.shape[-1])
+
+
+def cpu_swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """mlx-lm's `swiglu`, its sigmoid through akunu's exp in float32 (libm's ran one element at a time)."""
+    if gate.dtype != mx.float32 or mx.default_device() != mx.cpu:
+        return _mlx_swiglu(gate, x)
+    return cpu_math.swiglu(gate, x)
 
 
 def _scores(q: mx.array, keys: mx.array) -> mx.array:
@@ -154,9 +174,12 @@ def _apply_mask(scores: mx.array, mask: mx.array | str, L: int, S: int) -> mx.ar
 
 
 class CompiledRoPE(nn.RoPE):
-    """nn.RoPE as one fused kernel; the offset goes in as an array so one trace serves every position."""
+    """nn.RoPE as one fused kernel over angles shared by the pass's layers (`cpu_rope`); an array
+    offset (a batch's own positions) goes into a kernel of the whole fallback instead."""
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        if isinstance(offset, int) and x.ndim == 4 and self.base is not None:
+            return cpu_rope.rope(x, self.dims, self.traditional, self.base, self.scale, offset)
         if isinstance(offset, int):
             offset = mx.array(offset, mx.int32)
         return _rope_kernel(self.dims, self.traditional, self.base, self.scale)(x, offset)

@@ -12,11 +12,12 @@ def occurs(sequence, part):
     return any(sequence[j : j + len(part)] == part for j in range(len(sequence) - len(part) + 1))
 
 
-def scanned_bound(context, answer, k):
+def scanned_bound(context, answer, k, anchor=0):
     i = passes = 0
     while i < len(answer):
         earlier, accepted = context + answer[:i], 0
-        while accepted < k and i + accepted < len(answer) and occurs(earlier, answer[i : i + accepted + 1]):
+        end = earlier[len(earlier) - anchor :] if anchor else []
+        while accepted < k and i + accepted < len(answer) and occurs(earlier, end + answer[i : i + accepted + 1]):
             accepted += 1
         i, passes = i + accepted + 1, passes + 1
     return len(answer) / passes
@@ -29,6 +30,14 @@ def test_the_bound_equals_a_plain_scan_of_every_earlier_run():
         answer = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
         for k in (1, 4, 16):
             assert bound_tokens_per_pass(context, answer, k) == scanned_bound(context, answer, k)
+            for anchor in (1, 2):
+                assert bound_tokens_per_pass(context, answer, k, anchor) == scanned_bound(context, answer, k, anchor)
+
+
+def test_the_anchored_bound_copies_only_what_follows_the_sequence_s_end():
+    context = [1, 2, 3, 4, 9, 5, 6, 7, 8]
+    assert bound_tokens_per_pass(context, [5, 6, 7, 8], 16) == 4.0  # one pass: 3 drafts + 1
+    assert bound_tokens_per_pass(context, [5, 6, 7, 8], 16, anchor=1) == 2.0  # 8 never preceded 5: a pass for 5 alone
 
 
 def test_a_verbatim_copy_reaches_the_bound_and_novel_text_gets_one_token_per_pass():
@@ -48,4 +57,5 @@ def test_bench_summary_puts_the_bound_beside_tokens_per_pass():
         result.measurements.append(Measurement("p", "code-edit", method, 0, 0, run))
     code_edit = summarize(result)[0]
     assert code_edit.copy_bound == 33 / 2  # after the first token (prefill's): 16 drafts + 1, twice, then 1
+    assert code_edit.anchored_bound == 33 / 2  # the copy continues the prompt's own 100
     assert code_edit.tokens_per_pass == 11.0

@@ -7,7 +7,7 @@ import pytest
 
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import make_cache, rewind
-from akunu.models import cpu_math, fast_step
+from akunu.models import cpu_math, cpu_rope, fast_step
 from tests.fakes import FakeTokenizer
 from tests.tiny import tiny_gemma3, tiny_llama
 
@@ -98,15 +98,17 @@ def test_attention_matches_mlx_on_every_mask_kind(keys, head_dim, router, monkey
         assert mx.allclose(ours, theirs, atol=1e-5).item(), mask
 
 
-def test_attention_rows_do_not_depend_on_the_pass_width():
+@pytest.mark.parametrize("keys", [cpu_math.WORTH_IT_FROM + 20, 40], ids=["long context", "wide pass"])
+def test_attention_rows_do_not_depend_on_the_pass_width(keys):
     """Row j of a causal pass gives what a 1-row call over its own keys gives, past WORTH_IT_FROM keys
-    (akunu's exp). To rounding only: the sum over keys may group its terms by how many there are."""
+    (akunu's exp in both), and where only the wide pass has that many scores (akunu's exp against
+    mx.softmax). To rounding only: the sum over keys may group its terms by how many there are."""
     mx.random.seed(1)
-    keys = cpu_math.WORTH_IT_FROM + 20
-    q, k, v = mx.random.normal((1, 6, 5, 64)), mx.random.normal((1, 2, keys, 64)), mx.random.normal((1, 2, keys, 64))
+    rows = 8
+    q, k, v = mx.random.normal((1, 6, rows, 64)), mx.random.normal((1, 2, keys, 64)), mx.random.normal((1, 2, keys, 64))
     wide = fast_step.cpu_attention(q, k, v, None, 0.125, "causal")
-    for j in range(5):
-        end = keys - 5 + j + 1
+    for j in range(rows):
+        end = keys - rows + j + 1
         row = fast_step.cpu_attention(q[:, :, j : j + 1], k[:, :, :end], v[:, :, :end], None, 0.125, None)
         assert mx.allclose(row, wide[:, :, j : j + 1], rtol=1e-6, atol=1e-7).item(), j
 
@@ -157,6 +159,33 @@ def test_exact_mode_and_the_fast_step_compose_in_either_order(restore_attention)
         assert mx.allclose(a, b, atol=1e-4).item()
 
 
+def test_swiglu_is_mlx_lm_s_to_float32_precision():
+    from mlx_lm.models.activations import swiglu
+
+    mx.random.seed(5)
+    gate = mx.concatenate([mx.linspace(-100.0, 100.0, 20_001), mx.random.normal((4_000,)) * 3, mx.array([0.0, -0.0])])
+    x = mx.random.normal(gate.shape)
+    ours, theirs = cpu_math.swiglu(gate, x), swiglu(gate, x)
+    assert mx.allclose(ours, theirs, rtol=5e-7, atol=1e-30).item()
+    assert mx.array_equal(cpu_math.swiglu(gate[:7], x[:7]), ours[:7]).item()  # elementwise: no row sees another
+
+
+@pytest.mark.parametrize("traditional", [True, False], ids=["pairs (2i, 2i+1)", "pairs (i, i+d/2)"])
+@pytest.mark.parametrize("dims", [16, 8], ids=["all dims", "partial"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_rope_with_shared_angles_is_mlx_fast_rope_bit_for_bit(traditional, dims, dtype):
+    """Every offset and width a decode reaches, bases and scales of real models: the same bits."""
+    mx.random.seed(6)
+    for width in (1, 5, 17):
+        x = mx.random.normal((1, 3, width, 16)).astype(dtype)
+        for offset in (0, 1, 17, 300, 1500, 40_000):
+            for base, scale in ((10_000.0, 1.0), (100_000.0, 1.0), (500_000.0, 0.25)):
+                expected = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
+                got = cpu_rope.rope(x, dims, traditional, base, scale, offset)
+                assert mx.array_equal(got, expected).item(), (width, offset, base, scale)
+    assert cpu_rope.angles(5, 9, 16, 1e4, 1.0)[0] is cpu_rope.angles(5, 9, 16, 1e4, 1.0)[0]  # shared by a pass's layers
+
+
 def test_compiled_rope_and_norm_equal_mlx_fast_at_every_offset():
     """One trace serves every position: the offset is an input of the compiled kernel, not a constant."""
     import mlx.nn as nn
@@ -174,11 +203,14 @@ def test_compiled_rope_and_norm_equal_mlx_fast_at_every_offset():
 
 
 def test_unpatched_runs_mlx_lm_s_own_modules(restore_attention):
-    """The bench's mlx-lm column must not run akunu's compiled RoPE and norms either."""
+    """The bench's mlx-lm column must not run akunu's compiled RoPE, norms and SwiGLU either."""
     model = tiny_llama(seed=3)
     fast_step.enable(model)
     kinds = lambda: {type(m) for _, m in model.named_modules()}  # noqa: E731
     assert {fast_step.CompiledRoPE, fast_step.CompiledRMSNorm} <= kinds()
+    module = fast_step._model_module(model)
+    assert module.swiglu is fast_step.cpu_swiglu
     with fast_step.unpatched(model):
         assert not kinds() & {fast_step.CompiledRoPE, fast_step.CompiledRMSNorm}
+        assert module.swiglu is fast_step._mlx_swiglu
     assert {fast_step.CompiledRoPE, fast_step.CompiledRMSNorm} <= kinds()

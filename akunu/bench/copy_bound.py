@@ -4,6 +4,11 @@ Greedy speculation emits exactly the plain answer, so replaying a plain answer a
 context is an exact simulation. The bound lets every pass accept the longest next run of the
 answer (at most `draft_tokens`) that occurs anywhere earlier, in the prompt or the answer so
 far: no drafter that copies runs of its context can do better.
+
+That run may start anywhere, with nothing before it that the sequence's end matches: an oracle
+that picks the next token out of thin air. The anchored bound (`anchor` = 1) makes the copied run
+continue an earlier occurrence of the sequence's last token, as any drafter that looks up its
+context must: what a drafter that always picks the right occurrence would get.
 """
 
 from __future__ import annotations
@@ -16,17 +21,23 @@ from akunu.drafters.suffix import SuffixAutomaton
 from akunu.kv_cache import common_prefix
 
 BOUND_DRAFT_TOKENS = 16
+ANCHOR = 1  # tokens of the sequence's end the anchored bound's runs continue
 RUN = 8  # a copied stretch: at least this many tokens found earlier
 
 
-def bound_tokens_per_pass(context: Sequence[int], answer: Sequence[int], draft_tokens: int = BOUND_DRAFT_TOKENS) -> float:
-    """Tokens per pass of the perfect copier drafting at most `draft_tokens` per pass."""
+def bound_tokens_per_pass(
+    context: Sequence[int], answer: Sequence[int], draft_tokens: int = BOUND_DRAFT_TOKENS, anchor: int = 0
+) -> float:
+    """Tokens per pass of the perfect copier drafting at most `draft_tokens` per pass, copying runs
+    that continue an earlier occurrence of the sequence's last `anchor` tokens."""
     seen = SuffixAutomaton()
     for token in context:
         seen.extend(token)
     i = passes = 0
     while i < len(answer):
-        state, accepted = 0, 0  # walk the answer from the root: each step is a substring seen before
+        state, accepted = 0, 0  # walk from the root: each step is a substring seen before
+        for token in seen.tokens[len(seen.tokens) - anchor :] if anchor else ():
+            state = seen.next[state][token]  # the sequence's own end: always a path
         while accepted < draft_tokens and i + accepted < len(answer) and answer[i + accepted] in seen.next[state]:
             state = seen.next[state][answer[i + accepted]]
             accepted += 1

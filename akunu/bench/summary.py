@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from akunu.bench.copy_bound import bound_tokens_per_pass
+from akunu.bench.copy_bound import ANCHOR, bound_tokens_per_pass
 from akunu.bench.runner import (
     DRAFTER_PREFIX, MLX_LM, PLAIN, PLAIN_EXACT, SPEC, SPEC_EXACT, SPEC_FIXED, BenchResult, Measurement,
 )  # fmt: skip
@@ -29,6 +29,7 @@ class CategorySummary:
     acceptance: float | None  # accepted / drafted, pooled over the category's spec runs
     tokens_per_pass: float | None  # decoded tokens / decode passes, pooled
     copy_bound: float | None  # the same, for a perfect copier drafting <= 16 on the plain answers (pooled)
+    anchored_bound: float | None  # the same, copying only runs that continue the sequence's last token
     drafting_share: float | None  # drafter time / decode time, pooled
     fixed_speedup: float | None  # fixed-length spec vs plain
     mlx_tps: float | None
@@ -85,7 +86,7 @@ def _pooled(measurements: Sequence[Measurement], method: str) -> tuple[float | N
     return acceptance, (decoded / passes if passes else None), drafting
 
 
-def pooled_copy_bound(result: BenchResult, measurements: Sequence[Measurement]) -> float | None:
+def pooled_copy_bound(result: BenchResult, measurements: Sequence[Measurement], anchor: int = 0) -> float | None:
     """Tokens per decode pass of the perfect copier (`copy_bound`) on the plain answers of these runs.
 
     Like the engine's tokens per pass it leaves out the first token, which prefill produces.
@@ -97,7 +98,7 @@ def pooled_copy_bound(result: BenchResult, measurements: Sequence[Measurement]) 
             continue
         answer = m.run.tokens[1:]
         tokens += len(answer)
-        passes += len(answer) / bound_tokens_per_pass([*context, m.run.tokens[0]], answer)
+        passes += len(answer) / bound_tokens_per_pass([*context, m.run.tokens[0]], answer, anchor=anchor)
     return tokens / passes if passes else None
 
 
@@ -114,6 +115,7 @@ def summarize_group(name: str, result: BenchResult, measurements: Sequence[Measu
         acceptance=acceptance,
         tokens_per_pass=tokens_per_pass,
         copy_bound=pooled_copy_bound(result, measurements),
+        anchored_bound=pooled_copy_bound(result, measurements, anchor=ANCHOR),
         drafting_share=drafting_share,
         fixed_speedup=median_of_ratios(per_prompt_ratios(measurements, SPEC_FIXED, PLAIN).values()),
         mlx_tps=median(per_prompt_tps(measurements, MLX_LM).values()),

@@ -1,0 +1,54 @@
+"""RoPE on MLX's CPU backend, its angles' sines and cosines computed once per pass.
+
+On the CPU `mx.fast.rope` is the graph of small ops in mlx's `fast.cpp` fallback, and every
+call computes the sines and cosines of its angles (libm, one element at a time): twice per
+layer, though every layer of a pass rotates by the same positions. Here they come from the
+fallback's own operations once per (offset, length) and are shared; each call applies them in
+one fused kernel of the fallback's multiplies and adds, in its order, so the bits are the same.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+_angles: dict[tuple, tuple[mx.array, mx.array]] = {}  # the latest pass's only, so no old graph is held
+
+
+def angles(length: int, offset: int, dims: int, base: float, scale: float) -> tuple[mx.array, mx.array]:
+    """cos and sin of the rotation angles, (length, dims / 2) each, for positions offset..offset+length-1."""
+    key = (length, offset, dims, base, scale)
+    if key not in _angles:
+        half = dims // 2
+        positions = (mx.arange(length, dtype=mx.float32) + offset) * mx.array(scale, mx.float32)
+        step = mx.log(mx.array(base, mx.float32)) / half  # std::log(float) / int, as the fallback
+        inv_freqs = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * step)
+        theta = positions[:, None] * inv_freqs
+        _angles.clear()
+        _angles[key] = (mx.cos(theta), mx.sin(theta))
+    return _angles[key]
+
+
+def rope(x: mx.array, dims: int, traditional: bool, base: float, scale: float, offset: int) -> mx.array:
+    """mx.fast.rope(x, ...) for x of shape (B, heads, length, D) and an integer offset."""
+    coss, sins = angles(x.shape[2], offset, dims, base, scale)
+    return _rotation(dims, traditional)(x, coss, sins)
+
+
+@functools.lru_cache(maxsize=None)
+def _rotation(dims: int, traditional: bool):
+    def rotate(x: mx.array, coss: mx.array, sins: mx.array) -> mx.array:
+        coss, sins = coss.astype(x.dtype), sins.astype(x.dtype)
+        if traditional:  # pairs (2i, 2i + 1)
+            x1, x2 = x[..., 0:dims:2], x[..., 1:dims:2]
+        else:  # pairs (i, i + dims / 2)
+            x1, x2 = x[..., : dims // 2], x[..., dims // 2 : dims]
+        out = [x1 * coss - x2 * sins, x1 * sins + x2 * coss]
+        if traditional:
+            out = [mx.concatenate([o[..., None] for o in out], axis=-1).reshape(*x.shape[:-1], dims)]
+        if dims < x.shape[-1]:
+            out.append(x[..., dims:])
+        return mx.concatenate(out, axis=-1)
+
+    return mx.compile(rotate)
