@@ -10,6 +10,7 @@ one fused kernel of the fallback's multiplies and adds, in its order, so the bit
 from __future__ import annotations
 
 import functools
+import threading
 
 import mlx.core as mx
 
@@ -18,7 +19,7 @@ _angles: dict[tuple, tuple[mx.array, mx.array]] = {}  # the latest pass's only, 
 
 def angles(length: int, offset: int, dims: int, base: float, scale: float) -> tuple[mx.array, mx.array]:
     """cos and sin of the rotation angles, (length, dims / 2) each, for positions offset..offset+length-1."""
-    key = (length, offset, dims, base, scale)
+    key = (threading.get_ident(), length, offset, dims, base, scale)  # MLX streams are per thread
     if key not in _angles:
         half = dims // 2
         positions = (mx.arange(length, dtype=mx.float32) + offset) * mx.array(scale, mx.float32)
