@@ -277,8 +277,7 @@ def summary_table(summaries, *, has_mlx: bool) -> Table:
     table = Table(title="decode tok/s (prefill excluded); speedups are medians of per-prompt ratios", title_justify="left")
     for name, justify in (
         ("category", "left"), ("prompts", "right"), ("plain tok/s", "right"), ("spec tok/s", "right"),
-        ("speedup", "right"), ("accept", "right"), ("tok/pass", "right"), ("copy bound", "right"),
-        ("drafting", "right"),
+        ("speedup", "right"), ("accept", "right"), ("tok/pass", "right"), ("copy bound", "right"), ("drafting", "right"),
         ("fixed-draft speedup", "right"),
         ("mlx-lm tok/s", "right"), ("ours vs mlx-lm", "right"), ("prefill tok/s", "right"), ("mismatches", "right"),
     ):  # fmt: skip
