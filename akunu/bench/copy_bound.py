@@ -36,7 +36,7 @@ def bound_tokens_per_pass(
     i = passes = 0
     while i < len(answer):
         state, accepted = 0, 0  # walk from the root: each step is a substring seen before
-        for token in seen.tokens[len(seen.tokens) - anchor :] if anchor else ():
+        for token in seen.tokens[-anchor:] if anchor else ():
             state = seen.next[state][token]  # the sequence's own end: always a path
         while accepted < draft_tokens and i + accepted < len(answer) and answer[i + accepted] in seen.next[state]:
             state = seen.next[state][answer[i + accepted]]
