@@ -22,9 +22,9 @@ from akunu import _blas
 from akunu.kv_cache import make_cache, rewind
 
 # Bumped whenever akunu's decode step changes what a pass of each width costs (3: SwiGLU through
-# akunu's exp, RoPE angles shared by a pass's layers, akunu's exp for wide passes' softmax), so
+# akunu's exp, RoPE angles shared by a pass's layers; 4: llama's q|k|v and gate|up stacked), so
 # curves saved before are measured again.
-STEP_REVISION = 3
+STEP_REVISION = 4
 MAX_WIDTH = 33  # 32 drafts and the last committed token
 CONTEXT = 512  # tokens already in the cache while timing: a prompt plus part of its answer
 

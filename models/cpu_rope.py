@@ -4,7 +4,9 @@ On the CPU `mx.fast.rope` is the graph of small ops in mlx's `fast.cpp` fallback
 call computes the sines and cosines of its angles (libm, one element at a time): twice per
 layer, though every layer of a pass rotates by the same positions. Here they come from the
 fallback's own operations once per (offset, length) and are shared; each call applies them in
-one fused kernel of the fallback's multiplies and adds, in its order, so the bits are the same.
+one fused kernel of the fallback's multiplies and adds, so the bits are the same. Where RoPE
+covers the whole head, a call is four graph nodes: x * cos + partner(x) * ±sin over tables laid
+out like x, partner(x) being a reversed view that swaps each pair.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import threading
 import mlx.core as mx
 
 _angles: dict[tuple, tuple[mx.array, mx.array]] = {}  # the latest pass's only, so no old graph is held
+_tables: dict[tuple, tuple[mx.array, mx.array]] = {}
 
 
 def angles(length: int, offset: int, dims: int, base: float, scale: float) -> tuple[mx.array, mx.array]:
@@ -33,8 +36,31 @@ def angles(length: int, offset: int, dims: int, base: float, scale: float) -> tu
 
 def rope(x: mx.array, dims: int, traditional: bool, base: float, scale: float, offset: int) -> mx.array:
     """mx.fast.rope(x, ...) for x of shape (B, heads, length, D) and an integer offset."""
-    coss, sins = angles(x.shape[2], offset, dims, base, scale)
-    return _rotation(dims, traditional)(x, coss, sins)
+    if dims != x.shape[-1]:
+        coss, sins = angles(x.shape[2], offset, dims, base, scale)
+        return _rotation(dims, traditional)(x, coss, sins)
+    *lead, length, _ = x.shape
+    # x's pairs: (.., length, pairs, 2) side by side when traditional, else (.., length, 2, pairs)
+    pairs = x.reshape(*lead, length, *((dims // 2, 2) if traditional else (2, dims // 2)))
+    partners = pairs[..., ::-1] if traditional else pairs[..., ::-1, :]  # a view: no copy
+    pair_cos, pair_sin = _pair_tables(length, offset, dims, base, scale, traditional, x.dtype)
+    return _rotate_pairs(pairs, partners, pair_cos, pair_sin).reshape(x.shape)
+
+
+def _pair_tables(length: int, offset: int, dims: int, base: float, scale: float, traditional: bool, dtype: mx.Dtype):
+    """cos and ±sin laid out like x's pairs: member 0 of pair i gets x0 c - x1 s, member 1 x1 c + x0 s."""
+    key = (threading.get_ident(), length, offset, dims, base, scale, traditional, dtype)
+    if key not in _tables:
+        coss, sins = (t.astype(dtype) for t in angles(length, offset, dims, base, scale))
+        axis = -1 if traditional else 1
+        _tables.clear()
+        _tables[key] = mx.stack([coss, coss], axis=axis), mx.stack([-sins, sins], axis=axis)
+    return _tables[key]
+
+
+@mx.compile
+def _rotate_pairs(pairs: mx.array, partners: mx.array, pair_cos: mx.array, pair_sin: mx.array) -> mx.array:
+    return pairs * pair_cos + partners * pair_sin
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,7 +16,8 @@ modules run through `mx.compile`, one fused kernel with the same results, and it
 modules apply angles computed once per pass (`cpu_rope`), the same bits too (their class is
 swapped for a subclass; parameters are untouched). SwiGLU's sigmoid, whose exp also ran one
 element at a time (7.6 of a 16-token pass's 63 ms at a 200-token context), goes through akunu's
-exp (`cpu_math.swiglu`) via the model module's `swiglu` global.
+exp (`cpu_math.swiglu`) via the model module's `swiglu` global. Llama-family attention and MLP
+modules stack their products (`fused_layers`): fewer, larger products and fewer graph nodes.
 
 `enable(model)` is applied by `load_model`; AKUNU_FAST_STEP=0 (or `disable(model)`) turns
 it off for comparison.
@@ -36,7 +37,7 @@ import mlx.nn as nn
 from mlx_lm.models import activations, base
 
 from akunu import _blas
-from akunu.models import cpu_math, cpu_rope
+from akunu.models import cpu_math, cpu_rope, fused_layers
 
 ENV_SWITCH = "AKUNU_FAST_STEP"
 MAX_QUERY_ROWS = 64  # decode steps and verification passes (up to 33 tokens); prefill chunks keep mlx's path
@@ -51,14 +52,17 @@ def enabled_by_environment() -> bool:
 def enable(model: nn.Module) -> bool:
     """Route the model's attention through `cpu_attention`, and on the CPU its RoPE and RMSNorm
     through compiled kernels; False if its module has no attention hook."""
-    if mx.default_device() == mx.cpu and _compiling_works():
-        _swap_classes(model, _COMPILED)
-        _set_swiglu(model, cpu_swiglu)
+    if mx.default_device() == mx.cpu:
+        fused_layers.fuse(model)
+        if _compiling_works():
+            _swap_classes(model, _COMPILED)
+            _set_swiglu(model, cpu_swiglu)
     return _set_attention(model, cpu_attention)
 
 
 def disable(model: nn.Module) -> bool:
     _swap_classes(model, {compiled: original for original, compiled in _COMPILED.items()})
+    fused_layers.unfuse(model)
     _set_swiglu(model, _mlx_swiglu)
     return _set_attention(model, _mlx_attention)
 

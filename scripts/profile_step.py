@@ -3,7 +3,8 @@
     .venv/bin/python scripts/profile_step.py [--model smollm2-135m] [--contexts 64 1536] [--reps 15]
 
 Each kind is timed alone, as the step runs it (same shapes, one graph, one evaluation):
-weight matmuls (every Linear and the output head as matrix-vector products), norms,
+weight matmuls (every Linear and the output head as matrix-vector products, stacked as the
+fast step stacks them), norms,
 RoPE, attention over the cache, and the elementwise rest (residual adds, SwiGLU).
 "overhead" is the full step minus their sum: graph building, dispatch, reshapes, copies.
 The full step and attention are timed with akunu's fast step (models/fast_step.py) on and
@@ -24,15 +25,22 @@ from mlx_lm.models.activations import swiglu
 
 from akunu.decode import prefill
 from akunu.kv_cache import make_cache
-from akunu.models import fast_step, load_model
+from akunu.models import fast_step, fused_layers, load_model
 
 
 def linears(model: nn.Module) -> list[mx.array]:
-    """The weight of every matrix applied per token, output head included (tied or not)."""
-    weights = [m.weight for _, m in model.named_modules() if isinstance(m, nn.Linear)]
+    """Every matrix applied per token, transposed (in, out), output head included (tied or not),
+    as the fast step applies them: stacked where fused_layers stacks them."""
+    stacked, covered = [], set()
+    for _, module in model.named_modules():
+        for stack in fused_layers.stacks(module).values():
+            if stack is not None:
+                stacked.append(stack.transposed)
+                covered.update(id(w) for w in stack.weights)
+    weights = [m.weight.T for _, m in model.named_modules() if isinstance(m, nn.Linear) and id(m.weight) not in covered]
     if not any(name.endswith("lm_head") for name, m in model.named_modules() if isinstance(m, nn.Linear)):
-        weights.append(model.model.embed_tokens.weight)
-    return weights
+        weights.append(model.model.embed_tokens.weight.T)
+    return stacked + weights
 
 
 def norms(model: nn.Module) -> list[nn.Module]:
@@ -45,16 +53,16 @@ def kinds(model: nn.Module, cache: list) -> dict[str, Callable[[], list[mx.array
     hidden = layers[0].self_attn.q_proj.weight.shape[1]
     x = mx.random.normal((1, 1, hidden))
     weights = linears(model)
-    inputs = [mx.random.normal((1, 1, w.shape[1])) for w in weights]
+    inputs = [mx.random.normal((1, w.shape[0])) for w in weights]
     norm_modules = norms(model)
     norm_inputs = [mx.random.normal((1, 1, m.weight.shape[0])) for m in norm_modules]
     attn = [layer.self_attn for layer in layers]
     heads = [(a.n_heads, a.n_kv_heads, a.q_proj.weight.shape[0] // a.n_heads) for a in attn]
     queries = [mx.random.normal((1, h, 1, d)) for h, _, d in heads]
-    new_keys = [mx.random.normal((1, kv, 1, d)) for _, kv, d in heads]
+    queries_and_keys = [mx.random.normal((1, h + kv, 1, d)) for h, kv, d in heads]  # rotated in one call
     inter = layers[0].mlp.gate_proj.weight.shape[0]
     gate, up = mx.random.normal((1, 1, inter)), mx.random.normal((1, 1, inter))
-    mx.eval(x, inputs, norm_inputs, queries, new_keys, gate, up)
+    mx.eval(x, inputs, norm_inputs, queries, queries_and_keys, gate, up)
     module = __import__(type(model).__module__, fromlist=["scaled_dot_product_attention"])
 
     def attention() -> list[mx.array]:
@@ -65,9 +73,9 @@ def kinds(model: nn.Module, cache: list) -> dict[str, Callable[[], list[mx.array
         return out
 
     return {
-        "weight matmuls": lambda: [v @ w.T for v, w in zip(inputs, weights)],
+        "weight matmuls": lambda: [v @ w for v, w in zip(inputs, weights)],
         "norms": lambda: [m(v) for m, v in zip(norm_modules, norm_inputs)],
-        "rope": lambda: [a.rope(t, offset=c.offset) for a, c, q, k in zip(attn, cache, queries, new_keys) for t in (q, k)],
+        "rope": lambda: [a.rope(t, offset=c.offset) for a, c, t in zip(attn, cache, queries_and_keys)],
         "attention": attention,
         "elementwise": lambda: [t for _ in layers for t in (x + x, x + x, swiglu(gate, up))],
     }

@@ -7,7 +7,7 @@ import pytest
 
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import make_cache, rewind
-from akunu.models import cpu_math, cpu_rope, fast_step
+from akunu.models import cpu_math, cpu_rope, fast_step, fused_layers
 from tests.fakes import FakeTokenizer
 from tests.tiny import tiny_gemma3, tiny_llama
 
@@ -207,10 +207,11 @@ def test_unpatched_runs_mlx_lm_s_own_modules(restore_attention):
     model = tiny_llama(seed=3)
     fast_step.enable(model)
     kinds = lambda: {type(m) for _, m in model.named_modules()}  # noqa: E731
-    assert {fast_step.CompiledRoPE, fast_step.CompiledRMSNorm} <= kinds()
+    ours = {fast_step.CompiledRoPE, fast_step.CompiledRMSNorm, fused_layers.FusedAttention, fused_layers.FusedMLP}
+    assert ours <= kinds()
     module = fast_step._model_module(model)
     assert module.swiglu is fast_step.cpu_swiglu
     with fast_step.unpatched(model):
-        assert not kinds() & {fast_step.CompiledRoPE, fast_step.CompiledRMSNorm}
+        assert not kinds() & ours
         assert module.swiglu is fast_step._mlx_swiglu
-    assert {fast_step.CompiledRoPE, fast_step.CompiledRMSNorm} <= kinds()
+    assert ours <= kinds()

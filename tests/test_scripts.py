@@ -48,7 +48,7 @@ def test_copy_bound_reads_a_bench_record(model_home, tmp_path):
 def test_profile_step_splits_a_step_by_kind(model_home):
     line = run_script("scripts/profile_step.py", "--contexts", "16", "--reps", "1")
     record = json.loads(line.splitlines()[-1])
-    assert record["context"] == 16 and record["matmuls"] == 211  # 30 layers x 7 projections + the output head
+    assert record["context"] == 16 and record["matmuls"] == 121  # 30 layers x 4 stacked products + the output head
     kinds = ("weight matmuls", "norms", "rope", "attention (mlx)", "attention (fast)", "step (mlx)", "step (fast)")
     assert all(record[kind] > 0 for kind in kinds)
 

@@ -1,0 +1,105 @@
+"""Fused llama layers (akunu.models.fused_layers) compute mlx-lm's layers, in the same memory."""
+
+import gc
+import random
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models import llama
+
+from akunu.kv_cache import make_cache, rewind
+from akunu.models import fast_step, fused_layers
+from tests.tiny import tiny_gemma3, tiny_llama
+
+TOKENS = [random.Random(3).randrange(64) for _ in range(90)]
+
+
+def decode_logits(model: nn.Module) -> mx.array:
+    """A prefill wider than MAX_ROWS, 1-token steps and verification passes with rollbacks."""
+    cache, out = make_cache(model), []
+    prefix = fused_layers.MAX_ROWS + 6
+    out.append(model(mx.array([TOKENS[:prefix]]), cache=cache)[0])
+    for width, rejected in ((1, 0), (1, 0), (5, 2), (9, 4), (1, 0)):
+        start = cache[0].offset
+        out.append(model(mx.array([TOKENS[start : start + width]]), cache=cache)[0])
+        rewind(cache, rejected)
+    return mx.concatenate(out)
+
+
+@pytest.fixture
+def unfused_llama():
+    model = tiny_llama(seed=7, hidden=64, layers=2)
+    fast_step.disable(model)  # only the fusion differs between the runs compared
+    yield model
+    fused_layers.unfuse(model)
+
+
+def test_fused_layers_give_mlx_lm_s_logits(unfused_llama):
+    reference = decode_logits(unfused_llama)
+    assert fused_layers.fuse(unfused_llama) == 4  # two attention and two MLP modules
+    assert {type(m) for _, m in unfused_llama.named_modules()} >= {fused_layers.FusedAttention, fused_layers.FusedMLP}
+    fused = decode_logits(unfused_llama)
+    assert mx.allclose(fused, reference, atol=1e-5, rtol=1e-5).item()
+    assert mx.array_equal(fused.argmax(-1), reference.argmax(-1)).item()
+
+
+def test_fusing_keeps_one_copy_of_the_weights():
+    model = tiny_llama(seed=1, hidden=256, layers=2)
+    fast_step.disable(model)
+    stacked_bytes = sum(
+        m.weight.nbytes for _, m in model.named_modules() if isinstance(m, nn.Linear) and "lm_head" not in _
+    )
+    gc.collect()
+    before = mx.get_active_memory()
+    fused_layers.fuse(model)
+    gc.collect()
+    assert mx.get_active_memory() - before < stacked_bytes / 10  # the layers' weights are views of the stacks
+    attention = model.layers[0].self_attn
+    assert attention.q_proj.weight.shape == (256, 256) and attention.k_proj.weight.shape == (128, 256)
+    fused_layers.unfuse(model)
+
+
+def test_weights_replaced_after_fusing_are_the_ones_used(unfused_llama):
+    """An adapter loaded later must not be shadowed by the stacks made before it."""
+    fused_layers.fuse(unfused_llama)
+    attention, mlp = unfused_llama.layers[1].self_attn, unfused_llama.layers[1].mlp
+    attention.k_proj.weight = attention.k_proj.weight * 3.0
+    mlp.down_proj.weight = -mlp.down_proj.weight
+    fused = decode_logits(unfused_llama)
+    fused_layers.unfuse(unfused_llama)
+    assert mx.allclose(fused, decode_logits(unfused_llama), atol=1e-5, rtol=1e-5).item()
+
+
+def test_refusing_keeps_the_stacks_and_quantized_layers_keep_mlx_lm_s_path(unfused_llama):
+    fused_layers.fuse(unfused_llama)
+    stack = fused_layers.stacks(unfused_llama.layers[0].self_attn)["qkv"]
+    fused_layers.fuse(unfused_llama)  # as fast_step.enable does after every unpatched() block
+    assert fused_layers.stacks(unfused_llama.layers[0].self_attn)["qkv"] is stack
+    fused_layers.unfuse(unfused_llama)
+    nn.quantize(unfused_llama, group_size=32, bits=8)
+    reference = decode_logits(unfused_llama)
+    fused_layers.fuse(unfused_llama)
+    assert fused_layers.stacks(unfused_llama.layers[0].mlp)["gate_up"] is None
+    assert mx.array_equal(decode_logits(unfused_llama), reference).item()
+
+
+def test_other_architectures_are_left_alone():
+    model = tiny_gemma3(seed=2)
+    assert fused_layers.fuse(model) == 0
+    assert not any(type(m) in (fused_layers.FusedAttention, fused_layers.FusedMLP) for _, m in model.named_modules())
+
+
+def test_the_fused_attention_calls_the_module_s_current_attention(unfused_llama, monkeypatch):
+    """akunu's exact mode and fast step swap llama's module global: the fused layer must see the swap."""
+    fused_layers.fuse(unfused_llama)
+    calls = []
+    original = llama.scaled_dot_product_attention
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", counting)
+    unfused_llama(mx.array([[1, 2, 3]]), cache=make_cache(unfused_llama))
+    assert len(calls) == 2  # one per layer
