@@ -63,12 +63,13 @@ class FusedAttention(llama.Attention):
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         qkv, out = stacks(self).get("qkv"), stacks(self).get("o")
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        if cache is None or x.shape[1] > MAX_ROWS or not (_holds(qkv, projections) and _holds(out, [self.o_proj])):
+        current = _holds(qkv, (self.q_proj, self.k_proj, self.v_proj)) and _holds(out, [self.o_proj])
+        if cache is None or x.shape[1] > MAX_ROWS or not current:
             return super().__call__(x, mask, cache)
         B, L, D = x.shape
         H, KV = self.n_heads, self.n_kv_heads
-        heads = qkv(x.reshape(B * L, D)).reshape(B, L, H + 2 * KV, -1).transpose(0, 2, 1, 3)  # (B, H + 2 KV, L, head_dim)
+        # (B, H + 2 KV, L, head_dim): query heads, then key heads, then value heads
+        heads = qkv(x.reshape(B * L, D)).reshape(B, L, H + 2 * KV, -1).transpose(0, 2, 1, 3)
         rotated = self.rope(heads[:, : H + KV], offset=cache.offset)  # queries and keys: one call
         keys, values = cache.update_and_fetch(rotated[:, H:], heads[:, H + KV :])
         output = llama.scaled_dot_product_attention(  # the module global, which akunu swaps
@@ -81,7 +82,8 @@ class FusedMLP(llama.MLP):
 
     def __call__(self, x: mx.array) -> mx.array:
         both, down = stacks(self).get("gate_up"), stacks(self).get("down")
-        if x.shape[1] > MAX_ROWS or not (_holds(both, (self.gate_proj, self.up_proj)) and _holds(down, [self.down_proj])):
+        current = _holds(both, (self.gate_proj, self.up_proj)) and _holds(down, [self.down_proj])
+        if x.shape[1] > MAX_ROWS or not current:
             return super().__call__(x)
         B, L, D = x.shape
         gate_up = both(x.reshape(B * L, D))  # (B * L, 2 * hidden)
