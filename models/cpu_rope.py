@@ -17,7 +17,7 @@ import threading
 import mlx.core as mx
 
 _angles: dict[tuple, tuple[mx.array, mx.array]] = {}  # the latest pass's only, so no old graph is held
-_tables: dict[tuple, tuple[mx.array, mx.array]] = {}
+_tables: dict[tuple, tuple[mx.array, mx.array]] = {}  # likewise: cos and ±sin laid out like x's pairs
 
 
 def angles(length: int, offset: int, dims: int, base: float, scale: float) -> tuple[mx.array, mx.array]:

@@ -50,8 +50,8 @@ def enabled_by_environment() -> bool:
 
 
 def enable(model: nn.Module) -> bool:
-    """Route the model's attention through `cpu_attention`, and on the CPU its RoPE and RMSNorm
-    through compiled kernels; False if its module has no attention hook."""
+    """Route the model's attention through `cpu_attention`, and on the CPU stack its llama
+    products and run its RoPE and RMSNorm as compiled kernels; False if its module has no attention hook."""
     if mx.default_device() == mx.cpu:
         fused_layers.fuse(model)
         if _compiling_works():
