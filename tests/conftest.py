@@ -8,10 +8,13 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def model_home() -> Path:
-    """The model cache used by real-model tests: shared across runs, so models download once."""
-    home = Path(os.environ.get("AKUNU_HOME", Path.home() / ".cache" / "akunu"))
-    home.mkdir(parents=True, exist_ok=True)
+def model_home(tmp_path_factory) -> Path:
+    """AKUNU_HOME for real-model tests: its models are the user's cache (shared across runs, so
+    models download once), everything else (cost curves measured under test load) this run's own."""
+    shared = Path(os.environ.get("AKUNU_HOME", Path.home() / ".cache" / "akunu")) / "models"
+    shared.mkdir(parents=True, exist_ok=True)
+    home = tmp_path_factory.mktemp("akunu-home")
+    (home / "models").symlink_to(shared, target_is_directory=True)
     return home
 
 

@@ -12,6 +12,12 @@ pytestmark = pytest.mark.real_model
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def akunu_home(model_home, monkeypatch):
+    """The scripts inherit the environment: the shared models, this run's own cost curves."""
+    monkeypatch.setenv("AKUNU_HOME", str(model_home))
+
+
 def run_script(*args: str, cwd: Path = ROOT) -> str:
     done = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
