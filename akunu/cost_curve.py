@@ -69,7 +69,7 @@ def relative_costs(seconds: Sequence[float]) -> list[float]:
 
 
 def curve_key(model_name: str, dtype: str) -> str:
-    """e.g. "smollm2-135m-float32-cpu-openblas-matvec2-step3": the curve belongs to model, dtype,
+    """e.g. "smollm2-135m-float32-cpu-openblas-matvec2-step4": the curve belongs to model, dtype,
     backend, matmul routing and decode step together (their revisions set what passes cost)."""
     backend = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
     blas = _blas.describe().split()[0].lower() + (f"-matvec{_blas.MATVEC_REVISION}" if _blas.matvec_path else "")

@@ -65,6 +65,8 @@ def _rotate_pairs(pairs: mx.array, partners: mx.array, pair_cos: mx.array, pair_
 
 @functools.lru_cache(maxsize=None)
 def _rotation(dims: int, traditional: bool):
+    """RoPE over the first `dims` of a longer head, the rest passed through."""
+
     def rotate(x: mx.array, coss: mx.array, sins: mx.array) -> mx.array:
         coss, sins = coss.astype(x.dtype), sins.astype(x.dtype)
         if traditional:  # pairs (2i, 2i + 1)
@@ -74,8 +76,6 @@ def _rotation(dims: int, traditional: bool):
         out = [x1 * coss - x2 * sins, x1 * sins + x2 * coss]
         if traditional:
             out = [mx.concatenate([o[..., None] for o in out], axis=-1).reshape(*x.shape[:-1], dims)]
-        if dims < x.shape[-1]:
-            out.append(x[..., dims:])
-        return mx.concatenate(out, axis=-1)
+        return mx.concatenate([*out, x[..., dims:]], axis=-1)
 
     return mx.compile(rotate)
