@@ -22,9 +22,9 @@ from akunu import _blas
 from akunu.kv_cache import make_cache, rewind
 
 # Bumped whenever akunu's decode step changes what a pass of each width costs (3: SwiGLU through
-# akunu's exp, RoPE angles shared by a pass's layers; 4: llama's q|k|v and gate|up stacked), so
+# akunu's exp, RoPE angles shared by a pass's layers; 4: llama's q|k|v and gate|up stacked; 5: fused CPU kernels), so
 # curves saved before are measured again.
-STEP_REVISION = 4
+STEP_REVISION = 5
 MAX_WIDTH = 33  # 32 drafts and the last committed token
 CONTEXT = 512  # tokens already in the cache while timing: a prompt plus part of its answer
 
@@ -69,7 +69,7 @@ def relative_costs(seconds: Sequence[float]) -> list[float]:
 
 
 def curve_key(model_name: str, dtype: str) -> str:
-    """e.g. "smollm2-135m-float32-cpu-openblas-matvec2-step4": the curve belongs to model, dtype,
+    """e.g. "smollm2-135m-float32-cpu-openblas-matvec2-step5": the curve belongs to model, dtype,
     backend, matmul routing and decode step together (their revisions set what passes cost)."""
     backend = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
     blas = _blas.describe().split()[0].lower() + (f"-matvec{_blas.MATVEC_REVISION}" if _blas.matvec_path else "")

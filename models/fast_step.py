@@ -37,7 +37,7 @@ import mlx.nn as nn
 from mlx_lm.models import activations, base
 
 from akunu import _blas
-from akunu.models import cpu_math, cpu_rope, fused_layers
+from akunu.models import cpu_kernels, cpu_math, cpu_rope, fused_layers
 
 ENV_SWITCH = "AKUNU_FAST_STEP"
 MAX_QUERY_ROWS = 64  # decode steps and verification passes (up to 33 tokens); prefill chunks keep mlx's path
@@ -53,6 +53,7 @@ def enable(model: nn.Module) -> bool:
     """Route the model's attention through `cpu_attention`, and on the CPU stack its llama
     products and run its RoPE and RMSNorm as compiled kernels; False if its module has no attention hook."""
     if mx.default_device() == mx.cpu:
+        cpu_kernels.load()  # built now if need be, not in the middle of a generation
         fused_layers.fuse(model)
         if _compiling_works():
             _swap_classes(model, _COMPILED)
@@ -122,6 +123,9 @@ def cpu_attention(
     B, n_heads, L, D = queries.shape
     if L > MAX_QUERY_ROWS or sinks is not None or hasattr(cache, "bits") or mx.default_device() != mx.cpu:
         return _mlx_attention(queries, keys, values, cache, scale, mask, sinks)
+    kernels = cpu_kernels.load()
+    if kernels and not isinstance(mask, mx.array) and _kernel_shapes(queries, keys, values):
+        return kernels.attention(queries, keys, values, scale, mask is not None)  # mask: None or "causal"
     n_kv_heads, S = keys.shape[1], keys.shape[2]
     repeats = n_heads // n_kv_heads
     # Query head h reads KV head h // repeats, so the heads of one KV head are rows of one product.
@@ -137,11 +141,18 @@ def cpu_attention(
     return out.reshape(B, n_heads, L, values.shape[-1])
 
 
+def _kernel_shapes(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
+    """Whether the fused attention kernel takes these: float32, head sizes a multiple of 16."""
+    float32 = queries.dtype == keys.dtype == values.dtype == mx.float32
+    return float32 and queries.shape[-1] % 16 == values.shape[-1] % 16 == 0
+
+
 def cpu_swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """mlx-lm's `swiglu`, its sigmoid through akunu's exp in float32 (libm's ran one element at a time)."""
-    if gate.dtype != mx.float32 or mx.default_device() != mx.cpu:
+    if gate.dtype != mx.float32 or x.dtype != mx.float32 or mx.default_device() != mx.cpu:
         return _mlx_swiglu(gate, x)
-    return cpu_math.swiglu(gate, x)
+    kernels = cpu_kernels.load()
+    return kernels.swiglu(gate, x) if kernels else cpu_math.swiglu(gate, x)
 
 
 def _scores(q: mx.array, keys: mx.array) -> mx.array:
@@ -193,7 +204,10 @@ class CompiledRMSNorm(nn.RMSNorm):
     """nn.RMSNorm as one fused kernel."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        return _rms_norm_kernel(self.eps)(x, self["weight"])
+        kernels, weight = cpu_kernels.load(), self["weight"]
+        if kernels and x.dtype == weight.dtype == mx.float32 and mx.default_device() == mx.cpu:
+            return kernels.rms_norm(x, weight, self.eps)
+        return _rms_norm_kernel(self.eps)(x, weight)
 
 
 _COMPILED = {nn.RoPE: CompiledRoPE, nn.RMSNorm: CompiledRMSNorm}

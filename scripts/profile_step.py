@@ -5,7 +5,8 @@
 Each kind is timed alone, as the step runs it (same shapes, one graph, one evaluation):
 weight matmuls (every Linear and the output head as matrix-vector products, stacked as the
 fast step stacks them), norms,
-RoPE, attention over the cache, and the elementwise rest (residual adds, SwiGLU).
+RoPE, attention over the cache, and the elementwise rest (residual adds, SwiGLU). Norms and
+SwiGLU run as the fast step runs them (akunu's fused kernels, where they could be built).
 "overhead" is the full step minus their sum: graph building, dispatch, reshapes, copies.
 The full step and attention are timed with akunu's fast step (models/fast_step.py) on and
 off. Timings interleave and report the minimum over --reps (the machine may be shared).
@@ -21,7 +22,6 @@ from collections.abc import Callable
 import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.activations import swiglu
 
 from akunu.decode import prefill
 from akunu.kv_cache import make_cache
@@ -77,7 +77,7 @@ def kinds(model: nn.Module, cache: list) -> dict[str, Callable[[], list[mx.array
         "norms": lambda: [m(v) for m, v in zip(norm_modules, norm_inputs)],
         "rope": lambda: [a.rope(t, offset=c.offset) for a, c, t in zip(attn, cache, queries_and_keys)],
         "attention": attention,
-        "elementwise": lambda: [t for _ in layers for t in (x + x, x + x, swiglu(gate, up))],
+        "elementwise": lambda: [t for _ in layers for t in (x + x, x + x, module.swiglu(gate, up))],  # the step's SwiGLU
     }
 
 

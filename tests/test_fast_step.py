@@ -198,8 +198,8 @@ def test_compiled_rope_and_norm_equal_mlx_fast_at_every_offset():
         assert mx.array_equal(rope(x, offset=offset), expected).item(), offset
     norm = nn.RMSNorm(16, eps=1e-6)
     norm.weight = mx.random.normal((16,))
-    norm.__class__ = fast_step.CompiledRMSNorm
-    assert mx.array_equal(norm(x), mx.fast.rms_norm(x, norm.weight, 1e-6)).item()
+    norm.__class__ = fast_step.CompiledRMSNorm  # akunu's fused kernel: not mlx's summation order, so close, not equal
+    assert mx.allclose(norm(x), mx.fast.rms_norm(x, norm.weight, 1e-6), rtol=1e-6, atol=1e-6).item()
 
 
 def test_unpatched_runs_mlx_lm_s_own_modules(restore_attention):

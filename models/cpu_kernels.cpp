@@ -1,0 +1,481 @@
+// Fused decode kernels for MLX's CPU backend: attention, SwiGLU and RMSNorm, one MLX primitive each.
+//
+// On the CPU every MLX graph node costs 1-3 us, MLX's exp runs one element at a time through libm
+// on x86, and MLX's CPU compile cannot fuse a reduction; so a decode layer's attention was a dozen
+// nodes (scores, mask, max, three for the exp, sum, weighing, division, reshapes), SwiGLU four and
+// RMSNorm three. Here each is one node whose work is vectorized with GCC vector extensions.
+//
+// Every kernel computes a row (one query, one token's activations) from that row alone, in an
+// order fixed by the row's own length, so a row gets the same bits whatever rows share its pass:
+// a 1-token step and a 16-token verification pass agree exactly on each position they share.
+//
+// Built on first use by models/cpu_kernels.py (g++, against the installed MLX and nanobind).
+
+#include <nanobind/nanobind.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx/stream.h"
+
+namespace nb = nanobind;
+using namespace mlx::core;
+
+namespace {
+
+constexpr int W = 16;  // lanes of one vector
+typedef float vf __attribute__((vector_size(W * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(W * 4), aligned(4)));
+
+inline vf splat(float x) { return vf{} + x; }
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// n < W elements of p, the rest `fill`.
+inline vf load_part(const float* p, int n, float fill) {
+  float buffer[W];
+  for (int i = 0; i < W; i++) buffer[i] = i < n ? p[i] : fill;
+  return load(buffer);
+}
+
+inline void store_part(float* p, vf v, int n) {
+  float buffer[W];
+  store(buffer, v);
+  std::memcpy(p, buffer, n * sizeof(float));
+}
+
+// Sum of the lanes, always by the same halving tree.
+inline float lane_sum(vf v) {
+  float b[W];
+  store(b, v);
+  for (int width = W / 2; width > 0; width /= 2)
+    for (int i = 0; i < width; i++) b[i] += b[i + width];
+  return b[0];
+}
+
+inline float lane_max(vf v) {
+  float b[W];
+  store(b, v);
+  for (int width = W / 2; width > 0; width /= 2)
+    for (int i = 0; i < width; i++) b[i] = b[i] > b[i + width] ? b[i] : b[i + width];
+  return b[0];
+}
+
+// exp(x) for x <= 0, per lane: 2**n * 2**f with the Cephes polynomial MLX's simd::exp uses
+// (about 1e-7 relative error); 0 below 2**-126.
+inline vf exp_nonpositive(vf x) {
+  const float rounder = 12582912.0f;  // 1.5 * 2**23: y + R - R rounds y to an integer
+  vf y = x * 1.4426950408889634f;
+  vf clamped = y < -126.0f ? splat(-126.0f) : y;
+  vf n = (clamped + rounder) - rounder;
+  vf f = clamped - n;
+  vf p = splat(1.535336188319500e-4f);
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return y < -126.0f ? splat(0.0f) : p * two_n;
+}
+
+// Where each row of an array starts: all axes but the last, walked in row-major order.
+std::vector<int64_t> row_offsets(const array& a) {
+  int64_t rows = a.ndim() ? a.size() / a.shape(-1) : 1;
+  std::vector<int64_t> offsets(rows);
+  std::vector<int> index(a.ndim() > 0 ? a.ndim() - 1 : 0, 0);
+  for (int64_t r = 0; r < rows; r++) {
+    int64_t offset = 0;
+    for (size_t axis = 0; axis < index.size(); axis++) offset += index[axis] * a.strides()[axis];
+    offsets[r] = offset;
+    for (int axis = int(index.size()) - 1; axis >= 0; axis--) {
+      if (++index[axis] < a.shape(axis)) break;
+      index[axis] = 0;
+    }
+  }
+  return offsets;
+}
+
+// A row as contiguous floats: the row itself, or a copy of it when its elements are strided.
+const float* contiguous_row(const float* row, int64_t stride, int n, std::vector<float>& scratch) {
+  if (stride == 1) return row;
+  scratch.resize(n);
+  for (int i = 0; i < n; i++) scratch[i] = row[i * stride];
+  return scratch.data();
+}
+
+float dot(const float* a, const float* b, int n) {
+  vf acc = splat(0.0f);
+  int i = 0;
+  for (; i + W <= n; i += W) acc += load(a + i) * load(b + i);
+  if (i < n) acc += load_part(a + i, n - i, 0.0f) * load_part(b + i, n - i, 0.0f);
+  return lane_sum(acc);
+}
+
+// Turns scores[0..n) into exp(score - max) and returns their sum.
+float exponentiate(float* scores, int n) {
+  vf peak = splat(-INFINITY);
+  int i = 0;
+  for (; i + W <= n; i += W) {
+    vf s = load(scores + i);
+    peak = s > peak ? s : peak;
+  }
+  if (i < n) {
+    vf s = load_part(scores + i, n - i, -INFINITY);
+    peak = s > peak ? s : peak;
+  }
+  float m = lane_max(peak);
+  vf total = splat(0.0f);
+  for (i = 0; i + W <= n; i += W) {
+    vf e = exp_nonpositive(load(scores + i) - m);
+    store(scores + i, e);
+    total += e;
+  }
+  if (i < n) {
+    float e[W];
+    store(e, exp_nonpositive(load_part(scores + i, n - i, m) - m));
+    for (int lane = n - i; lane < W; lane++) e[lane] = 0.0f;  // lanes past the row add nothing
+    std::memcpy(scores + i, e, (n - i) * sizeof(float));
+    total += load(e);
+  }
+  return lane_sum(total);
+}
+
+// ---- attention ----------------------------------------------------------------------------------
+
+#define PICK(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+
+// The lane sums of 16 vectors at once (lane a of the result sums v[a]), by the halving tree of
+// akunu/_matvec.c: every sum is the same tree whichever vectors share the call.
+inline vf lane_sums(const vf v[W]) {
+  vf eights[8], fours[4], twos[2];
+  for (int i = 0; i < 8; i++)
+    eights[i] = PICK(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                PICK(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; i++)
+    fours[i] = PICK(eights[2 * i], eights[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               PICK(eights[2 * i], eights[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; i++)
+    twos[i] = PICK(fours[2 * i], fours[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+              PICK(fours[2 * i], fours[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return PICK(twos[0], twos[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         PICK(twos[0], twos[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+struct AttentionShape {
+  int batch, heads, queries, dims, kv_heads, keys, value_dims;
+  bool causal;  // query i of the pass sits at position keys - queries + i and sees keys up to it
+};
+
+constexpr int ROW_BLOCK = 8;  // query rows that share one read of a KV head's keys and values
+
+// scores[j] = scale * q . key j for W keys `step` floats apart; the accumulators stay in registers.
+inline void score_block(const float* q, const float* keys, int64_t step, int dims, float scale, float* scores) {
+  vf acc[W] = {};
+  for (int d = 0; d < dims; d += W) {
+    const vf qd = load(q + d);
+    for (int j = 0; j < W; j++) acc[j] += qd * load(keys + j * step + d);
+  }
+  store(scores, lane_sums(acc) * scale);
+}
+
+// The same for the last `count` < W keys, read from a zero-padded copy (never past the cache's end).
+void score_tail(const float* q, const float* keys, int64_t step, int count, int dims, float scale, float* scores) {
+  std::vector<float> padded(size_t(W) * dims, 0.0f);
+  for (int j = 0; j < count; j++) std::memcpy(padded.data() + j * dims, keys + j * step, dims * sizeof(float));
+  float block[W];
+  score_block(q, padded.data(), dims, dims, scale, block);
+  std::memcpy(scores, block, count * sizeof(float));
+}
+
+// For R rows: out_r[d0, d0 + T * W) = sum over j < n_r of weights_r[j] * value j, added in order
+// of j, so a row's result does not depend on the rows beside it. Each value is read once for all
+// the rows that still want it.
+template <int R, int T>
+inline void weigh_tile(float* const* weights, const int* n, const float* values, int64_t step, int d0, float* const* outs) {
+  vf acc[R][T] = {};
+  int common = n[0];
+  for (int r = 1; r < R; r++) common = n[r] < common ? n[r] : common;
+  for (int j = 0; j < common; j++) {
+    vf v[T];
+    for (int t = 0; t < T; t++) v[t] = load(values + j * step + d0 + t * W);
+    for (int r = 0; r < R; r++) {
+      const vf w = splat(weights[r][j]);
+      for (int t = 0; t < T; t++) acc[r][t] += w * v[t];
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    for (int j = common; j < n[r]; j++) {
+      const vf w = splat(weights[r][j]);
+      for (int t = 0; t < T; t++) acc[r][t] += w * load(values + j * step + d0 + t * W);
+    }
+    for (int t = 0; t < T; t++) store(outs[r] + d0 + t * W, acc[r][t]);
+  }
+}
+
+template <int R>
+void weigh_rows(float* const* weights, const int* n, const float* values, int64_t step, int dims, float* const* outs) {
+  int d0 = 0;
+  for (; d0 + 4 * W <= dims; d0 += 4 * W) weigh_tile<R, 4>(weights, n, values, step, d0, outs);
+  for (; d0 < dims; d0 += W) weigh_tile<R, 1>(weights, n, values, step, d0, outs);
+}
+
+// weights[i] @ values for `count` rows, up to 4 at a time.
+void weigh_values(float* const* weights, const int* n, int count, const float* values, int64_t step, int dims, float* const* outs) {
+  for (int i = 0; i < count; i += 4) {
+    switch (count - i < 4 ? count - i : 4) {
+      case 1: weigh_rows<1>(weights + i, n + i, values, step, dims, outs + i); break;
+      case 2: weigh_rows<2>(weights + i, n + i, values, step, dims, outs + i); break;
+      case 3: weigh_rows<3>(weights + i, n + i, values, step, dims, outs + i); break;
+      default: weigh_rows<4>(weights + i, n + i, values, step, dims, outs + i);
+    }
+  }
+}
+
+// A 4-D float32 array's data and strides; keys and values get a contiguous copy when their rows are strided.
+struct View {
+  const float* data;
+  int64_t strides[4];
+  std::vector<float> copy;
+
+  explicit View(const array& a) : data(a.data<float>()) {
+    for (int i = 0; i < 4; i++) strides[i] = a.strides()[i];
+  }
+  void make_rows_contiguous(const array& a) {
+    if (strides[3] == 1) return;
+    copy.resize(a.size());
+    size_t n = 0;
+    for (int i0 = 0; i0 < a.shape(0); i0++)
+      for (int i1 = 0; i1 < a.shape(1); i1++)
+        for (int i2 = 0; i2 < a.shape(2); i2++)
+          for (int i3 = 0; i3 < a.shape(3); i3++)
+            copy[n++] = data[i0 * strides[0] + i1 * strides[1] + i2 * strides[2] + i3 * strides[3]];
+    data = copy.data();
+    strides[3] = 1, strides[2] = a.shape(3), strides[1] = strides[2] * a.shape(2), strides[0] = strides[1] * a.shape(1);
+  }
+};
+
+// Rows [first, last) of KV head `kv` in batch `b`; row r is query head kv * repeats + r / queries,
+// pass position r % queries. Dims are multiples of W and key and value rows contiguous (checked).
+void attention_block(const View& q, const View& k, const View& v, float* out, float scale,
+                     const AttentionShape& s, int b, int kv, int first, int last) {
+  const int repeats = s.heads / s.kv_heads, count = last - first;
+  const float* keys = k.data + b * k.strides[0] + kv * k.strides[1];
+  const float* values = v.data + b * v.strides[0] + kv * v.strides[1];
+  std::vector<float> rows(count * s.dims), scores(size_t(count) * s.keys);
+  int limit[ROW_BLOCK], widest = 0;
+  float* outs[ROW_BLOCK];
+  for (int i = 0; i < count; i++) {
+    int r = first + i, head = kv * repeats + r / s.queries, position = r % s.queries;
+    const float* src = q.data + b * q.strides[0] + head * q.strides[1] + position * q.strides[2];
+    for (int d = 0; d < s.dims; d++) rows[i * s.dims + d] = src[d * q.strides[3]];
+    limit[i] = s.causal ? s.keys - s.queries + position + 1 : s.keys;
+    widest = limit[i] > widest ? limit[i] : widest;
+    outs[i] = out + ((int64_t(b) * s.heads + head) * s.queries + position) * s.value_dims;
+  }
+  for (int j = 0; j < widest; j += W)  // a block of W keys sits in L1 while every row reads it
+    for (int i = 0; i < count; i++)
+      if (j + W <= limit[i])
+        score_block(rows.data() + i * s.dims, keys + j * k.strides[2], k.strides[2], s.dims, scale,
+                    scores.data() + size_t(i) * s.keys + j);
+      else if (j < limit[i])
+        score_tail(rows.data() + i * s.dims, keys + j * k.strides[2], k.strides[2], limit[i] - j, s.dims, scale,
+                   scores.data() + size_t(i) * s.keys + j);
+  float* weights[ROW_BLOCK];
+  float totals[ROW_BLOCK];
+  for (int i = 0; i < count; i++) {
+    weights[i] = scores.data() + size_t(i) * s.keys;
+    totals[i] = exponentiate(weights[i], limit[i]);
+  }
+  weigh_values(weights, limit, count, values, v.strides[2], s.value_dims, outs);
+  for (int i = 0; i < count; i++)
+    for (int d = 0; d < s.value_dims; d++) outs[i][d] /= totals[i];
+}
+
+void attention_kernel(const array& q, const array& k, const array& v, array& out, float scale, bool causal) {
+  AttentionShape s{q.shape(0), q.shape(1), q.shape(2), q.shape(3), k.shape(1), k.shape(2), v.shape(3), causal};
+  const int rows = s.heads / s.kv_heads * s.queries, blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
+  const int tasks = s.batch * s.kv_heads * blocks;
+  const int64_t work = int64_t(s.batch) * s.heads * s.queries * s.keys * (s.dims + s.value_dims);
+  float* o = out.data<float>();
+  View query_view(q), key_view(k), value_view(v);
+  key_view.make_rows_contiguous(k);
+  value_view.make_rows_contiguous(v);
+#pragma omp parallel for schedule(dynamic) if (work > 200000)
+  for (int t = 0; t < tasks; t++) {
+    int block = t % blocks, kv = (t / blocks) % s.kv_heads, b = t / blocks / s.kv_heads;
+    int first = block * ROW_BLOCK, last = first + ROW_BLOCK < rows ? first + ROW_BLOCK : rows;
+    attention_block(query_view, key_view, value_view, o, scale, s, b, kv, first, last);
+  }
+}
+
+// ---- SwiGLU and RMSNorm --------------------------------------------------------------------------
+
+void swiglu_kernel(const array& gate, const array& x, array& out) {
+  const int n = gate.shape(-1);
+  const auto gate_rows = row_offsets(gate), x_rows = row_offsets(x);
+  const int64_t gate_step = gate.strides().back(), x_step = x.strides().back();
+  float* o = out.data<float>();
+  std::vector<float> gate_copy, x_copy;
+  for (size_t r = 0; r < gate_rows.size(); r++) {
+    const float* g = contiguous_row(gate.data<float>() + gate_rows[r], gate_step, n, gate_copy);
+    const float* u = contiguous_row(x.data<float>() + x_rows[r], x_step, n, x_copy);
+    float* dst = o + r * n;
+    for (int i = 0; i < n; i += W) {
+      int m = n - i < W ? n - i : W;
+      vf gv = load_part(g + i, m, 0.0f), uv = load_part(u + i, m, 0.0f);
+      vf e = exp_nonpositive(gv < 0.0f ? gv : -gv);  // exp(-|g|): never overflows
+      vf sigmoid = (gv >= 0.0f ? splat(1.0f) : e) / (1.0f + e);
+      store_part(dst + i, gv * uv * sigmoid, m);
+    }
+  }
+}
+
+void rms_norm_kernel(const array& x, const array& weight, float eps, array& out) {
+  const int n = x.shape(-1);
+  const auto rows = row_offsets(x);
+  std::vector<float> x_copy, w_copy;
+  const float* w = contiguous_row(weight.data<float>(), weight.strides().back(), n, w_copy);
+  float* o = out.data<float>();
+  for (size_t r = 0; r < rows.size(); r++) {
+    const float* row = contiguous_row(x.data<float>() + rows[r], x.strides().back(), n, x_copy);
+    float scale = 1.0f / std::sqrt(dot(row, row, n) / n + eps);
+    float* dst = o + r * n;
+    for (int i = 0; i < n; i++) dst[i] = w[i] * (row[i] * scale);
+  }
+}
+
+// ---- MLX primitives -----------------------------------------------------------------------------
+
+void allocate(array& out) { out.set_data(allocator::malloc(out.nbytes())); }
+
+class Attention : public Primitive {
+ public:
+  Attention(Stream stream, float scale, bool causal) : Primitive(stream), scale_(scale), causal_(causal) {}
+  void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
+    array& out = outputs[0];
+    allocate(out);
+    auto& encoder = cpu::get_command_encoder(stream());
+    for (auto& a : in) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([q = array::unsafe_weak_copy(in[0]), k = array::unsafe_weak_copy(in[1]),
+                      v = array::unsafe_weak_copy(in[2]), out = array::unsafe_weak_copy(out),
+                      scale = scale_, causal = causal_]() mutable { attention_kernel(q, k, v, out, scale, causal); });
+  }
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("akunu's fused attention runs on the CPU only");
+  }
+  const char* name() const override { return "AkunuAttention"; }
+  bool is_equivalent(const Primitive& other) const override {
+    auto& o = static_cast<const Attention&>(other);
+    return scale_ == o.scale_ && causal_ == o.causal_;
+  }
+
+ private:
+  float scale_;
+  bool causal_;
+};
+
+class SwiGLU : public Primitive {
+ public:
+  explicit SwiGLU(Stream stream) : Primitive(stream) {}
+  void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
+    array& out = outputs[0];
+    allocate(out);
+    auto& encoder = cpu::get_command_encoder(stream());
+    for (auto& a : in) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([g = array::unsafe_weak_copy(in[0]), x = array::unsafe_weak_copy(in[1]),
+                      out = array::unsafe_weak_copy(out)]() mutable { swiglu_kernel(g, x, out); });
+  }
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("akunu's fused SwiGLU runs on the CPU only");
+  }
+  const char* name() const override { return "AkunuSwiGLU"; }
+  bool is_equivalent(const Primitive&) const override { return true; }
+};
+
+class RMSNorm : public Primitive {
+ public:
+  RMSNorm(Stream stream, float eps) : Primitive(stream), eps_(eps) {}
+  void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
+    array& out = outputs[0];
+    allocate(out);
+    auto& encoder = cpu::get_command_encoder(stream());
+    for (auto& a : in) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = array::unsafe_weak_copy(in[0]), w = array::unsafe_weak_copy(in[1]),
+                      out = array::unsafe_weak_copy(out), eps = eps_]() mutable { rms_norm_kernel(x, w, eps, out); });
+  }
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("akunu's fused RMSNorm runs on the CPU only");
+  }
+  const char* name() const override { return "AkunuRMSNorm"; }
+  bool is_equivalent(const Primitive& other) const override { return eps_ == static_cast<const RMSNorm&>(other).eps_; }
+
+ private:
+  float eps_;
+};
+
+Stream cpu_stream() {
+  Stream stream = default_stream(default_device());
+  if (stream.device.type != Device::cpu) throw std::invalid_argument("akunu's fused kernels run on the CPU only");
+  return stream;
+}
+
+void require_float32(const array& a, const char* what) {
+  if (a.dtype() != float32) throw std::invalid_argument(std::string(what) + " must be float32");
+}
+
+array attention(const array& q, const array& k, const array& v, float scale, bool causal) {
+  for (auto* a : {&q, &k, &v}) require_float32(*a, "attention inputs");
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || k.shape(1) == 0 || q.shape(1) % k.shape(1) ||
+      q.shape(3) != k.shape(3) || k.shape(2) != v.shape(2) || k.shape(1) != v.shape(1) ||
+      q.shape(0) != k.shape(0) || q.shape(2) > k.shape(2))
+    throw std::invalid_argument("attention expects q (B, H, L, D), k (B, KVH, S, D), v (B, KVH, S, Dv), L <= S");
+  if (q.shape(3) % W || v.shape(3) % W) throw std::invalid_argument("attention's head dimensions must be multiples of 16");
+  Shape shape{q.shape(0), q.shape(1), q.shape(2), v.shape(3)};
+  return array(shape, float32, std::make_shared<Attention>(cpu_stream(), scale, causal), {q, k, v});
+}
+
+array swiglu(const array& gate, const array& x) {
+  require_float32(gate, "swiglu inputs");
+  require_float32(x, "swiglu inputs");
+  if (gate.shape() != x.shape() || gate.ndim() == 0) throw std::invalid_argument("swiglu expects two arrays of one shape");
+  return array(gate.shape(), float32, std::make_shared<SwiGLU>(cpu_stream()), {gate, x});
+}
+
+array rms_norm(const array& x, const array& weight, float eps) {
+  require_float32(x, "rms_norm inputs");
+  require_float32(weight, "rms_norm weight");
+  if (x.ndim() == 0 || weight.ndim() != 1 || weight.shape(0) != x.shape(-1))
+    throw std::invalid_argument("rms_norm expects x (..., n) and weight (n,)");
+  return array(x.shape(), float32, std::make_shared<RMSNorm>(cpu_stream(), eps), {x, weight});
+}
+
+}  // namespace
+
+NB_MODULE(akunu_cpu_kernels, m) {
+  m.doc() = "akunu's fused CPU decode kernels (models/cpu_kernels.cpp)";
+  m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"), nb::arg("causal"),
+        "softmax(scale * q @ k^T, causal from the last query) @ v: q (B, H, L, D), k (B, KVH, S, D), v (B, KVH, S, Dv)");
+  m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"), "silu(gate) * x");
+  m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"), "weight * x / sqrt(mean(x^2) + eps)");
+}

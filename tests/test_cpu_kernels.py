@@ -1,0 +1,135 @@
+"""akunu's fused CPU kernels (models/cpu_kernels.cpp): right against MLX's ops, a row's bits
+independent of the rows computed with it, in use where they can be built, and skipped cleanly where not."""
+
+import platform
+import shutil
+import sys
+
+import mlx.core as mx
+import pytest
+
+from akunu.models import cpu_kernels
+
+BUILDABLE = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64") and shutil.which("g++")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = cpu_kernels.load()
+    if module is None and not BUILDABLE:
+        pytest.skip(f"no fused kernels here: {cpu_kernels.unavailable()}")
+    assert module is not None, f"the fused kernels should build on this machine: {cpu_kernels.unavailable()}"
+    return module
+
+
+def _attention_inputs(L, S, heads=6, kv_heads=2, dims=32, seed=0):
+    q = mx.random.normal((1, heads, L, dims), key=mx.random.key(seed))
+    k = mx.random.normal((1, kv_heads, S, dims), key=mx.random.key(seed + 1))
+    v = mx.random.normal((1, kv_heads, S, dims), key=mx.random.key(seed + 2))
+    return q, k, v
+
+
+@pytest.mark.parametrize("L, S", [(1, 1), (1, 37), (5, 5), (5, 70), (17, 300), (33, 33)])
+def test_attention_matches_mlx(kernels, L, S):
+    q, k, v = _attention_inputs(L, S)
+    causal = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=causal)
+    assert mx.allclose(kernels.attention(q, k, v, 0.2, True), expected, rtol=1e-5, atol=1e-6).item()
+    unmasked = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2)
+    assert mx.allclose(kernels.attention(q, k, v, 0.2, False), unmasked, rtol=1e-5, atol=1e-6).item()
+
+
+def test_attention_reads_strided_caches_and_queries(kernels):
+    """Keys and values are slices of a preallocated cache, queries a transposed view."""
+    q, k, v = _attention_inputs(4, 40)
+    buffer_k, buffer_v = mx.pad(k, [(0, 0), (0, 0), (0, 24), (0, 0)]), mx.pad(v, [(0, 0), (0, 0), (0, 24), (0, 0)])
+    q_view = q.transpose(0, 2, 1, 3).reshape(1, 4, 6, 32).transpose(0, 2, 1, 3) * 1.0
+    k_cols = mx.stack([k, -k], axis=-1).reshape(1, 2, 40, 64)[..., ::2]  # k again, strided along the head dimension
+    got = kernels.attention(q_view, buffer_k[:, :, :40], buffer_v[:, :, :40], 0.3, True)
+    assert mx.array_equal(got, kernels.attention(q, k, v, 0.3, True)).item()
+    assert mx.array_equal(kernels.attention(q, k_cols, v, 0.3, True), kernels.attention(q, k, v, 0.3, True)).item()
+
+
+@pytest.mark.parametrize("S", [20, 300])
+def test_attention_row_is_independent_of_the_pass(kernels, S):
+    """Row j of a causal pass is bit for bit a 1-row call over the keys it may see: a verification
+    pass gives a position exactly what a plain step gives it."""
+    L = 17
+    q, k, v = _attention_inputs(L, S, seed=3)
+    wide = kernels.attention(q, k, v, 0.125, True)
+    for j in range(L):
+        end = S - L + j + 1
+        alone = kernels.attention(q[:, :, j : j + 1], k[:, :, :end], v[:, :, :end], 0.125, False)
+        assert mx.array_equal(wide[:, :, j : j + 1], alone).item(), j
+
+
+def test_swiglu_matches_and_is_elementwise(kernels):
+    stacked = mx.random.normal((1, 9, 2 * 100), key=mx.random.key(5)) * 6
+    gate, x = mx.split(stacked, 2, axis=-1)  # views into the gate|up product, as the fused MLP passes them
+    ours = kernels.swiglu(gate, x)
+    assert mx.allclose(ours, gate * mx.sigmoid(gate) * x, rtol=1e-6, atol=1e-6).item()
+    assert mx.array_equal(kernels.swiglu(gate[:, :3], x[:, :3]), ours[:, :3]).item()
+    huge = mx.array([[-200.0, -90.0, 0.0, 90.0, 200.0]])
+    assert mx.allclose(kernels.swiglu(huge, mx.ones_like(huge)), mx.array([[0.0, 0.0, 0.0, 90.0, 200.0]])).item()
+
+
+def test_rms_norm_matches_and_is_per_row(kernels):
+    x, weight = mx.random.normal((2, 7, 96), key=mx.random.key(6)), mx.random.normal((96,), key=mx.random.key(7))
+    ours = kernels.rms_norm(x, weight, 1e-5)
+    assert mx.allclose(ours, mx.fast.rms_norm(x, weight, 1e-5), rtol=1e-6, atol=1e-6).item()
+    assert mx.array_equal(kernels.rms_norm(x[:, 2:3], weight, 1e-5), ours[:, 2:3]).item()
+
+
+def test_bad_inputs_are_refused_when_the_graph_is_built(kernels):
+    q, k, v = _attention_inputs(2, 8)
+    with pytest.raises(ValueError, match="float32"):
+        kernels.attention(q.astype(mx.float16), k, v, 0.1, True)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        kernels.attention(q[..., :24], k[..., :24], v[..., :24], 0.1, True)
+    with pytest.raises(ValueError, match="one shape"):
+        kernels.swiglu(q, k)
+
+
+def test_a_fresh_cache_builds_and_a_missing_compiler_falls_back(kernels, tmp_path, monkeypatch):
+    """What a new machine does on first use: build into the cache, then load from it; without a
+    compiler, no kernels and a reason."""
+    monkeypatch.setenv("AKUNU_KERNEL_CACHE", str(tmp_path / "cache"))
+    cpu_kernels.load.cache_clear()
+    try:
+        assert cpu_kernels.load() is not None, cpu_kernels.unavailable()
+        assert len(list((tmp_path / "cache").glob("*/akunu_cpu_kernels*"))) == 1
+        monkeypatch.setenv("AKUNU_KERNEL_CACHE", str(tmp_path / "empty"))
+        monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+        cpu_kernels.load.cache_clear()
+        assert cpu_kernels.load() is None
+        assert "building cpu_kernels.cpp failed" in cpu_kernels.unavailable()
+        monkeypatch.setenv("AKUNU_KERNELS", "0")
+        cpu_kernels.load.cache_clear()
+        assert cpu_kernels.load() is None and cpu_kernels.unavailable() == "AKUNU_KERNELS=0"
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.load.cache_clear()
+        assert cpu_kernels.load() is not None
+
+
+def test_the_fast_step_runs_the_kernels(kernels):
+    """A decode step of a tiny llama goes through them: the graph holds akunu's primitives."""
+    from akunu.kv_cache import make_cache
+    from akunu.models import fast_step
+    from tests.tiny import tiny_llama
+
+    model = tiny_llama(hidden=64, seed=2)  # heads of 16 dimensions, as the kernel requires
+    fast_step.enable(model)
+    cache = make_cache(model)
+    model(mx.array([[1, 2, 3]]), cache=cache)
+    out = model(mx.array([[4]]), cache=cache)
+    dot = _graph_text(out)
+    assert "AkunuAttention" in dot and "AkunuSwiGLU" in dot and "AkunuRMSNorm" in dot
+
+
+def _graph_text(out: mx.array) -> str:
+    import io
+
+    buffer = io.StringIO()
+    mx.export_to_dot(buffer, out)
+    return buffer.getvalue()
