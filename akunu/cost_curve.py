@@ -69,11 +69,14 @@ def relative_costs(seconds: Sequence[float]) -> list[float]:
 
 
 def curve_key(model_name: str, dtype: str) -> str:
-    """e.g. "smollm2-135m-float32-cpu-openblas-matvec2-step5": the curve belongs to model, dtype,
-    backend, matmul routing and decode step together (their revisions set what passes cost)."""
-    backend = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
+    """e.g. "smollm2-135m-float32-cpu-openblas-matvec2-kernels-step5": the curve belongs to model,
+    dtype, backend, matmul routing, CPU kernels and decode step together (they set what passes cost)."""
+    from akunu.models import cpu_kernels
+
+    gpu = mx.default_device().type == mx.DeviceType.gpu
     blas = _blas.describe().split()[0].lower() + (f"-matvec{_blas.MATVEC_REVISION}" if _blas.matvec_path else "")
-    return f"{model_name}-{dtype}-{backend}-{blas}-step{STEP_REVISION}"
+    kernels = "-kernels" if not gpu and cpu_kernels.load() else ""
+    return f"{model_name}-{dtype}-{'gpu' if gpu else 'cpu'}-{blas}{kernels}-step{STEP_REVISION}"
 
 
 def default_dir() -> Path:

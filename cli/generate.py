@@ -207,10 +207,14 @@ def report(stats, finish: str | None, verbose: bool) -> None:
 
 def describe_run(loaded, config) -> None:
     """The --verbose header: model, weights, backend, speculation settings."""
+    import mlx.core as mx
+
     from akunu import _blas
+    from akunu.models import cpu_kernels
 
     err = stderr_console()
-    err.print(f"[dim]{loaded.describe()} · {getattr(loaded, 'dtype_reason', '')} · BLAS: {_blas.describe()}[/]")
+    kernels = f" · CPU kernels: {cpu_kernels.describe()}" if mx.default_device() == mx.cpu else ""
+    err.print(f"[dim]{loaded.describe()} · {getattr(loaded, 'dtype_reason', '')} · BLAS: {_blas.describe()}{kernels}[/]")
     spec = config.spec
     policy = ("adaptive" if spec.length_policy == "acceptance" else spec.length_policy) if spec.adaptive else "fixed"
     mode = f"on, up to {spec.draft_tokens} drafts, {policy}" if spec.enabled else "off"

@@ -37,6 +37,11 @@ def cache_dir() -> Path:
     return Path(root).expanduser() / "akunu" / "kernels"
 
 
+def describe() -> str:
+    """For a run's header: whether decode steps run the fused kernels, and if not, why."""
+    return "fused" if load() else f"MLX's ops ({unavailable()})"
+
+
 def unavailable() -> str | None:
     """Why the kernels are not in use (None once `load()` succeeded or before it ran)."""
     return _why_not[0] if _why_not else None

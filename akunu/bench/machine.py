@@ -31,6 +31,7 @@ def describe_machine(model_name: str = "", dtype: str = "", dtype_reason: str = 
     import mlx.core as mx
 
     from akunu import _blas
+    from akunu.models import cpu_kernels
 
     return {
         "platform": platform.platform(),
@@ -39,6 +40,7 @@ def describe_machine(model_name: str = "", dtype: str = "", dtype_reason: str = 
         "cores": os.cpu_count() or 0,
         "backend": str(mx.default_device()),
         "blas": _blas.describe(),
+        "cpu_kernels": cpu_kernels.describe() if mx.default_device() == mx.cpu else "",
         "python": sys.version.split()[0],
         "mlx": _version("mlx"),
         "mlx_lm": _version("mlx-lm"),
