@@ -19,13 +19,15 @@ from rich.table import Table
 
 from akunu.cli import options, runtime
 from akunu.cli.console import print_note, stderr_console
+from akunu.errors import OptionsError
 
 EXAMPLES = """[bold]Examples[/]
   akunu bench --max-tokens 64 --limit 2            a quick look: 2 prompts per category
   akunu bench --json bench.json --plot bench.png   the full run, every measurement kept
   akunu bench --categories code-edit,chat --repeats 3
   akunu bench --workload my-prompts.jsonl          your own prompts: {"category": ..., "prompt": ...} per line
-  akunu bench --cost-curve                         forward-pass time for 1..16 tokens on this backend"""
+  akunu bench --cost-curve                         forward-pass time for 1..33 tokens on this backend
+  akunu bench --cost-curve --context 2048          the same after 2k tokens of context (shown only)"""
 
 WORKLOAD_PANEL, RUN_PANEL, OUTPUT_PANEL = "Workload", "Runs", "Output"
 
@@ -135,6 +137,15 @@ def bench(
             help="Instead of the benchmark: time a forward pass of 1..33 tokens, show it, and store it for adaptive drafting.",
         ),
     ] = False,
+    context: Annotated[
+        Optional[int],
+        typer.Option(
+            "--context",
+            min=1,
+            help="With --cost-curve: time the passes after this many tokens of context (shown, not stored: "
+            "adaptive drafting reads the curve measured at the usual context, 512).",
+        ),
+    ] = None,
 ) -> None:
     """Measure speculative against plain decoding, and against mlx-lm, on realistic prompts.
 
@@ -145,10 +156,14 @@ def bench(
     from akunu import bench as lib
     from akunu.bench.engine import ModelEngine
 
+    if context is not None and not cost_curve:
+        raise OptionsError("--context goes with --cost-curve")
     if cost_curve:
         loaded = runtime.load(model, dtype)
+        if context is not None and loaded.context_length and context + 33 > loaded.context_length:
+            raise OptionsError(f"--context {context} leaves no room for a 33-token pass in the model's {loaded.context_length}")
         _print_header(loaded, "")
-        show_cost_curve(loaded, draft_tokens)
+        show_cost_curve(loaded, draft_tokens, context)
         return
     prompts = lib.select(
         lib.load_workload(workload) if workload else lib.shipped_workload(), _split_categories(categories), limit
@@ -225,7 +240,9 @@ def _print_header(loaded, config: str) -> dict:
               f" [dim]({escape(str(machine['dtype_reason']))})[/]")  # fmt: skip
     out.print(
         f"[dim]{machine['platform']} · {escape(str(machine['cpu']))} · {machine['cores']} cores · backend {machine['backend']}"
-        f" · BLAS {escape(str(machine['blas']))} · mlx {machine['mlx']} · mlx-lm {machine['mlx_lm']}[/]"
+        f" · BLAS {escape(str(machine['blas']))} · mlx {machine['mlx']} · mlx-lm {machine['mlx_lm']}"
+        + (f" · CPU kernels: {escape(str(machine['cpu_kernels']))}" if machine.get("cpu_kernels") else "")
+        + "[/]"
     )
     if config:
         out.print(f"[dim]{config}[/]")
@@ -403,16 +420,22 @@ def exact_table(rows) -> Table:
     return table
 
 
-def show_cost_curve(loaded, draft_tokens: int) -> None:
-    """Measure afresh, print k / ms / relative cost / ms per token, and store the curve for adaptive drafting."""
+def show_cost_curve(loaded, draft_tokens: int, context: int | None = None) -> None:
+    """Measure afresh, print k / ms / relative cost / ms per token, and store the curve for adaptive
+    drafting (a curve at another `context` is shown only)."""
     from akunu import cost_curve
-    from akunu.bench.cost_table import measure_and_save
+    from akunu.bench.cost_table import cost_rows, measure_and_save
     from akunu.draft_length import best_length
 
     key = cost_curve.curve_key(loaded.name, loaded.dtype)
-    with stderr_console().status("timing forward passes of 1..33 tokens…"):
-        rows, path = measure_and_save(loaded.model, key, cost_curve.default_dir())
-    table = Table(title="forward-pass time by width k", caption=key, title_justify="left")
+    context_used = context or cost_curve.CONTEXT
+    with stderr_console().status(f"timing forward passes of 1..33 tokens after {context_used} tokens of context…"):
+        if context is None:
+            rows, path = measure_and_save(loaded.model, key, cost_curve.default_dir())
+        else:
+            rows, path = cost_rows(cost_curve.measure(loaded.model, cost_curve.MAX_WIDTH, context=context)), None
+    title = f"forward-pass time by width k, after {context_used} tokens of context"
+    table = Table(title=title, caption=key, title_justify="left")
     for name in ("k", "ms", "relative cost", "ms per token"):
         table.add_column(name, justify="right")
     for row in rows:
@@ -422,7 +445,10 @@ def show_cost_curve(loaded, draft_tokens: int) -> None:
     costs = [row.relative for row in rows]
     picks = [f"{a:.0%} → {best_length(a, costs, draft_tokens)}" for a in (0.2, 0.4, 0.6, 0.8, 0.9)]
     out.print(f"adaptive drafting with this curve (≤ {draft_tokens}) drafts, by acceptance: " + ", ".join(picks))
-    out.print(f"[dim]saved to {path}; adaptive drafting reads it from there[/]")
+    if path:
+        out.print(f"[dim]saved to {path}; adaptive drafting reads it from there[/]")
+    else:
+        out.print(f"[dim]not stored: adaptive drafting uses the curve at {cost_curve.CONTEXT} tokens (akunu bench --cost-curve)[/]")
 
 
 # The lazy loader in app.py prefers a module-level `app`: a one-command Typer carrying the examples.

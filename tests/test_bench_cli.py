@@ -201,6 +201,29 @@ def test_cost_curve_is_measured_shown_and_stored_where_adaptive_drafting_reads_i
     assert relative == pytest.approx([s / seconds[0] for s in seconds])
 
 
+def test_cost_curve_at_another_context_is_shown_but_not_stored(fake_engine, monkeypatch):
+    contexts = []
+
+    def measure(model, max_width=33, sweeps=7, context=512):
+        contexts.append(context)
+        return [0.05 + 0.005 * k for k in range(33)]
+
+    monkeypatch.setattr(akunu.cost_curve, "measure", measure)
+    result = invoke("bench", "--cost-curve", "--context", "100")
+    text = ANSI.sub("", result.output)
+    assert result.exit_code == 0, text
+    flowing = " ".join(text.split())  # the table's title may wrap
+    assert contexts == [100] and "after 100 tokens of context" in flowing and "not stored" in flowing
+    assert not curve_path(curve_key("tiny", "float32"), default_dir()).exists()
+
+
+@pytest.mark.parametrize("args, message", [(["--context", "64"], "--context goes with --cost-curve"),
+                                           (["--cost-curve", "--context", "100000"], "leaves no room")])
+def test_a_context_option_out_of_place_is_one_line(fake_engine, args, message):
+    result = invoke("bench", *args)
+    assert result.exit_code != 0 and message in ANSI.sub("", result.output) and "Traceback" not in result.output
+
+
 def test_saved_cost_curve_round_trips_through_the_engine_cache(tmp_path):
     save("some model/float32 cpu", [0.1] + [0.2] * 32, tmp_path)
     assert akunu.cost_curve.cached(None, "some model/float32 cpu", tmp_path) == pytest.approx([1.0] + [2.0] * 32)
