@@ -133,3 +133,25 @@ def _graph_text(out: mx.array) -> str:
     buffer = io.StringIO()
     mx.export_to_dot(buffer, out)
     return buffer.getvalue()
+
+
+@pytest.mark.parametrize("width", [2, 5, 17])
+def test_default_mode_passes_give_each_position_a_step_s_bits(kernels, width):
+    """With the decode matmuls and these kernels every op of a pass is row-independent, so on the CPU
+    a verification pass's logits equal 1-token steps' bit for bit without exact mode's padding."""
+    from akunu import _blas
+    from akunu.kv_cache import make_cache, rewind
+    from akunu.models import fast_step
+    from tests.tiny import tiny_llama
+
+    if not _blas.matvec_path:
+        pytest.skip("needs akunu's decode matmuls (akunu/_matvec.c)")
+    model = tiny_llama(hidden=64, seed=1)
+    fast_step.enable(model)
+    cache = make_cache(model)
+    model(mx.array([list(range(1, 40))]), cache=cache)
+    tokens = [(7 * i + 3) % 64 for i in range(width)]
+    wide = model(mx.array([tokens]), cache=cache)[0]
+    rewind(cache, width)
+    steps = mx.concatenate([model(mx.array([[t]]), cache=cache)[0] for t in tokens])
+    assert mx.array_equal(wide, steps).item()
