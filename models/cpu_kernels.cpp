@@ -12,10 +12,12 @@
 // Built on first use by models/cpu_kernels.py (g++, against the installed MLX and nanobind).
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <stdexcept>
 #include <vector>
 
@@ -362,30 +364,86 @@ void rms_norm_kernel(const array& x, const array& weight, float eps, array& out)
   }
 }
 
+// ---- the q|k|v product's heads, rotated ------------------------------------------------------------
+
+// Splits rows (B * L, (H + 2 KV) * D) of the stacked q|k|v product into queries (B, H, L, D), keys
+// and values (B, KV, L, D), rotating queries and keys: x * cos + partner(x) * sin, the tables
+// (L, D) laid out like x (models/cpu_rope.py), partner(d) = d ^ 1 when traditional, else d +- D/2.
+// No fused multiply-adds here, so the rotation rounds as mx.fast.rope's does.
+__attribute__((optimize("fp-contract=off"))) void split_heads_kernel(const array& qkv, const array& cos, const array& sin, int batch, int heads, int kv_heads,
+                        bool traditional, std::vector<array>& out) {
+  const int length = cos.shape(0), dims = cos.shape(1), half = dims / 2;
+  const int64_t qs0 = qkv.strides()[0], qs1 = qkv.strides()[1];
+  const int64_t cs0 = cos.strides()[0], cs1 = cos.strides()[1], ss0 = sin.strides()[0], ss1 = sin.strides()[1];
+  std::vector<float> x(dims), cp(dims), sp(dims);  // this position's head and tables, contiguous
+  for (int b = 0; b < batch; b++)
+    for (int p = 0; p < length; p++) {
+      const float* row = qkv.data<float>() + (int64_t(b) * length + p) * qs0;
+      for (int d = 0; d < dims; d++) cp[d] = cos.data<float>()[p * cs0 + d * cs1], sp[d] = sin.data<float>()[p * ss0 + d * ss1];
+      for (int h = 0; h < heads + 2 * kv_heads; h++) {
+        for (int d = 0; d < dims; d++) x[d] = row[(int64_t(h) * dims + d) * qs1];
+        const bool value = h >= heads + kv_heads;
+        array& target = out[h < heads ? 0 : value ? 2 : 1];
+        const int local = h < heads ? h : value ? h - heads - kv_heads : h - heads;
+        float* dst = target.data<float>() + ((int64_t(b) * target.shape(1) + local) * length + p) * dims;
+        if (value) {
+          std::memcpy(dst, x.data(), dims * sizeof(float));
+          continue;
+        }
+        for (int d = 0; d < dims; d++) {
+          const int partner = traditional ? d ^ 1 : (d < half ? d + half : d - half);
+          dst[d] = x[d] * cp[d] + x[partner] * sp[d];
+        }
+      }
+    }
+}
+
 // ---- MLX primitives -----------------------------------------------------------------------------
 
-void allocate(array& out) { out.set_data(allocator::malloc(out.nbytes())); }
+using Kernel = std::function<void(const std::vector<array>&, std::vector<array>&)>;
 
-class Attention : public Primitive {
+// Float32 outputs, computed by kernel() on the CPU stream as MLX's own CPU primitives are:
+// allocated here, the work queued on the stream's encoder with weak copies of the arrays.
+class CpuPrimitive : public Primitive {
  public:
-  Attention(Stream stream, float scale, bool causal) : Primitive(stream), scale_(scale), causal_(causal) {}
+  using Primitive::Primitive;
   void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
-    array& out = outputs[0];
-    allocate(out);
     auto& encoder = cpu::get_command_encoder(stream());
-    for (auto& a : in) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    encoder.dispatch([q = array::unsafe_weak_copy(in[0]), k = array::unsafe_weak_copy(in[1]),
-                      v = array::unsafe_weak_copy(in[2]), out = array::unsafe_weak_copy(out),
-                      scale = scale_, causal = causal_]() mutable { attention_kernel(q, k, v, out, scale, causal); });
+    std::vector<array> inputs, outs;
+    for (auto& a : in) {
+      encoder.set_input_array(a);
+      inputs.push_back(array::unsafe_weak_copy(a));
+    }
+    for (auto& out : outputs) {
+      out.set_data(allocator::malloc(out.nbytes()));
+      encoder.set_output_array(out);
+      outs.push_back(array::unsafe_weak_copy(out));
+    }
+    // The kernel carries its parameters by value: the primitive may be released before the task runs.
+    encoder.dispatch([run = kernel(), inputs = std::move(inputs), outs = std::move(outs)]() mutable { run(inputs, outs); });
   }
   void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
-    throw std::runtime_error("akunu's fused attention runs on the CPU only");
+    throw std::runtime_error(std::string(name()) + " runs on the CPU only");
   }
+
+ protected:
+  virtual Kernel kernel() const = 0;
+};
+
+class Attention : public CpuPrimitive {
+ public:
+  Attention(Stream stream, float scale, bool causal) : CpuPrimitive(stream), scale_(scale), causal_(causal) {}
   const char* name() const override { return "AkunuAttention"; }
   bool is_equivalent(const Primitive& other) const override {
     auto& o = static_cast<const Attention&>(other);
     return scale_ == o.scale_ && causal_ == o.causal_;
+  }
+
+ protected:
+  Kernel kernel() const override {
+    return [scale = scale_, causal = causal_](const std::vector<array>& in, std::vector<array>& out) {
+      attention_kernel(in[0], in[1], in[2], out[0], scale, causal);
+    };
   }
 
  private:
@@ -393,45 +451,53 @@ class Attention : public Primitive {
   bool causal_;
 };
 
-class SwiGLU : public Primitive {
+class SwiGLU : public CpuPrimitive {
  public:
-  explicit SwiGLU(Stream stream) : Primitive(stream) {}
-  void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
-    array& out = outputs[0];
-    allocate(out);
-    auto& encoder = cpu::get_command_encoder(stream());
-    for (auto& a : in) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    encoder.dispatch([g = array::unsafe_weak_copy(in[0]), x = array::unsafe_weak_copy(in[1]),
-                      out = array::unsafe_weak_copy(out)]() mutable { swiglu_kernel(g, x, out); });
-  }
-  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
-    throw std::runtime_error("akunu's fused SwiGLU runs on the CPU only");
-  }
+  using CpuPrimitive::CpuPrimitive;
   const char* name() const override { return "AkunuSwiGLU"; }
   bool is_equivalent(const Primitive&) const override { return true; }
+
+ protected:
+  Kernel kernel() const override {
+    return [](const std::vector<array>& in, std::vector<array>& out) { swiglu_kernel(in[0], in[1], out[0]); };
+  }
 };
 
-class RMSNorm : public Primitive {
+class RMSNorm : public CpuPrimitive {
  public:
-  RMSNorm(Stream stream, float eps) : Primitive(stream), eps_(eps) {}
-  void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
-    array& out = outputs[0];
-    allocate(out);
-    auto& encoder = cpu::get_command_encoder(stream());
-    for (auto& a : in) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    encoder.dispatch([x = array::unsafe_weak_copy(in[0]), w = array::unsafe_weak_copy(in[1]),
-                      out = array::unsafe_weak_copy(out), eps = eps_]() mutable { rms_norm_kernel(x, w, eps, out); });
-  }
-  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
-    throw std::runtime_error("akunu's fused RMSNorm runs on the CPU only");
-  }
+  RMSNorm(Stream stream, float eps) : CpuPrimitive(stream), eps_(eps) {}
   const char* name() const override { return "AkunuRMSNorm"; }
   bool is_equivalent(const Primitive& other) const override { return eps_ == static_cast<const RMSNorm&>(other).eps_; }
 
+ protected:
+  Kernel kernel() const override {
+    return [eps = eps_](const std::vector<array>& in, std::vector<array>& out) { rms_norm_kernel(in[0], in[1], eps, out[0]); };
+  }
+
  private:
   float eps_;
+};
+
+class SplitHeads : public CpuPrimitive {
+ public:
+  SplitHeads(Stream stream, int batch, int heads, int kv_heads, bool traditional)
+      : CpuPrimitive(stream), batch_(batch), heads_(heads), kv_heads_(kv_heads), traditional_(traditional) {}
+  const char* name() const override { return "AkunuSplitHeads"; }
+  bool is_equivalent(const Primitive& other) const override {
+    auto& o = static_cast<const SplitHeads&>(other);
+    return batch_ == o.batch_ && heads_ == o.heads_ && kv_heads_ == o.kv_heads_ && traditional_ == o.traditional_;
+  }
+
+ protected:
+  Kernel kernel() const override {
+    return [b = batch_, h = heads_, kv = kv_heads_, t = traditional_](const std::vector<array>& in, std::vector<array>& out) {
+      split_heads_kernel(in[0], in[1], in[2], b, h, kv, t, out);
+    };
+  }
+
+ private:
+  int batch_, heads_, kv_heads_;
+  bool traditional_;
 };
 
 Stream cpu_stream() {
@@ -470,6 +536,19 @@ array rms_norm(const array& x, const array& weight, float eps) {
   return array(x.shape(), float32, std::make_shared<RMSNorm>(cpu_stream(), eps), {x, weight});
 }
 
+std::vector<array> split_heads(const array& qkv, const array& cos, const array& sin, int batch, int heads,
+                               int kv_heads, bool traditional) {
+  for (auto* a : {&qkv, &cos, &sin}) require_float32(*a, "split_heads inputs");
+  if (qkv.ndim() != 2 || cos.ndim() != 2 || cos.shape() != sin.shape() || cos.shape(1) % 2 || batch < 1 ||
+      qkv.shape(0) != batch * cos.shape(0) || qkv.shape(1) != (heads + 2 * kv_heads) * cos.shape(1))
+    throw std::invalid_argument("split_heads expects qkv (B * L, (H + 2 KV) * D) and tables (L, D)");
+  auto inputs = std::vector<array>{qkv, cos, sin};
+  const int length = cos.shape(0), dims = cos.shape(1);
+  std::vector<Shape> shapes{{batch, heads, length, dims}, {batch, kv_heads, length, dims}, {batch, kv_heads, length, dims}};
+  return array::make_arrays(std::move(shapes), {float32, float32, float32},
+                            std::make_shared<SplitHeads>(cpu_stream(), batch, heads, kv_heads, traditional), inputs);
+}
+
 }  // namespace
 
 NB_MODULE(akunu_cpu_kernels, m) {
@@ -477,5 +556,8 @@ NB_MODULE(akunu_cpu_kernels, m) {
   m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"), nb::arg("causal"),
         "softmax(scale * q @ k^T, causal from the last query) @ v: q (B, H, L, D), k (B, KVH, S, D), v (B, KVH, S, Dv)");
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"), "silu(gate) * x");
+  m.def("split_heads", &split_heads, nb::arg("qkv"), nb::arg("cos"), nb::arg("sin"), nb::arg("batch"),
+        nb::arg("heads"), nb::arg("kv_heads"), nb::arg("traditional"),
+        "queries, keys, values (B, heads, L, D) from the q|k|v product, queries and keys rotated");
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"), "weight * x / sqrt(mean(x^2) + eps)");
 }

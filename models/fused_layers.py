@@ -5,8 +5,9 @@ mlx-lm's `Linear` is four graph nodes (transpose, flatten, product, unflatten), 
 seven of them. Here the products that read the same input share one matrix, q|k|v and gate|up,
 whose rows are the layers' own weights (those become views of it, so no memory is added), and
 every product takes a 2-D input and a transposed view made once: a layer runs four products
-of two nodes each, and RoPE rotates queries and keys in one call. Each output element is still
-one weight row times the input, so results match mlx-lm's to float32 rounding.
+of two nodes each, and RoPE rotates queries and keys in one call (where akunu's CPU kernels are
+built, one node splits the q|k|v product into heads and rotates them: `cpu_kernels`). Each output
+element is still one weight row times the input, so results match mlx-lm's to float32 rounding.
 
 Passes wider than `MAX_ROWS` (prefill chunks), projections with biases or quantized, and
 weights replaced since `fuse` (a loaded adapter) take mlx-lm's own `__call__`.
@@ -21,6 +22,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
+
+from akunu.models import cpu_kernels, cpu_rope
 
 MAX_ROWS = 64  # decode steps and verification passes; prefill chunks keep mlx-lm's path
 
@@ -67,14 +70,26 @@ class FusedAttention(llama.Attention):
         if cache is None or x.shape[1] > MAX_ROWS or not current:
             return super().__call__(x, mask, cache)
         B, L, D = x.shape
-        H, KV = self.n_heads, self.n_kv_heads
-        # (B, H + 2 KV, L, head_dim): query heads, then key heads, then value heads
-        heads = qkv(x.reshape(B * L, D)).reshape(B, L, H + 2 * KV, -1).transpose(0, 2, 1, 3)
-        rotated = self.rope(heads[:, : H + KV], offset=cache.offset)  # queries and keys: one call
-        keys, values = cache.update_and_fetch(rotated[:, H:], heads[:, H + KV :])
+        queries, keys, values = self._heads(qkv(x.reshape(B * L, D)), B, L, cache.offset)
+        keys, values = cache.update_and_fetch(keys, values)
         output = llama.scaled_dot_product_attention(  # the module global, which akunu swaps
-            rotated[:, :H], keys, values, cache=cache, scale=self.scale, mask=mask)
+            queries, keys, values, cache=cache, scale=self.scale, mask=mask)
         return out(output.transpose(0, 2, 1, 3).reshape(B * L, -1)).reshape(B, L, -1)
+
+
+    def _heads(self, product: mx.array, B: int, L: int, offset: int) -> tuple[mx.array, mx.array, mx.array]:
+        """Rotated queries and keys and the values, (B, heads, L, head_dim), from the q|k|v product's
+        (B * L, (H + 2 KV) * head_dim) rows: one fused kernel where it applies, else views and one RoPE call."""
+        H, KV = self.n_heads, self.n_kv_heads
+        rope, head_dim = self.rope, product.shape[1] // (H + 2 * KV)
+        kernels = cpu_kernels.load()
+        whole_head = isinstance(rope, nn.RoPE) and rope.dims == head_dim and rope.base is not None
+        if kernels and whole_head and product.dtype == mx.float32:
+            cos, sin = cpu_rope.head_tables(L, offset, head_dim, rope.base, rope.scale, rope.traditional, mx.float32)
+            return tuple(kernels.split_heads(product, cos, sin, B, H, KV, rope.traditional))
+        heads = product.reshape(B, L, H + 2 * KV, -1).transpose(0, 2, 1, 3)  # query, then key, then value heads
+        rotated = rope(heads[:, : H + KV], offset=offset)  # queries and keys: one call
+        return rotated[:, :H], rotated[:, H:], heads[:, H + KV :]
 
 
 class FusedMLP(llama.MLP):

@@ -5,8 +5,9 @@
 Each kind is timed alone, as the step runs it (same shapes, one graph, one evaluation):
 weight matmuls (every Linear and the output head as matrix-vector products, stacked as the
 fast step stacks them), norms,
-RoPE, attention over the cache, and the elementwise rest (residual adds, SwiGLU). Norms and
-SwiGLU run as the fast step runs them (akunu's fused kernels, where they could be built).
+RoPE (with the split of the q|k|v product into heads), attention over the cache, and the
+elementwise rest (residual adds, SwiGLU). Norms, RoPE and SwiGLU run as the fast step runs them
+(akunu's fused kernels, where they could be built; llama-family models).
 "overhead" is the full step minus their sum: graph building, dispatch, reshapes, copies.
 The full step and attention are timed with akunu's fast step (models/fast_step.py) on and
 off. Timings interleave and report the minimum over --reps (the machine may be shared).
@@ -59,10 +60,10 @@ def kinds(model: nn.Module, cache: list) -> dict[str, Callable[[], list[mx.array
     attn = [layer.self_attn for layer in layers]
     heads = [(a.n_heads, a.n_kv_heads, a.q_proj.weight.shape[0] // a.n_heads) for a in attn]
     queries = [mx.random.normal((1, h, 1, d)) for h, _, d in heads]
-    queries_and_keys = [mx.random.normal((1, h + kv, 1, d)) for h, kv, d in heads]  # rotated in one call
+    products = [mx.random.normal((1, (h + 2 * kv) * d)) for h, kv, d in heads]  # one token's q|k|v product
     inter = layers[0].mlp.gate_proj.weight.shape[0]
     gate, up = mx.random.normal((1, 1, inter)), mx.random.normal((1, 1, inter))
-    mx.eval(x, inputs, norm_inputs, queries, queries_and_keys, gate, up)
+    mx.eval(x, inputs, norm_inputs, queries, products, gate, up)
     module = __import__(type(model).__module__, fromlist=["scaled_dot_product_attention"])
 
     def attention() -> list[mx.array]:
@@ -72,10 +73,14 @@ def kinds(model: nn.Module, cache: list) -> dict[str, Callable[[], list[mx.array
             out.append(module.scaled_dot_product_attention(q, keys, values, cache=c, scale=a.scale, mask=None))
         return out
 
+    def rope() -> list[mx.array]:
+        """Split into heads and rotate, as the fused attention does (one kernel, or views and one RoPE call)."""
+        return [t for a, c, p in zip(attn, cache, products) for t in a._heads(p, 1, 1, c.offset)]
+
     return {
         "weight matmuls": lambda: [v @ w for v, w in zip(inputs, weights)],
         "norms": lambda: [m(v) for m, v in zip(norm_modules, norm_inputs)],
-        "rope": lambda: [a.rope(t, offset=c.offset) for a, c, t in zip(attn, cache, queries_and_keys)],
+        "rope": rope,
         "attention": attention,
         "elementwise": lambda: [t for _ in layers for t in (x + x, x + x, module.swiglu(gate, up))],  # the step's SwiGLU
     }

@@ -124,7 +124,7 @@ def test_the_fast_step_runs_the_kernels(kernels):
     model(mx.array([[1, 2, 3]]), cache=cache)
     out = model(mx.array([[4]]), cache=cache)
     dot = _graph_text(out)
-    assert "AkunuAttention" in dot and "AkunuSwiGLU" in dot and "AkunuRMSNorm" in dot
+    assert all(name in dot for name in ("AkunuAttention", "AkunuSwiGLU", "AkunuRMSNorm", "AkunuSplitHeads"))
 
 
 def _graph_text(out: mx.array) -> str:
@@ -155,3 +155,20 @@ def test_default_mode_passes_give_each_position_a_step_s_bits(kernels, width):
     rewind(cache, width)
     steps = mx.concatenate([model(mx.array([[t]]), cache=cache)[0] for t in tokens])
     assert mx.array_equal(wide, steps).item()
+
+
+@pytest.mark.parametrize("traditional", [True, False])
+@pytest.mark.parametrize("batch, length, offset", [(1, 1, 0), (1, 5, 17), (2, 17, 1500)])
+def test_split_heads_rotates_as_mx_fast_rope_bit_for_bit(kernels, traditional, batch, length, offset):
+    """The q|k|v product's rows become rotated queries and keys and plain values, the same bits as
+    mlx's RoPE on the split views (and so as the fast step's path without the kernel)."""
+    from akunu.models import cpu_rope
+
+    H, KV, D = 6, 2, 32
+    product = mx.random.normal((batch * length, (H + 2 * KV) * D), key=mx.random.key(8))
+    cos, sin = cpu_rope.head_tables(length, offset, D, 10_000.0, 1.0, traditional, mx.float32)
+    q, k, v = kernels.split_heads(product, cos, sin, batch, H, KV, traditional)
+    heads = product.reshape(batch, length, H + 2 * KV, D).transpose(0, 2, 1, 3)
+    rotated = mx.fast.rope(heads[:, : H + KV], D, traditional=traditional, base=10_000.0, scale=1.0, offset=offset)
+    assert mx.array_equal(q, rotated[:, :H]).item() and mx.array_equal(k, rotated[:, H:]).item()
+    assert mx.array_equal(v, heads[:, H + KV :]).item()
