@@ -22,9 +22,9 @@ from akunu import _blas
 from akunu.kv_cache import make_cache, rewind
 
 # Bumped whenever akunu's decode step changes what a pass of each width costs (3: SwiGLU through
-# akunu's exp, RoPE angles shared by a pass's layers; 4: llama's q|k|v and gate|up stacked; 5: fused CPU kernels), so
+# akunu's exp, RoPE angles shared by a pass's layers; 4: llama's q|k|v and gate|up stacked; 5: fused CPU kernels; 6: the heads split in one), so
 # curves saved before are measured again.
-STEP_REVISION = 5
+STEP_REVISION = 6
 MAX_WIDTH = 33  # 32 drafts and the last committed token
 CONTEXT = 512  # tokens already in the cache while timing: a prompt plus part of its answer
 
@@ -69,7 +69,7 @@ def relative_costs(seconds: Sequence[float]) -> list[float]:
 
 
 def curve_key(model_name: str, dtype: str) -> str:
-    """e.g. "smollm2-135m-float32-cpu-openblas-matvec2-kernels-step5": the curve belongs to model,
+    """e.g. "smollm2-135m-float32-cpu-openblas-matvec2-kernels-step6": the curve belongs to model,
     dtype, backend, matmul routing, CPU kernels and decode step together (they set what passes cost)."""
     from akunu.models import cpu_kernels
 

@@ -1,9 +1,10 @@
-// Fused decode kernels for MLX's CPU backend: attention, SwiGLU and RMSNorm, one MLX primitive each.
+// Fused decode kernels for MLX's CPU backend: attention, SwiGLU, RMSNorm, and the split of a
+// q|k|v product into rotated heads, one MLX primitive each.
 //
 // On the CPU every MLX graph node costs 1-3 us, MLX's exp runs one element at a time through libm
 // on x86, and MLX's CPU compile cannot fuse a reduction; so a decode layer's attention was a dozen
-// nodes (scores, mask, max, three for the exp, sum, weighing, division, reshapes), SwiGLU four and
-// RMSNorm three. Here each is one node whose work is vectorized with GCC vector extensions.
+// nodes (scores, mask, max, three for the exp, sum, weighing, division, reshapes), the split nine,
+// SwiGLU four and RMSNorm three. Here each is one node, vectorized with GCC vector extensions.
 //
 // Every kernel computes a row (one query, one token's activations) from that row alone, in an
 // order fixed by the row's own length, so a row gets the same bits whatever rows share its pass:

@@ -18,8 +18,9 @@ swapped for a subclass; parameters are untouched). SwiGLU's sigmoid, whose exp a
 element at a time (7.6 of a 16-token pass's 63 ms at a 200-token context), goes through akunu's
 exp (`cpu_math.swiglu`) via the model module's `swiglu` global. Llama-family attention and MLP
 modules stack their products (`fused_layers`): fewer, larger products and fewer graph nodes.
-Where akunu's fused CPU kernels could be built (`cpu_kernels`), attention, SwiGLU and RMSNorm
-are one node each instead; the paths above remain for machines without them.
+Where akunu's fused CPU kernels could be built (`cpu_kernels`), attention, SwiGLU, RMSNorm and
+(in `fused_layers`) the split of q|k|v into rotated heads are one node each instead; the paths
+above remain for machines without them.
 
 `enable(model)` is applied by `load_model`; AKUNU_FAST_STEP=0 (or `disable(model)`) turns
 it off for comparison.

@@ -23,6 +23,16 @@ if [ "$(uname -s)" = "Linux" ] && ! { command -v cc && command -v g++; } >/dev/n
 fi
 
 PYTHON="${PYTHON:-python3}"
+
+# Python's headers: akunu's fused CPU kernels (models/cpu_kernels.cpp) are built against them on first use.
+if [ "$(uname -s)" = "Linux" ] && ! "$PYTHON" -c 'import os, sysconfig; raise SystemExit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' 2>/dev/null; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = "0" ]; then
+    echo "Installing Python's headers (akunu's fused CPU kernels)..."
+    (apt-get update -qq && apt-get install -y -qq python3-dev) >/dev/null || echo "warning: no Python headers; akunu runs without its fused CPU kernels"
+  else
+    echo "note: install python3-dev for akunu's fused CPU kernels (faster CPU decoding)"
+  fi
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[test]"
