@@ -21,9 +21,9 @@ import mlx.nn as nn
 from akunu import _blas
 from akunu.kv_cache import make_cache, rewind
 
-# Bumped whenever akunu's decode step changes what a pass of each width costs (3: SwiGLU through
-# akunu's exp, RoPE angles shared by a pass's layers; 4: llama's q|k|v and gate|up stacked; 5: fused CPU kernels; 6: the heads split in one), so
-# curves saved before are measured again.
+# Bumped whenever akunu's decode step changes what a pass of each width costs, so curves saved
+# before are measured again (3: SwiGLU through akunu's exp, RoPE angles shared by a pass's layers;
+# 4: llama's q|k|v and gate|up stacked; 5: fused CPU kernels; 6: heads split and rotated in one).
 STEP_REVISION = 6
 MAX_WIDTH = 33  # 32 drafts and the last committed token
 CONTEXT = 512  # tokens already in the cache while timing: a prompt plus part of its answer

@@ -76,7 +76,6 @@ class FusedAttention(llama.Attention):
             queries, keys, values, cache=cache, scale=self.scale, mask=mask)
         return out(output.transpose(0, 2, 1, 3).reshape(B * L, -1)).reshape(B, L, -1)
 
-
     def _heads(self, product: mx.array, B: int, L: int, offset: int) -> tuple[mx.array, mx.array, mx.array]:
         """Rotated queries and keys and the values, (B, heads, L, head_dim), from the q|k|v product's
         (B * L, (H + 2 KV) * head_dim) rows: one fused kernel where it applies, else views and one RoPE call."""
@@ -84,7 +83,7 @@ class FusedAttention(llama.Attention):
         rope, head_dim = self.rope, product.shape[1] // (H + 2 * KV)
         kernels = cpu_kernels.load()
         whole_head = isinstance(rope, nn.RoPE) and rope.dims == head_dim and rope.base is not None
-        if kernels and whole_head and product.dtype == mx.float32:
+        if kernels and whole_head and product.dtype == mx.float32 and mx.default_device() == mx.cpu:
             cos, sin = cpu_rope.head_tables(L, offset, head_dim, rope.base, rope.scale, rope.traditional, mx.float32)
             return tuple(kernels.split_heads(product, cos, sin, B, H, KV, rope.traditional))
         heads = product.reshape(B, L, H + 2 * KV, -1).transpose(0, 2, 1, 3)  # query, then key, then value heads
