@@ -1,4 +1,4 @@
-"""akunu's fused CPU kernels (cpu_kernels.cpp): attention, SwiGLU and RMSNorm as one MLX primitive each.
+"""akunu's fused CPU kernels (cpu_kernels.cpp): attention, SwiGLU, RMSNorm and the split of q|k|v into rotated heads, one MLX primitive each.
 
 They are built on first use, the way MLX builds its own compiled CPU kernels: g++ against the MLX
 and nanobind installed beside akunu, for this machine's CPU, into a cache keyed by all of those
@@ -123,10 +123,16 @@ def _check(module: ModuleType) -> None:
     q, k, v = (mx.random.normal(shape, key=mx.random.key(i)) for i, shape in enumerate([(1, 4, 3, 16), (1, 2, 5, 16), (1, 2, 5, 16)]))
     expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mx.arange(2, 5)[:, None] >= mx.arange(5))
     gate, x = q[0, 0], q[0, 1]
+    product = q.reshape(3, 64)  # one token's q|k|v rows for 2 query heads and 1 KV head of 16, 3 tokens
+    cos, sin = mx.cos(k[0, 0, :3]), mx.sin(k[0, 0, :3])
+    split = module.split_heads(product, cos, sin, 1, 2, 1, True)
+    heads = product.reshape(1, 3, 4, 16).transpose(0, 2, 1, 3)
+    partner = heads[..., [i ^ 1 for i in range(16)]]
     checks = [
         (module.attention(q, k, v, 0.3, True), expected),
         (module.swiglu(gate, x), gate * mx.sigmoid(gate) * x),
         (module.rms_norm(q, k[0, 0, 0], 1e-5), mx.fast.rms_norm(q, k[0, 0, 0], 1e-5)),
+        (mx.concatenate(split, axis=1), mx.concatenate([(heads * cos + partner * sin)[:, :3], heads[:, 3:]], axis=1)),
     ]
     for got, want in checks:
         if not mx.allclose(got, want, rtol=1e-4, atol=1e-5).item():
