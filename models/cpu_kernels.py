@@ -63,7 +63,9 @@ def load() -> ModuleType | None:
         try:
             _build(target, nanobind)
         except (OSError, subprocess.SubprocessError) as error:
-            return _give_up(f"building {SOURCE.name} failed: {str(error).strip().splitlines()[-1][:200]}")
+            lines = str(error).strip().splitlines() or [type(error).__name__]
+            first_error = next((line for line in lines if "error" in line), lines[-1])  # g++ ends on context lines
+            return _give_up(f"building {SOURCE.name} failed: {first_error.strip()[:200]}")
     try:
         spec = importlib.util.spec_from_file_location(MODULE_NAME, target)
         module = importlib.util.module_from_spec(spec)
@@ -71,6 +73,7 @@ def load() -> ModuleType | None:
         _check(module)
     except Exception as error:  # noqa: BLE001 - a module that does not load or check out is not used
         return _give_up(f"the built kernels do not work here: {error}")
+    _why_not.clear()
     return module
 
 

@@ -41,9 +41,10 @@ def test_attention_matches_mlx(kernels, L, S):
 
 def test_attention_reads_strided_caches_and_queries(kernels):
     """Keys and values are slices of a preallocated cache, queries a transposed view."""
-    q, k, v = _attention_inputs(4, 40)
+    _, k, v = _attention_inputs(4, 40)
+    q_view = mx.random.normal((1, 4, 6, 32), key=mx.random.key(9)).transpose(0, 2, 1, 3)  # (B, H, L, D), strided
+    q = q_view * 1.0  # the same values, contiguous
     buffer_k, buffer_v = mx.pad(k, [(0, 0), (0, 0), (0, 24), (0, 0)]), mx.pad(v, [(0, 0), (0, 0), (0, 24), (0, 0)])
-    q_view = q.transpose(0, 2, 1, 3).reshape(1, 4, 6, 32).transpose(0, 2, 1, 3) * 1.0
     k_cols = mx.stack([k, -k], axis=-1).reshape(1, 2, 40, 64)[..., ::2]  # k again, strided along the head dimension
     got = kernels.attention(q_view, buffer_k[:, :, :40], buffer_v[:, :, :40], 0.3, True)
     assert mx.array_equal(got, kernels.attention(q, k, v, 0.3, True)).item()
@@ -103,13 +104,14 @@ def test_a_fresh_cache_builds_and_a_missing_compiler_falls_back(kernels, tmp_pat
         cpu_kernels.load.cache_clear()
         assert cpu_kernels.load() is None
         assert "building cpu_kernels.cpp failed" in cpu_kernels.unavailable()
+        assert "no-such-compiler" in cpu_kernels.unavailable()  # the reason names what went wrong
         monkeypatch.setenv("AKUNU_KERNELS", "0")
         cpu_kernels.load.cache_clear()
         assert cpu_kernels.load() is None and cpu_kernels.unavailable() == "AKUNU_KERNELS=0"
     finally:
         monkeypatch.undo()
         cpu_kernels.load.cache_clear()
-        assert cpu_kernels.load() is not None
+        assert cpu_kernels.load() is not None and cpu_kernels.unavailable() is None
 
 
 def test_the_fast_step_runs_the_kernels(kernels):
