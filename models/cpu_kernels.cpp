@@ -25,7 +25,6 @@
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx/stream.h"
 

@@ -17,8 +17,7 @@ import threading
 import mlx.core as mx
 
 _angles: dict[tuple, tuple[mx.array, mx.array]] = {}  # the latest pass's only, so no old graph is held
-_tables: dict[tuple, tuple[mx.array, mx.array]] = {}  # likewise: cos and ±sin laid out like x's pairs
-_head_tables: dict[tuple, tuple[mx.array, mx.array]] = {}  # likewise: those as (length, dims) rows
+_tables: dict[tuple, tuple[mx.array, ...]] = {}  # likewise: cos and ±sin laid out like x's pairs, and as rows
 
 
 def angles(length: int, offset: int, dims: int, base: float, scale: float) -> tuple[mx.array, mx.array]:
@@ -44,28 +43,26 @@ def rope(x: mx.array, dims: int, traditional: bool, base: float, scale: float, o
     # x's pairs: (.., length, pairs, 2) side by side when traditional, else (.., length, 2, pairs)
     pairs = x.reshape(*lead, length, *((dims // 2, 2) if traditional else (2, dims // 2)))
     partners = pairs[..., ::-1] if traditional else pairs[..., ::-1, :]  # a view: no copy
-    pair_cos, pair_sin = pair_tables(length, offset, dims, base, scale, traditional, x.dtype)
+    pair_cos, pair_sin = _tables_for(length, offset, dims, base, scale, traditional, x.dtype)[:2]
     return _rotate_pairs(pairs, partners, pair_cos, pair_sin).reshape(x.shape)
 
 
-def pair_tables(length: int, offset: int, dims: int, base: float, scale: float, traditional: bool, dtype: mx.Dtype):
-    """cos and ±sin laid out like x's pairs: member 0 of pair i gets x0 c - x1 s, member 1 x1 c + x0 s."""
+def head_tables(length: int, offset: int, dims: int, base: float, scale: float, traditional: bool, dtype: mx.Dtype):
+    """The pair tables as (length, dims) rows, for a kernel that rotates whole heads (cpu_kernels.split_heads)."""
+    return _tables_for(length, offset, dims, base, scale, traditional, dtype)[2:]
+
+
+def _tables_for(length: int, offset: int, dims: int, base: float, scale: float, traditional: bool, dtype: mx.Dtype):
+    """cos and ±sin laid out like x's pairs (member 0 of pair i gets x0 c - x1 s, member 1 x1 c + x0 s),
+    then the same two as (length, dims) rows."""
     key = (threading.get_ident(), length, offset, dims, base, scale, traditional, dtype)
     if key not in _tables:
         coss, sins = (t.astype(dtype) for t in angles(length, offset, dims, base, scale))
         axis = -1 if traditional else 1
+        pair_cos, pair_sin = mx.stack([coss, coss], axis=axis), mx.stack([-sins, sins], axis=axis)
         _tables.clear()
-        _tables[key] = mx.stack([coss, coss], axis=axis), mx.stack([-sins, sins], axis=axis)
+        _tables[key] = pair_cos, pair_sin, pair_cos.reshape(length, dims), pair_sin.reshape(length, dims)
     return _tables[key]
-
-
-def head_tables(length: int, offset: int, dims: int, base: float, scale: float, traditional: bool, dtype: mx.Dtype):
-    """`pair_tables` as (length, dims) rows, for a kernel that rotates whole heads (cpu_kernels.split_heads)."""
-    key = (threading.get_ident(), length, offset, dims, base, scale, traditional, dtype)
-    if key not in _head_tables:
-        _head_tables.clear()
-        _head_tables[key] = tuple(t.reshape(length, dims) for t in pair_tables(length, offset, dims, base, scale, traditional, dtype))
-    return _head_tables[key]
 
 
 @mx.compile

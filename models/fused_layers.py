@@ -70,13 +70,13 @@ class FusedAttention(llama.Attention):
         if cache is None or x.shape[1] > MAX_ROWS or not current:
             return super().__call__(x, mask, cache)
         B, L, D = x.shape
-        queries, keys, values = self._heads(qkv(x.reshape(B * L, D)), B, L, cache.offset)
+        queries, keys, values = self.rotated_heads(qkv(x.reshape(B * L, D)), B, L, cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
         output = llama.scaled_dot_product_attention(  # the module global, which akunu swaps
             queries, keys, values, cache=cache, scale=self.scale, mask=mask)
         return out(output.transpose(0, 2, 1, 3).reshape(B * L, -1)).reshape(B, L, -1)
 
-    def _heads(self, product: mx.array, B: int, L: int, offset: int) -> tuple[mx.array, mx.array, mx.array]:
+    def rotated_heads(self, product: mx.array, B: int, L: int, offset: int) -> tuple[mx.array, mx.array, mx.array]:
         """Rotated queries and keys and the values, (B, heads, L, head_dim), from the q|k|v product's
         (B * L, (H + 2 KV) * head_dim) rows: one fused kernel where it applies, else views and one RoPE call."""
         H, KV = self.n_heads, self.n_kv_heads

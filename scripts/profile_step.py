@@ -75,7 +75,7 @@ def kinds(model: nn.Module, cache: list) -> dict[str, Callable[[], list[mx.array
 
     def rope() -> list[mx.array]:
         """Split into heads and rotate, as the fused attention does (one kernel, or views and one RoPE call)."""
-        return [t for a, c, p in zip(attn, cache, products) for t in a._heads(p, 1, 1, c.offset)]
+        return [t for a, c, p in zip(attn, cache, products) for t in a.rotated_heads(p, 1, 1, c.offset)]
 
     return {
         "weight matmuls": lambda: [v @ w for v, w in zip(inputs, weights)],
