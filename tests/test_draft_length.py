@@ -4,8 +4,8 @@ import mlx.core as mx
 import pytest
 
 from akunu.cost_curve import widest_paying
-from akunu.draft_length import DraftLength, EntropyDraftLength, best_length, make_draft_length
-from akunu.drafter import Draft
+from akunu.draft_length import DraftLength, EntropyDraftLength, best_chain_length, best_length, make_draft_length
+from akunu.drafter import Draft, Guess, NGramDrafter
 from akunu.errors import OptionsError
 
 CPU_LIKE = [1.0, 1.17, 1.25, 1.35, 1.55]  # measured shape: a 5-token pass costs ~1.5 steps
@@ -55,6 +55,49 @@ def test_a_drafter_that_costs_a_forward_pass_drafts_only_when_drafts_land_often(
     assert best_length(0.95, CPU_LIKE, 4, draft_cost=0.1) == 4
     policy = make_draft_length("acceptance", 4, CPU_LIKE, adaptive=True, draft_cost=0.8)
     assert policy.limit() == 0  # at the prior's acceptance
+
+
+def test_the_chain_rule_reduces_to_the_closed_form_for_one_acceptance():
+    for a in (0.2, 0.5, 0.8, 0.95):
+        chosen = best_chain_length([a] * 32, CPU_WIDE)
+        rate = lambda n: (1 - a ** (n + 1)) / (1 - a) / CPU_WIDE[n]  # noqa: E731
+        assert rate(chosen) == pytest.approx(max(rate(n) for n in range(33)))
+    assert best_chain_length([0.95, 0.95, 0.05, 0.95], CPU_WIDE) == 2  # a weak token ends the draft before it
+
+
+def test_each_tokens_evidence_sizes_the_draft():
+    sure, split = Guess(("ngram", 3, "unanimous"), 0.9), Guess(("ngram", 1, "split"), 0.2)
+    policy = DraftLength(32, CPU_WIDE)
+    draft = Draft(list(range(8)), match=3, guesses=[sure] * 3 + [split] + [sure] * 4)
+    assert len(policy.cut(draft)) == 3  # stop before the token its context disagreed about
+    assert len(policy.cut(Draft(list(range(8)), match=3, guesses=[sure] * 8))) == 8
+
+
+def test_acceptance_is_learned_per_class_of_evidence():
+    learned, fresh = Guess(("ngram", 2, "usual"), 0.6), Guess(("ngram", 3, "usual"), 0.6)
+    policy = DraftLength(32, [1.0 + 0.3 * k for k in range(33)])  # dear passes: a draft must earn its width
+    first = len(policy.cut(Draft(list(range(8)), match=2, guesses=[learned] * 8)))
+    for _ in range(6):  # drafts of this class land whole every time
+        round_of(policy, Draft(list(range(8)), match=2, guesses=[learned] * 8), list(range(9)))
+        policy.run = 0  # isolate the class: no copy run in progress
+    assert len(policy.cut(Draft(list(range(8)), match=2, guesses=[learned] * 8))) > first
+    assert len(policy.cut(Draft(list(range(8)), match=3, guesses=[fresh] * 8))) == first  # its own prior still
+    for _ in range(20):  # now it misses at once; a plain step wins, then the class's record fades
+        round_of(policy, Draft(list(range(8)), match=2, guesses=[learned] * 8), [99] * 9)
+    assert len(policy.cut(Draft(list(range(8)), match=2, guesses=[learned] * 8))) == 0
+    for _ in range(30):
+        policy.cut(Draft(list(range(8)), match=2, guesses=[learned] * 8)), policy.observe(0, 0)
+    assert len(policy.cut(Draft(list(range(8)), match=2, guesses=[learned] * 8))) > 0  # tried again
+
+
+def test_ngram_drafts_carry_their_tables_evidence():
+    drafter = NGramDrafter()
+    drafter.start([5, 6, 7, 5, 6, 8, 5, 6, 7, 9, 5])
+    draft = drafter.draft(3)
+    assert draft.tokens == [6, 7, 9] and draft.match == 1
+    assert [g.kind for g in draft.guesses] == [("ngram", 1, "unanimous"), ("ngram", 2, "usual"), ("ngram", 3, "split")]
+    assert [g.prior for g in draft.guesses] == pytest.approx([3 / 4, 2 / 4, 1 / 3])
+    assert draft.truncated(2).guesses == draft.guesses[:2]
 
 
 def test_fixed_policy_always_drafts_the_maximum():

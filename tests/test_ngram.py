@@ -55,3 +55,14 @@ def test_orders_are_a_parameter(order):
     assert len(p.tables) == order - 1
     p.update_batch([1, 2, 3, 4] * 3)
     assert p.predict(4) == [1, 2, 3, 4]
+
+
+def test_each_predicted_token_reports_the_context_and_the_counts_behind_it():
+    p = NGramPredictor()
+    p.update_batch([1, 2, 3, 1, 2, 4, 1, 2, 4, 7, 1])
+    tokens, support = p.predict_with_support(3)
+    assert tokens == [2, 4, 7]
+    # "4 7 1" and "7 1" are unseen, so the bigram "1" speaks (2, all 3 times); "7 1 2" is unseen and
+    # "1 2" went on to 4 twice of three; "1 2 4" went on to 1 once and 7 once (the later wins).
+    assert [(s.order, s.count, s.total) for s in support] == [(1, 3, 3), (2, 2, 3), (3, 1, 2)]
+    assert p.predict_with_match(3) == (tokens, 1)
