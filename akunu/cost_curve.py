@@ -2,9 +2,10 @@
 
 Adaptive drafting weighs expected accepted tokens against it, so it is measured once per
 model, dtype and backend and kept on disk (`akunu bench --cost-curve` measures it afresh).
-It is measured out to the widest pass the policy may choose (32 drafts and the last token)
-after a context of the length generation typically runs at, since wider contexts make wide
-passes relatively dearer (issue 5: k = 5 costs 1.34x at 64 tokens, 1.62x at 1024).
+It is measured out to the widest pass the policy may choose (32 drafts and the last token),
+after a short, a middling and a long context, since wider contexts make wide passes
+relatively dearer (issue 5: k = 5 costs 1.34x at 64 tokens, 1.62x at 1024); a generation
+reads the curve at its own context (`CostCurves.at`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import re
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,7 +28,8 @@ from akunu.kv_cache import make_cache, rewind
 # 4: llama's q|k|v and gate|up stacked; 5: fused CPU kernels; 6: heads split and rotated in one).
 STEP_REVISION = 6
 MAX_WIDTH = 33  # 32 drafts and the last committed token
-CONTEXT = 512  # tokens already in the cache while timing: a prompt plus part of its answer
+CONTEXT = 512  # a middling context: a prompt plus part of its answer
+CONTEXTS = (64, CONTEXT, 2048)  # tokens already in the cache while timing; generation reads between them
 
 
 def measure(model: nn.Module, max_width: int = MAX_WIDTH, sweeps: int = 7, context: int = CONTEXT) -> list[float]:
@@ -89,33 +92,90 @@ def curve_path(key: str, directory: Path) -> Path:
     return directory / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', key)}.json"
 
 
-def save(key: str, seconds: Sequence[float], directory: Path) -> Path:
-    """Write the curve where `cached` finds it, replacing any earlier measurement (atomically)."""
+@dataclass(frozen=True)
+class CostCurves:
+    """Seconds of a k-token pass, k = 1..n, after each measured context; `at` reads between them."""
+
+    seconds: dict[int, list[float]]  # context -> seconds by width
+
+    @property
+    def widths(self) -> int:
+        return min(len(s) for s in self.seconds.values())
+
+    def at(self, context: int) -> list[float]:
+        """Relative pass costs after `context` tokens.
+
+        A pass's time grows linearly with the context (attention reads every cached token), so
+        the seconds are interpolated linearly, and extrapolated past the longest measured
+        context (never below it); below the shortest they are the shortest's."""
+        points = sorted(self.seconds)
+        lo, hi = (points[0], points[0]) if len(points) == 1 or context <= points[0] else _bracket(points, context)
+        t = (context - lo) / (hi - lo) if hi != lo else 0.0
+        seconds = [a + t * (b - a) for a, b in zip(self.seconds[lo][: self.widths], self.seconds[hi])]
+        if context > points[-1]:
+            seconds = [max(s, last) for s, last in zip(seconds, self.seconds[hi])]
+        return relative_costs(non_decreasing(seconds))
+
+
+def _bracket(points: list[int], context: int) -> tuple[int, int]:
+    """The measured contexts around `context` (the last two past the longest)."""
+    for lo, hi in zip(points, points[1:]):
+        if context <= hi:
+            return lo, hi
+    return points[-2], points[-1]
+
+
+def costs_at(costs: CostCurves | Sequence[float] | None, context: int) -> list[float] | None:
+    """The relative curve a generation at `context` drafts against (a plain curve is taken as is)."""
+    if isinstance(costs, CostCurves):
+        return costs.at(context)
+    return list(costs) if costs else None
+
+
+def contexts_within(context_length: int | None) -> tuple[int, ...]:
+    """The measured contexts that leave room for the widest pass in a model's context."""
+    fitting = tuple(c for c in CONTEXTS if not context_length or c + MAX_WIDTH <= context_length)
+    return fitting or (min(CONTEXTS),)
+
+
+def measure_curves(
+    model: nn.Module, max_width: int = MAX_WIDTH, sweeps: int = 7, contexts: Sequence[int] = CONTEXTS
+) -> CostCurves:
+    return CostCurves({context: measure(model, max_width, sweeps, context) for context in contexts})
+
+
+def save(key: str, curves: CostCurves, directory: Path) -> Path:
+    """Write the curves where `cached` finds them, replacing any earlier measurement (atomically)."""
     path = curve_path(key, directory)
     directory.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key, "context": CONTEXT, "seconds": list(seconds)}))
+    record = {"key": key, "seconds_by_context": {str(c): list(s) for c, s in sorted(curves.seconds.items())}}
+    tmp.write_text(json.dumps(record))
     tmp.replace(path)
     return path
 
 
-def cached(model: nn.Module, key: str, directory: Path, max_width: int = MAX_WIDTH) -> list[float]:
-    """Relative pass costs for k = 1..max_width (or more), measured once and then read from disk.
+def cached(
+    model: nn.Module, key: str, directory: Path, max_width: int = MAX_WIDTH, contexts: Sequence[int] = CONTEXTS
+) -> CostCurves:
+    """Pass costs for k = 1..max_width (or more) after each of `contexts`, measured once and then
+    read from disk.
 
-    A first measurement uses few sweeps, so it takes a few seconds; a saved curve that is too
-    short for `max_width` is measured again.
+    A first measurement uses few sweeps, so it takes seconds; a saved record that lacks a
+    context or is too short for `max_width` (or was saved in an older format) is measured again.
     """
     try:
         record = json.loads(curve_path(key, directory).read_text())
-        saved = record["seconds"]
-        valid = all(isinstance(s, (int, float)) and 0 < s < float("inf") for s in saved)  # zeros or text: measure again
-        if valid and len(saved) >= max_width and record.get("context") == CONTEXT:
-            return relative_costs(saved)
-    except (OSError, ValueError, KeyError, TypeError):
+        saved = {int(c): s for c, s in record["seconds_by_context"].items()}
+        curves = [saved[c] for c in contexts]
+        valid = all(isinstance(s, (int, float)) and 0 < s < float("inf") for curve in curves for s in curve)
+        if valid and all(len(curve) >= max_width for curve in curves):  # zeros or text: measure again
+            return CostCurves({c: saved[c] for c in contexts})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
-    seconds = measure(model, max_width, sweeps=3)
-    save(key, seconds, directory)
-    return relative_costs(seconds)
+    curves = measure_curves(model, max_width, sweeps=3, contexts=contexts)
+    save(key, curves, directory)
+    return curves
 
 
 def widest_paying(costs: Sequence[float], most: int) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 import mlx.nn as nn
 
+from akunu.cost_curve import CostCurves, costs_at
 from akunu.decode import plain_decode, prefill, speculative_decode
 from akunu.draft_length import make_draft_length
 from akunu.drafter import Drafter
@@ -100,12 +101,13 @@ def stream_generate(
     prompt_cache: PromptCache | None = None,
     context_length: int | None = None,
     drafter: Drafter | None = None,
-    costs: Sequence[float] | None = None,
+    costs: CostCurves | Sequence[float] | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate from token ids, yielding a response per token (and a final flush).
 
     `tokenizer` needs `eos_ids` and `detokenizer()`. `prompt_cache` carries the KV cache
-    across calls (chat); `costs` is the relative pass-cost curve for adaptive drafting.
+    across calls (chat); `costs` holds the pass costs adaptive drafting weighs (measured curves,
+    read at this generation's context, or one relative curve).
     """
     _check_prompt(prompt, config, context_length)
     params = config.sampling
@@ -175,8 +177,9 @@ def _decode_loop(
             raise OptionsError("--exact verifies linear drafts; a token-tree drafter has its own pass shapes")
         check_tree_support(model)
     drafter.start(prompt)
+    halfway = len(prompt) + budget // 2  # the context the answer's passes run at, on average
     draft_length = make_draft_length(
-        speculation.length_policy, speculation.draft_tokens, costs,
+        speculation.length_policy, speculation.draft_tokens, costs_at(costs, halfway),
         adaptive=speculation.adaptive, draft_cost=drafter.cost_per_token,
     )  # fmt: skip
     return speculative_decode(

@@ -27,7 +27,7 @@ EXAMPLES = """[bold]Examples[/]
   akunu bench --categories code-edit,chat --repeats 3
   akunu bench --workload my-prompts.jsonl          your own prompts: {"category": ..., "prompt": ...} per line
   akunu bench --cost-curve                         forward-pass time for 1..33 tokens on this backend
-  akunu bench --cost-curve --context 2048          the same after 2k tokens of context (shown only)"""
+  akunu bench --cost-curve --context 8192          the same after 8k tokens of context (shown only)"""
 
 WORKLOAD_PANEL, RUN_PANEL, OUTPUT_PANEL = "Workload", "Runs", "Output"
 
@@ -134,7 +134,8 @@ def bench(
         bool,
         typer.Option(
             "--cost-curve",
-            help="Instead of the benchmark: time a forward pass of 1..33 tokens, show it, and store it for adaptive drafting.",
+            help="Instead of the benchmark: time a forward pass of 1..33 tokens after 64, 512 and 2048 tokens of context, "
+            "show it, and store it for adaptive drafting.",
         ),
     ] = False,
     context: Annotated[
@@ -142,8 +143,8 @@ def bench(
         typer.Option(
             "--context",
             min=1,
-            help="With --cost-curve: time the passes after this many tokens of context (shown, not stored: "
-            "adaptive drafting reads the curve measured at the usual context, 512).",
+            help="With --cost-curve: time the passes after this many tokens of context only (shown, not stored: "
+            "adaptive drafting reads the curves measured at the usual contexts).",
         ),
     ] = None,
 ) -> None:
@@ -421,34 +422,43 @@ def exact_table(rows) -> Table:
 
 
 def show_cost_curve(loaded, draft_tokens: int, context: int | None = None) -> None:
-    """Measure afresh, print k / ms / relative cost / ms per token, and store the curve for adaptive
-    drafting (a curve at another `context` is shown only)."""
+    """Measure afresh after each usual context, print ms and relative cost by width k, and store
+    the curves for adaptive drafting (a curve at another `context` is shown only)."""
     from akunu import cost_curve
-    from akunu.bench.cost_table import cost_rows, measure_and_save
+    from akunu.bench.cost_table import measure_and_save
     from akunu.draft_length import best_length
 
     key = cost_curve.curve_key(loaded.name, loaded.dtype)
-    context_used = context or cost_curve.CONTEXT
-    with stderr_console().status(f"timing forward passes of 1..33 tokens after {context_used} tokens of context…"):
+    contexts = (context,) if context else cost_curve.contexts_within(loaded.context_length)
+    after = ", ".join(map(str, contexts))
+    with stderr_console().status(f"timing forward passes of 1..33 tokens after {after} tokens of context…"):
         if context is None:
-            rows, path = measure_and_save(loaded.model, key, cost_curve.default_dir())
+            curves, path = measure_and_save(loaded.model, key, cost_curve.default_dir(), contexts)
         else:
-            rows, path = cost_rows(cost_curve.measure(loaded.model, cost_curve.MAX_WIDTH, context=context)), None
-    title = f"forward-pass time by width k, after {context_used} tokens of context"
-    table = Table(title=title, caption=key, title_justify="left")
-    for name in ("k", "ms", "relative cost", "ms per token"):
-        table.add_column(name, justify="right")
-    for row in rows:
-        table.add_row(str(row.tokens), f"{row.ms:.1f}", f"{row.relative:.2f}", f"{row.ms_per_token:.1f}")
+            curves, path = cost_curve.measure_curves(loaded.model, cost_curve.MAX_WIDTH, contexts=contexts), None
     out = _table_console()
-    out.print(table)
-    costs = [row.relative for row in rows]
-    picks = [f"{a:.0%} → {best_length(a, costs, draft_tokens)}" for a in (0.2, 0.4, 0.6, 0.8, 0.9)]
-    out.print(f"adaptive drafting with this curve (≤ {draft_tokens}) drafts, by acceptance: " + ", ".join(picks))
+    out.print(_cost_table(curves, key, after))
+    for c in contexts:
+        picks = [f"{a:.0%} → {best_length(a, curves.at(c), draft_tokens)}" for a in (0.2, 0.4, 0.6, 0.8, 0.9)]
+        out.print(f"after {c} tokens, adaptive drafting (≤ {draft_tokens}) drafts, by acceptance: " + ", ".join(picks))
     if path:
-        out.print(f"[dim]saved to {path}; adaptive drafting reads it from there[/]")
+        out.print(f"[dim]saved to {path}; adaptive drafting reads it at each generation's context[/]")
     else:
-        out.print(f"[dim]not stored: adaptive drafting uses the curve at {cost_curve.CONTEXT} tokens (akunu bench --cost-curve)[/]")
+        usual = ", ".join(map(str, cost_curve.CONTEXTS))
+        out.print(f"[dim]not stored: adaptive drafting reads curves measured at {usual} tokens (akunu bench --cost-curve)[/]")
+
+
+def _cost_table(curves, key: str, after: str) -> Table:
+    from akunu.bench.cost_table import cost_table_rows
+
+    contexts = sorted(curves.seconds)
+    table = Table(title=f"forward-pass time by width k, after {after} tokens of context", caption=key, title_justify="left")
+    table.add_column("k", justify="right")
+    for name in [f"ms @{c}" for c in contexts] + [f"relative @{c}" for c in contexts]:
+        table.add_column(name, justify="right")
+    for k, ms, relative in cost_table_rows(curves):
+        table.add_row(str(k), *(f"{m:.1f}" for m in ms), *(f"{r:.2f}" for r in relative))
+    return table
 
 
 # The lazy loader in app.py prefers a module-level `app`: a one-command Typer carrying the examples.

@@ -93,7 +93,7 @@ class ChatSession:
         self.prompt_cache = PromptCache(loaded.model)
         self.last_stats, self.last_finish = None, None
         self.totals = {"answers": 0, "generated": 0, "prefilled": 0}
-        self._costs: list[float] | None = None
+        self._costs = None  # akunu.cost_curve.CostCurves once speculation needs them
         self._shift_noted = False
         if not loaded.tokenizer.has_chat_template:  # a plain transcript: stop where the user's turn would begin
             self.config = dataclasses.replace(config, stop=(*config.stop, PLAIN_USER_PREFIX))
@@ -259,8 +259,8 @@ class ChatSession:
             return "off" + exact
         return f"on (up to {spec.draft_tokens} drafts{', adaptive' if spec.adaptive else ''}{exact})"
 
-    def _costs_now(self) -> list[float] | None:
-        """The cost curve, measured the first time speculation needs it."""
+    def _costs_now(self):
+        """The cost curves, measured the first time speculation needs it."""
         if not self.config.spec.enabled:
             return None
         if self._costs is None:

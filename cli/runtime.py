@@ -73,29 +73,32 @@ def encode_prompt(tokenizer, text: str, *, system: str | None = None, raw: bool 
     return tokenizer.encode_chat(messages)
 
 
-def cost_curve(loaded, max_draft: int) -> list[float]:
-    """This model's relative pass costs on this backend, wide enough for `max_draft` drafts.
+def cost_curve(loaded, max_draft: int):
+    """This model's pass costs on this backend (an `akunu.cost_curve.CostCurves`), wide enough
+    for `max_draft` drafts, after the contexts the model has room for.
 
-    Measured once per model, dtype and backend (a few seconds), then read from disk.
+    Measured once per model, dtype and backend (seconds), then read from disk.
     """
     from akunu import cost_curve
 
     key, directory = cost_curve.curve_key(loaded.name, loaded.dtype), cost_curve.default_dir()
+    contexts = cost_curve.contexts_within(loaded.context_length)
     if not cost_curve.curve_path(key, directory).exists() and stderr_console().is_terminal:
         stderr_console().print("[dim]measuring forward-pass costs for adaptive drafting (once per model and backend)…[/]")
     try:  # an unwritable AKUNU_HOME costs a measurement per run, never the run
         directory.mkdir(parents=True, exist_ok=True)
         if os.access(directory, os.W_OK):
-            return cost_curve.cached(loaded.model, key, directory, max_width=max_draft + 1)
+            return cost_curve.cached(loaded.model, key, directory, max_width=max_draft + 1, contexts=contexts)
         reason = "not writable"
     except OSError as error:
         reason = error.strerror or str(error)
     print_note(f"cannot save the cost curve in {directory} ({reason}); measuring it for this run only")
-    return cost_curve.relative_costs(cost_curve.measure(loaded.model, max_draft + 1, sweeps=3))
+    middling = min(contexts, key=lambda c: abs(c - cost_curve.CONTEXT))  # one context: a few seconds per run
+    return cost_curve.measure_curves(loaded.model, max_draft + 1, sweeps=3, contexts=(middling,))
 
 
-def costs_for(loaded, config) -> list[float] | None:
-    """The cost curve when the config drafts adaptively; None otherwise (no measuring needed; exact mode's is flat)."""
+def costs_for(loaded, config):
+    """The cost curves when the config drafts adaptively; None otherwise (no measuring needed; exact mode's is flat)."""
     if config.spec.enabled and config.spec.adaptive and not config.spec.exact:
         return cost_curve(loaded, config.spec.draft_tokens)
     return None

@@ -149,10 +149,12 @@ def test_weights_that_decode_to_infinity_are_one_line(tmp_path, ggml_type, scale
 @pytest.mark.parametrize("seconds", [[0.0] * 16, [-1.0] * 16, ["fast"] * 16])
 def test_a_nonsense_cost_curve_file_is_measured_again(tmp_path, seconds):
     model = tiny_llama()
-    cost_curve.curve_path("k", tmp_path).write_text(json.dumps({"key": "k", "seconds": seconds}))
-    costs = cost_curve.cached(model, "k", tmp_path, max_width=3)
+    record = {"key": "k", "seconds_by_context": {"8": [0.1] * 16, "16": seconds}}
+    cost_curve.curve_path("k", tmp_path).write_text(json.dumps(record))
+    costs = cost_curve.cached(model, "k", tmp_path, max_width=3, contexts=(8, 16)).at(12)
     assert costs[0] == 1.0 and all(c > 0 for c in costs)
-    assert all(s > 0 for s in json.loads(cost_curve.curve_path("k", tmp_path).read_text())["seconds"])
+    saved = json.loads(cost_curve.curve_path("k", tmp_path).read_text())["seconds_by_context"]
+    assert all(s > 0 for curve in saved.values() for s in curve)
 
 
 # Fuzzing ------------------------------------------------------------------------------------

@@ -243,7 +243,8 @@ def test_json_record_holds_every_raw_measurement():
 
 
 def test_best_draft_length_follows_acceptance_and_cost():
-    from akunu.bench.cost_table import cost_rows
+    from akunu.bench.cost_table import cost_table_rows
+    from akunu.cost_curve import CostCurves
     from akunu.draft_length import best_length as best_draft_length
 
     flat = [1.0 + 0.01 * k for k in range(16)]
@@ -251,7 +252,7 @@ def test_best_draft_length_follows_acceptance_and_cost():
     assert best_draft_length(0.95, flat, 4) == 4  # nearly everything lands: draft the most allowed
     steep = [1.0 + k for k in range(16)]  # a k-token pass costs k plain steps
     assert best_draft_length(0.9, steep, 8) == 0
-    rows = cost_rows([0.1, 0.15, 0.2])
-    assert [(r.tokens, round(r.ms, 3), round(r.relative, 3), round(r.ms_per_token, 3)) for r in rows] == [
-        (1, 100.0, 1.0, 100.0), (2, 150.0, 1.5, 75.0), (3, 200.0, 2.0, 66.667)
-    ]
+    rows = cost_table_rows(CostCurves({512: [0.2, 0.3, 0.5], 64: [0.1, 0.15, 0.2]}))
+    assert [(k, pytest.approx(ms), pytest.approx(relative)) for k, ms, relative in rows] == [
+        (1, [100.0, 200.0], [1.0, 1.0]), (2, [150.0, 300.0], [1.5, 1.5]), (3, [200.0, 500.0], [2.0, 2.5])
+    ]  # k, then ms and relative cost by ascending context

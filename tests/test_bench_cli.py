@@ -9,10 +9,10 @@ import re
 import pytest
 
 import akunu.cost_curve
-from akunu.cost_curve import curve_key, curve_path, default_dir, save
+from akunu.cost_curve import CONTEXTS, CostCurves, curve_key, curve_path, default_dir, relative_costs, save
 from akunu.bench.engine import ModelEngine
 from akunu.cli import runtime
-from tests.fakes import ANSI, FAKE_COSTS, invoke
+from tests.fakes import ANSI, FAKE_COSTS, invoke, make_loaded
 
 real_cached = akunu.cost_curve.cached  # the fake engine replaces it
 
@@ -80,6 +80,7 @@ def test_bench_uses_the_cli_cost_curve_key(fake_engine, workload):
     assert bench_call["key"] == generate_call["key"] == curve_key("tiny", "float32")
     assert bench_call["directory"] == generate_call["directory"] == default_dir()
     assert bench_call["max_width"] == 33  # --draft-tokens 32 (the default) needs passes of up to 33 tokens
+    assert bench_call["contexts"] == generate_call["contexts"] == (64,)  # all the tiny model's 512 has room for
 
 
 def test_categories_limit_and_per_prompt(fake_engine, workload):
@@ -187,18 +188,23 @@ def test_plot_draws_a_png(fake_engine, workload, tmp_path):
 
 
 def test_cost_curve_is_measured_shown_and_stored_where_adaptive_drafting_reads_it(fake_engine, monkeypatch):
-    seconds = [0.05 + 0.005 * k for k in range(33)]
-    monkeypatch.setattr(akunu.cost_curve, "measure", lambda model, max_width=33, sweeps=7: list(seconds))
+    fake_engine.loaded = make_loaded(context_length=4096)  # room for every usual context
+
+    def measure(model, max_width=33, sweeps=7, context=512):  # a longer context makes every pass dearer
+        return [0.05 * (1 + context / 1024) + 0.005 * k for k in range(max_width)]
+
+    monkeypatch.setattr(akunu.cost_curve, "measure", measure)
     result = invoke("bench", "--cost-curve")
     text = ANSI.sub("", result.output)
     assert result.exit_code == 0, text
-    assert re.search(r"│\s+1 │\s+50\.0 │\s+1\.00 │\s+50\.0 │", text)
-    assert re.search(r"│\s+16 │\s+125\.0 │\s+2\.50 │\s+7\.8 │", text)
-    assert "drafts, by acceptance" in text
+    # k, ms after 64 / 512 / 2048 tokens, relative cost after each
+    assert re.search(r"│\s+1 │\s+53\.1 │\s+75\.0 │\s+150\.0 │\s+1\.00 │\s+1\.00 │\s+1\.00 │", text)
+    assert re.search(r"│\s+16 │\s+128\.1 │\s+150\.0 │\s+225\.0 │\s+2\.41 │\s+2\.00 │\s+1\.50 │", text)
+    assert all(f"after {c} tokens, adaptive drafting" in text for c in CONTEXTS)
     key = curve_key("tiny", "float32")
-    assert curve_path(key, default_dir()).exists()
-    relative = real_cached(None, key, default_dir())  # read from disk: no model needed
-    assert relative == pytest.approx([s / seconds[0] for s in seconds])
+    curves = real_cached(None, key, default_dir())  # read from disk: no model needed
+    for c in CONTEXTS:
+        assert curves.at(c) == pytest.approx(relative_costs(measure(None, context=c)))
 
 
 def test_cost_curve_at_another_context_is_shown_but_not_stored(fake_engine, monkeypatch):
@@ -225,15 +231,16 @@ def test_a_context_option_out_of_place_is_one_line(fake_engine, args, message):
 
 
 def test_saved_cost_curve_round_trips_through_the_engine_cache(tmp_path):
-    save("some model/float32 cpu", [0.1] + [0.2] * 32, tmp_path)
-    assert akunu.cost_curve.cached(None, "some model/float32 cpu", tmp_path) == pytest.approx([1.0] + [2.0] * 32)
+    save("some model/float32 cpu", CostCurves({c: [0.1] + [0.2] * 32 for c in CONTEXTS}), tmp_path)
+    curves = akunu.cost_curve.cached(None, "some model/float32 cpu", tmp_path)
+    assert curves.at(512) == pytest.approx([1.0] + [2.0] * 32)
 
 
 def test_a_saved_curve_too_short_for_the_draft_length_is_measured_again(tmp_path):
     from tests.tiny import tiny_llama
 
-    save("tiny", [0.1, 0.2], tmp_path)
-    assert len(akunu.cost_curve.cached(tiny_llama(), "tiny", tmp_path, max_width=4)) == 4
+    save("tiny", CostCurves({8: [0.1, 0.2]}), tmp_path)
+    assert akunu.cost_curve.cached(tiny_llama(), "tiny", tmp_path, max_width=4, contexts=(8,)).widths == 4
 
 
 def test_interleaved_measurement_times_every_width_on_a_tiny_model():

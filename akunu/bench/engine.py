@@ -37,7 +37,7 @@ class ModelEngine:
         temp: float = 0.0,
         draft_tokens: int = 32,
         length_policy: str = "acceptance",
-        costs: list[float] | None = None,
+        costs=None,  # akunu.cost_curve.CostCurves, or one relative curve
         context_length: int | None = None,
         seed: int | None = None,
     ) -> None:
