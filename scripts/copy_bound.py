@@ -1,15 +1,18 @@
 """How much could any copying drafter get out of a benchmark's greedy answers?
 
-    .venv/bin/python scripts/copy_bound.py BENCH.json [--draft-tokens 16] [--curve COSTS.json]
+    .venv/bin/python scripts/copy_bound.py BENCH.json [--draft-tokens 16] [--curve COSTS.json [--policy-context N]]
 
 Reads the plain (greedy) answers an `akunu bench --json` run recorded and, per category, prints:
   copied    share of answer tokens inside a run of >= 8 tokens found earlier (prompt or answer)
   bound     tokens per pass if every pass accepted the longest next run (<= draft-tokens) found
             anywhere earlier: no drafter that copies runs of the context can beat it
   DRAFTER   tokens per pass of a shipped drafter drafting draft-tokens every round
-  DRAFTER/adaptive, DRAFTER/modelled   with --curve (a JSON list of relative pass costs, k = 1..33):
-            tokens per pass under the adaptive draft-length policy (ceiling 32), and the speedup
-            the curve predicts for it (answer tokens / summed cost of its passes)
+  DRAFTER/adaptive, DRAFTER/modelled   with --curve (a JSON list of relative pass costs, k = 1..33,
+            or the curves `akunu bench --cost-curve` stores, read at each prompt's context plus half
+            its answer): tokens per pass under the adaptive draft-length policy (ceiling 32), and
+            the speedup the curve predicts for it (answer tokens / summed cost of its passes);
+            --policy-context N makes the policy draft against the curve at N tokens instead
+            (the cost is still read at the prompt's own context)
 Greedy speculation emits exactly the plain answer, so replaying it is an exact simulation.
 The computation lives in akunu.bench.copy_bound; `akunu bench` shows the <= 16 bound per category.
 """
@@ -25,6 +28,7 @@ import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
 from akunu.bench.copy_bound import bound_tokens_per_pass, copied_share, drafter_tokens_per_pass, replay
 from akunu.bench.engine import ModelEngine
 from akunu.bench.workloads import load_workload, shipped_workload
+from akunu.cost_curve import CostCurves, costs_at
 from akunu.draft_length import make_draft_length
 from akunu.drafters import make_drafter
 from akunu.models import load_model
@@ -35,10 +39,11 @@ def main() -> None:
     parser.add_argument("bench_json")
     parser.add_argument("--draft-tokens", type=int, default=16)
     parser.add_argument("--drafters", default="suffix+ngram,lookup+ngram,ngram")
-    parser.add_argument("--curve", help="relative pass costs (JSON list) for the adaptive replay")
+    parser.add_argument("--curve", help="relative pass costs (JSON list), or stored cost curves, for the adaptive replay")
+    parser.add_argument("--policy-context", type=int, help="the context whose curve the policy drafts against")
     args = parser.parse_args()
     record = json.load(open(args.bench_json))
-    costs = json.load(open(args.curve)) if args.curve else None
+    curves = load_curves(args.curve) if args.curve else None
     workload = record["settings"]["workload"]
     prompts = shipped_workload() if workload == "shipped" else load_workload(workload)
     loaded = load_model(record["machine"]["model"], dtype="quantized")  # only the tokenizer is used
@@ -53,12 +58,21 @@ def main() -> None:
         row["bound"].append(bound_tokens_per_pass(context, answer, args.draft_tokens))
         for spec in args.drafters.split(","):
             row[spec].append(drafter_tokens_per_pass(make_drafter(spec), context, answer, args.draft_tokens))
-            if costs:
-                widths = replay(make_drafter(spec), context, answer, make_draft_length("acceptance", 32, costs, adaptive=True))
+            if curves:
+                costs = costs_at(curves, len(context) + len(answer) // 2)
+                policy = costs_at(curves, args.policy_context) if args.policy_context else costs
+                widths = replay(make_drafter(spec), context, answer, make_draft_length("acceptance", 32, policy, adaptive=True))
                 row[f"{spec}/adaptive"].append(len(answer) / len(widths))
                 row[f"{spec}/modelled"].append(len(answer) / sum(costs[w] for w in widths))
     for category, row in table.items():
         print(json.dumps({"category": category, **{k: round(statistics.mean(v), 3) for k, v in row.items()}}))
+
+
+def load_curves(path: str) -> CostCurves | list[float]:
+    record = json.load(open(path))
+    if isinstance(record, list):
+        return record
+    return CostCurves({int(c): seconds for c, seconds in record["seconds_by_context"].items()})
 
 
 if __name__ == "__main__":

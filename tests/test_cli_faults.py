@@ -155,8 +155,8 @@ def test_a_file_valued_home_still_measures_the_cost_curve(fake_engine, tmp_path,
     result = invoke("generate", "--max-tokens", "3", "--draft-tokens", "2", "hi")
     assert result.exit_code == 0, result.output
     assert f"note: cannot save the cost curve in {home / 'cost_curves'} (Not a directory)" in result.stderr
-    costs = fake_engine.streams[0]["costs"]
-    assert len(costs) >= 3 and costs[0] == 1.0  # measured for this run: one relative cost per width
+    curves = fake_engine.streams[0]["costs"]  # measured for this run, at one context
+    assert len(curves.seconds) == 1 and curves.widths >= 3 and curves.at(100)[0] == 1.0
 
 
 # -- 8: --ngram-cache -----------------------------------------------------------------------------
