@@ -11,6 +11,10 @@ elementwise rest (residual adds, SwiGLU). Norms, RoPE and SwiGLU run as the fast
 "overhead" is the full step minus their sum: graph building, dispatch, reshapes, copies.
 The full step and attention are timed with akunu's fast step (models/fast_step.py) on and
 off. Timings interleave and report the minimum over --reps (the machine may be shared).
+Then, with the fast step: "graph build" is building one step's graph in Python, nothing
+evaluated, and "decode loop" the time per token of `plain_decode` over 32 greedy tokens,
+which queues each step before reading the last token: where it exceeds the step, host work
+(the next graph's building among it) did not overlap the step's computation.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
 import mlx.core as mx
 import mlx.nn as nn
 
-from akunu.decode import prefill
-from akunu.kv_cache import make_cache
+from akunu.decode import plain_decode, prefill
+from akunu.kv_cache import cache_length, make_cache, rewind
+from akunu.sampling import SamplingParams
+from akunu.stats import GenerationStats
 from akunu.models import fast_step, fused_layers, load_model
 
 
@@ -107,6 +113,35 @@ def step_once(model: nn.Module, cache: list) -> Callable[[], mx.array]:
     return run
 
 
+def graph_build_ms(model: nn.Module, cache: list, reps: int) -> float:
+    """Building one step's graph, not evaluating it: host time the decode loop must hide."""
+    token, times = mx.array([[100]], mx.uint32), []
+    for _ in range(reps):
+        started = time.perf_counter()
+        built = mx.argmax(model(token, cache=cache)[0, -1])
+        times.append(time.perf_counter() - started)
+        mx.eval(built)  # outside the timing, so unevaluated cache updates never pile up
+        rewind(cache, 1)
+    return min(times) * 1e3
+
+
+def decode_loop_ms(model: nn.Module, cache: list, runs: int, tokens: int = 32) -> float:
+    """Per token of `plain_decode` over `tokens` greedy tokens, the cache rewound after each run."""
+    start, means = cache_length(cache), []
+    for _ in range(runs):
+        loop = plain_decode(model, cache, model(mx.array([[100]], mx.uint32), cache=cache)[0, -1],
+                            params=SamplingParams(), stats=GenerationStats())  # fmt: skip
+        next(loop)  # the first token comes from the logits above, not from a step
+        started = time.perf_counter()
+        for _ in range(tokens):
+            next(loop)
+        means.append((time.perf_counter() - started) / tokens)
+        loop.close()
+        mx.eval([c.state for c in cache])  # the step queued last
+        rewind(cache, cache_length(cache) - start)
+    return min(means) * 1e3
+
+
 def profile(model: nn.Module, context: int, reps: int) -> dict:
     cache = make_cache(model)
     mx.eval(prefill(model, cache, [100 + i % 1000 for i in range(context)]))
@@ -127,6 +162,10 @@ def profile(model: nn.Module, context: int, reps: int) -> dict:
         parts = sum(result[k] for k in ("weight matmuls", "norms", "rope", "elementwise")) + result[f"attention ({tag})"]
         result[f"overhead ({tag})"] = round(result[f"step ({tag})"] - parts, 2)
         result[f"step/matmuls ({tag})"] = round(result[f"step ({tag})"] / result["weight matmuls"], 3)
+    fast_step.enable(model)
+    result["graph build"] = round(graph_build_ms(model, cache, reps), 2)
+    result["decode loop"] = round(decode_loop_ms(model, cache, max(1, reps // 5)), 2)
+    result["decode loop/matmuls"] = round(result["decode loop"] / result["weight matmuls"], 3)
     return {"context": context, "matmuls": len(linears(model)), **result}
 
 
