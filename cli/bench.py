@@ -27,7 +27,7 @@ EXAMPLES = """[bold]Examples[/]
   akunu bench --categories code-edit,chat --repeats 3
   akunu bench --workload my-prompts.jsonl          your own prompts: {"category": ..., "prompt": ...} per line
   akunu bench --cost-curve                         forward-pass time for 1..33 tokens on this backend
-  akunu bench --cost-curve --context 8192          the same after 8k tokens of context (shown only)"""
+  akunu bench --cost-curve --context 4096          the same after 4k tokens of context only (shown, not stored)"""
 
 WORKLOAD_PANEL, RUN_PANEL, OUTPUT_PANEL = "Workload", "Runs", "Output"
 

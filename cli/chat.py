@@ -260,7 +260,7 @@ class ChatSession:
         return f"on (up to {spec.draft_tokens} drafts{', adaptive' if spec.adaptive else ''}{exact})"
 
     def _costs_now(self):
-        """The cost curves, measured the first time speculation needs it."""
+        """The cost curves, measured the first time speculation needs them."""
         if not self.config.spec.enabled:
             return None
         if self._costs is None:
