@@ -155,6 +155,12 @@ def save(key: str, curves: CostCurves, directory: Path) -> Path:
     return path
 
 
+def read_curves(path: Path) -> CostCurves:
+    """The curves a record written by `save` holds, unchecked (a bad file raises)."""
+    record = json.loads(Path(path).read_text())
+    return CostCurves({int(c): seconds for c, seconds in record["seconds_by_context"].items()})
+
+
 def cached(
     model: nn.Module, key: str, directory: Path, max_width: int = MAX_WIDTH, contexts: Sequence[int] = CONTEXTS
 ) -> CostCurves:
@@ -165,12 +171,11 @@ def cached(
     context or is too short for `max_width` (or was saved in an older format) is measured again.
     """
     try:
-        record = json.loads(curve_path(key, directory).read_text())
-        saved = {int(c): s for c, s in record["seconds_by_context"].items()}
-        curves = [saved[c] for c in contexts]
-        valid = all(isinstance(s, (int, float)) and 0 < s < float("inf") for curve in curves for s in curve)
-        if valid and all(len(curve) >= max_width for curve in curves):  # zeros or text: measure again
-            return CostCurves({c: saved[c] for c in contexts})
+        saved = read_curves(curve_path(key, directory)).seconds
+        chosen = {c: saved[c] for c in contexts}
+        valid = all(isinstance(s, (int, float)) and 0 < s < float("inf") for curve in chosen.values() for s in curve)
+        if valid and all(len(curve) >= max_width for curve in chosen.values()):  # zeros or text: measure again
+            return CostCurves(chosen)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
     curves = measure_curves(model, max_width, sweeps=3, contexts=contexts)

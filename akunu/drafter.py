@@ -65,7 +65,7 @@ class Draft:
     probs: mx.array | None = None  # (len(tokens), V) proposal distribution, or None for one-hot
     parents: list[int] | None = None  # set for a token tree (see TokenTree); None for a chain
     match: int = 0  # tokens of context the draft continues (its matched suffix): evidence for its length
-    guesses: list[Guess] | None = None  # a chain's per-token evidence, where the drafter has more than `match`
+    guesses: list[Guess] | None = None  # a chain's evidence, one per token, where the drafter has more than `match`
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -23,12 +23,13 @@ import argparse
 import json
 import statistics
 from collections import defaultdict
+from pathlib import Path
 
 import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
 from akunu.bench.copy_bound import bound_tokens_per_pass, copied_share, drafter_tokens_per_pass, replay
 from akunu.bench.engine import ModelEngine
 from akunu.bench.workloads import load_workload, shipped_workload
-from akunu.cost_curve import CostCurves, costs_at
+from akunu.cost_curve import CostCurves, costs_at, read_curves
 from akunu.draft_length import make_draft_length
 from akunu.drafters import make_drafter
 from akunu.models import load_model
@@ -70,9 +71,7 @@ def main() -> None:
 
 def load_curves(path: str) -> CostCurves | list[float]:
     record = json.load(open(path))
-    if isinstance(record, list):
-        return record
-    return CostCurves({int(c): seconds for c, seconds in record["seconds_by_context"].items()})
+    return record if isinstance(record, list) else read_curves(Path(path))
 
 
 if __name__ == "__main__":
