@@ -11,6 +11,8 @@ every weight matmul has the same shape whether it is a plain step or a verificat
 of a fixed-shape product does not depend on its place or on the other rows), and attention
 is computed one query row at a time over exactly the keys that row may see, so its call
 shape depends only on the row's position. The padding's cache entries are rolled back.
+(akunu's CPU attention kernel computes each row alone by construction, so llama layers that call
+it directly make one call per pass: the same bits as the per-row calls.)
 """
 
 from __future__ import annotations

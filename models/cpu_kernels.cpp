@@ -1,5 +1,7 @@
 // Fused decode kernels for MLX's CPU backend: attention, SwiGLU, RMSNorm, and the split of a
-// q|k|v product into rotated heads, one MLX primitive each.
+// q|k|v product into rotated heads, one MLX primitive each. Attention can read a KV cache's buffers up
+// to how far they are filled and write (B * L, H * Dv) rows, and SwiGLU a whole gate|up product, so the
+// fused llama layers (models/fused_layers.py) need no slices, transposes or copies around them.
 //
 // On the CPU every MLX graph node costs 1-3 us, MLX's exp runs one element at a time through libm
 // on x86, and MLX's CPU compile cannot fuse a reduction; so a decode layer's attention was a dozen
@@ -184,6 +186,7 @@ inline vf lane_sums(const vf v[W]) {
 struct AttentionShape {
   int batch, heads, queries, dims, kv_heads, keys, value_dims;
   bool causal;  // query i of the pass sits at position keys - queries + i and sees keys up to it
+  bool rows;    // output (B * L, H * Dv), the layout the output projection reads; else (B, H, L, Dv)
 };
 
 constexpr int ROW_BLOCK = 8;  // query rows that share one read of a KV head's keys and values
@@ -290,7 +293,8 @@ void attention_block(const View& q, const View& k, const View& v, float* out, fl
     for (int d = 0; d < s.dims; d++) rows[i * s.dims + d] = src[d * q.strides[3]];
     limit[i] = s.causal ? s.keys - s.queries + position + 1 : s.keys;
     widest = limit[i] > widest ? limit[i] : widest;
-    outs[i] = out + ((int64_t(b) * s.heads + head) * s.queries + position) * s.value_dims;
+    outs[i] = out + (s.rows ? (int64_t(b) * s.queries + position) * s.heads + head
+                            : (int64_t(b) * s.heads + head) * s.queries + position) * s.value_dims;
   }
   for (int j = 0; j < widest; j += W)  // a block of W keys sits in L1 while every row reads it
     for (int i = 0; i < count; i++)
@@ -311,8 +315,10 @@ void attention_block(const View& q, const View& k, const View& v, float* out, fl
     for (int d = 0; d < s.value_dims; d++) outs[i][d] /= totals[i];
 }
 
-void attention_kernel(const array& q, const array& k, const array& v, array& out, float scale, bool causal) {
-  AttentionShape s{q.shape(0), q.shape(1), q.shape(2), q.shape(3), k.shape(1), k.shape(2), v.shape(3), causal};
+// keys: how many of k's and v's first positions to read (a cache buffer holds more than it has filled).
+void attention_kernel(const array& q, const array& k, const array& v, array& out, float scale, bool causal, int keys,
+                      bool rows_out) {
+  AttentionShape s{q.shape(0), q.shape(1), q.shape(2), q.shape(3), k.shape(1), keys, v.shape(3), causal, rows_out};
   const int rows = s.heads / s.kv_heads * s.queries, blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
   const int tasks = s.batch * s.kv_heads * blocks;
   const int64_t work = int64_t(s.batch) * s.heads * s.queries * s.keys * (s.dims + s.value_dims);
@@ -330,23 +336,36 @@ void attention_kernel(const array& q, const array& k, const array& v, array& out
 
 // ---- SwiGLU and RMSNorm --------------------------------------------------------------------------
 
+void swiglu_row(const float* g, const float* u, float* dst, int n) {
+  for (int i = 0; i < n; i += W) {
+    int m = n - i < W ? n - i : W;
+    vf gv = load_part(g + i, m, 0.0f), uv = load_part(u + i, m, 0.0f);
+    vf e = exp_nonpositive(gv < 0.0f ? gv : -gv);  // exp(-|g|): never overflows
+    vf sigmoid = (gv >= 0.0f ? splat(1.0f) : e) / (1.0f + e);
+    store_part(dst + i, gv * uv * sigmoid, m);
+  }
+}
+
 void swiglu_kernel(const array& gate, const array& x, array& out) {
   const int n = gate.shape(-1);
   const auto gate_rows = row_offsets(gate), x_rows = row_offsets(x);
   const int64_t gate_step = gate.strides().back(), x_step = x.strides().back();
-  float* o = out.data<float>();
   std::vector<float> gate_copy, x_copy;
   for (size_t r = 0; r < gate_rows.size(); r++) {
     const float* g = contiguous_row(gate.data<float>() + gate_rows[r], gate_step, n, gate_copy);
     const float* u = contiguous_row(x.data<float>() + x_rows[r], x_step, n, x_copy);
-    float* dst = o + r * n;
-    for (int i = 0; i < n; i += W) {
-      int m = n - i < W ? n - i : W;
-      vf gv = load_part(g + i, m, 0.0f), uv = load_part(u + i, m, 0.0f);
-      vf e = exp_nonpositive(gv < 0.0f ? gv : -gv);  // exp(-|g|): never overflows
-      vf sigmoid = (gv >= 0.0f ? splat(1.0f) : e) / (1.0f + e);
-      store_part(dst + i, gv * uv * sigmoid, m);
-    }
+    swiglu_row(g, u, out.data<float>() + r * n, n);
+  }
+}
+
+// Rows (..., 2n) of the stacked gate|up product: gate the first half, up the second.
+void swiglu_halves_kernel(const array& gate_up, array& out) {
+  const int n = gate_up.shape(-1) / 2;
+  const auto rows = row_offsets(gate_up);
+  std::vector<float> copy;
+  for (size_t r = 0; r < rows.size(); r++) {
+    const float* row = contiguous_row(gate_up.data<float>() + rows[r], gate_up.strides().back(), 2 * n, copy);
+    swiglu_row(row, row + n, out.data<float>() + r * n, n);
   }
 }
 
@@ -432,23 +451,26 @@ class CpuPrimitive : public Primitive {
 
 class Attention : public CpuPrimitive {
  public:
-  Attention(Stream stream, float scale, bool causal) : CpuPrimitive(stream), scale_(scale), causal_(causal) {}
+  Attention(Stream stream, float scale, bool causal, int keys, bool rows_out)
+      : CpuPrimitive(stream), scale_(scale), causal_(causal), keys_(keys), rows_out_(rows_out) {}
   const char* name() const override { return "AkunuAttention"; }
   bool is_equivalent(const Primitive& other) const override {
     auto& o = static_cast<const Attention&>(other);
-    return scale_ == o.scale_ && causal_ == o.causal_;
+    return scale_ == o.scale_ && causal_ == o.causal_ && keys_ == o.keys_ && rows_out_ == o.rows_out_;
   }
 
  protected:
   Kernel kernel() const override {
-    return [scale = scale_, causal = causal_](const std::vector<array>& in, std::vector<array>& out) {
-      attention_kernel(in[0], in[1], in[2], out[0], scale, causal);
+    return [scale = scale_, causal = causal_, keys = keys_, rows = rows_out_](const std::vector<array>& in, std::vector<array>& out) {
+      attention_kernel(in[0], in[1], in[2], out[0], scale, causal, keys, rows);
     };
   }
 
  private:
   float scale_;
   bool causal_;
+  int keys_;
+  bool rows_out_;
 };
 
 class SwiGLU : public CpuPrimitive {
@@ -460,6 +482,18 @@ class SwiGLU : public CpuPrimitive {
  protected:
   Kernel kernel() const override {
     return [](const std::vector<array>& in, std::vector<array>& out) { swiglu_kernel(in[0], in[1], out[0]); };
+  }
+};
+
+class SwiGLUHalves : public CpuPrimitive {
+ public:
+  using CpuPrimitive::CpuPrimitive;
+  const char* name() const override { return "AkunuSwiGLUHalves"; }
+  bool is_equivalent(const Primitive&) const override { return true; }
+
+ protected:
+  Kernel kernel() const override {
+    return [](const std::vector<array>& in, std::vector<array>& out) { swiglu_halves_kernel(in[0], out[0]); };
   }
 };
 
@@ -510,15 +544,17 @@ void require_float32(const array& a, const char* what) {
   if (a.dtype() != float32) throw std::invalid_argument(std::string(what) + " must be float32");
 }
 
-array attention(const array& q, const array& k, const array& v, float scale, bool causal) {
+// keys < 0: all of k's positions; else its first `keys` (a cache buffer and how far it is filled).
+array attention(const array& q, const array& k, const array& v, float scale, bool causal, int keys, bool rows_out) {
   for (auto* a : {&q, &k, &v}) require_float32(*a, "attention inputs");
+  if (keys < 0) keys = k.ndim() == 4 ? k.shape(2) : 0;
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || k.shape(1) == 0 || q.shape(1) % k.shape(1) ||
       q.shape(3) != k.shape(3) || k.shape(2) != v.shape(2) || k.shape(1) != v.shape(1) ||
-      q.shape(0) != k.shape(0) || q.shape(2) > k.shape(2))
-    throw std::invalid_argument("attention expects q (B, H, L, D), k (B, KVH, S, D), v (B, KVH, S, Dv), L <= S");
+      q.shape(0) != k.shape(0) || q.shape(2) > keys || keys > k.shape(2))
+    throw std::invalid_argument("attention expects q (B, H, L, D), k (B, KVH, S, D), v (B, KVH, S, Dv), L <= keys <= S");
   if (q.shape(3) % W || v.shape(3) % W) throw std::invalid_argument("attention's head dimensions must be multiples of 16");
-  Shape shape{q.shape(0), q.shape(1), q.shape(2), v.shape(3)};
-  return array(shape, float32, std::make_shared<Attention>(cpu_stream(), scale, causal), {q, k, v});
+  Shape shape = rows_out ? Shape{q.shape(0) * q.shape(2), q.shape(1) * v.shape(3)} : Shape{q.shape(0), q.shape(1), q.shape(2), v.shape(3)};
+  return array(shape, float32, std::make_shared<Attention>(cpu_stream(), scale, causal, keys, rows_out), {q, k, v});
 }
 
 array swiglu(const array& gate, const array& x) {
@@ -526,6 +562,14 @@ array swiglu(const array& gate, const array& x) {
   require_float32(x, "swiglu inputs");
   if (gate.shape() != x.shape() || gate.ndim() == 0) throw std::invalid_argument("swiglu expects two arrays of one shape");
   return array(gate.shape(), float32, std::make_shared<SwiGLU>(cpu_stream()), {gate, x});
+}
+
+array swiglu_halves(const array& gate_up) {
+  require_float32(gate_up, "swiglu_halves input");
+  if (gate_up.ndim() == 0 || gate_up.shape(-1) % 2) throw std::invalid_argument("swiglu_halves expects rows (..., 2n)");
+  Shape shape = gate_up.shape();
+  shape.back() /= 2;
+  return array(shape, float32, std::make_shared<SwiGLUHalves>(cpu_stream()), {gate_up});
 }
 
 array rms_norm(const array& x, const array& weight, float eps) {
@@ -554,8 +598,11 @@ std::vector<array> split_heads(const array& qkv, const array& cos, const array& 
 NB_MODULE(akunu_cpu_kernels, m) {
   m.doc() = "akunu's fused CPU decode kernels (models/cpu_kernels.cpp)";
   m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"), nb::arg("causal"),
-        "softmax(scale * q @ k^T, causal from the last query) @ v: q (B, H, L, D), k (B, KVH, S, D), v (B, KVH, S, Dv)");
+        nb::arg("keys") = -1, nb::arg("rows") = false,
+        "softmax(scale * q @ k^T, causal from the last query) @ v: q (B, H, L, D), k (B, KVH, S, D), v (B, KVH, S, Dv), "
+        "over k's and v's first `keys` positions (all if negative); (B, H, L, Dv), or (B * L, H * Dv) if `rows`");
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"), "silu(gate) * x");
+  m.def("swiglu_halves", &swiglu_halves, nb::arg("gate_up"), "silu(gate) * up for rows (..., 2n) holding gate | up");
   m.def("split_heads", &split_heads, nb::arg("qkv"), nb::arg("cos"), nb::arg("sin"), nb::arg("batch"),
         nb::arg("heads"), nb::arg("kv_heads"), nb::arg("traditional"),
         "queries, keys, values (B, heads, L, D) from the q|k|v product, queries and keys rotated");

@@ -131,8 +131,12 @@ def _check(module: ModuleType) -> None:
     split = module.split_heads(product, cos, sin, 1, 2, 1, True)
     heads = product.reshape(1, 3, 4, 16).transpose(0, 2, 1, 3)
     partner = heads[..., [i ^ 1 for i in range(16)]]
+    buffer_k, buffer_v = mx.pad(k, [(0, 0), (0, 0), (0, 3), (0, 0)]), mx.pad(v, [(0, 0), (0, 0), (0, 3), (0, 0)])
+    first, second = mx.split(product, 2, axis=-1)  # a gate|up product's halves
     checks = [
         (module.attention(q, k, v, 0.3, True), expected),
+        (module.attention(q, buffer_k, buffer_v, 0.3, True, 5, True), expected.transpose(0, 2, 1, 3).reshape(3, 64)),
+        (module.swiglu_halves(product), first * mx.sigmoid(first) * second),
         (module.swiglu(gate, x), gate * mx.sigmoid(gate) * x),
         (module.rms_norm(q, k[0, 0, 0], 1e-5), mx.fast.rms_norm(q, k[0, 0, 0], 1e-5)),
         (mx.concatenate(split, axis=1), mx.concatenate([(heads * cos + partner * sin)[:, :3], heads[:, 3:]], axis=1)),

@@ -16,7 +16,7 @@ modules run through `mx.compile`, one fused kernel with the same results, and it
 modules apply angles computed once per pass (`cpu_rope`), the same bits too (their class is
 swapped for a subclass; parameters are untouched). SwiGLU's sigmoid, whose exp also ran one
 element at a time (7.6 of a 16-token pass's 63 ms at a 200-token context), goes through akunu's
-exp (`cpu_math.swiglu`) via the model module's `swiglu` global. Llama-family attention and MLP
+exp (`cpu_math.swiglu`) via the model module's `swiglu` global. Llama-family blocks, attention and MLP
 modules stack their products (`fused_layers`): fewer, larger products and fewer graph nodes.
 Where akunu's fused CPU kernels could be built (`cpu_kernels`), attention, SwiGLU, RMSNorm and
 (in `fused_layers`) the split of q|k|v into rotated heads are one node each instead; the paths
@@ -142,6 +142,9 @@ def cpu_attention(
         numerators = cpu_math.exp_minus(scores, scores.max(axis=-1, keepdims=True))
         out = _weigh(numerators, values) / numerators.sum(axis=-1, keepdims=True)  # normalised over D, not S
     return out.reshape(B, n_heads, L, values.shape[-1])
+
+
+cpu_attention.akunu_kernel_attention = True  # so fused_layers may run the kernel on the cache's buffers itself
 
 
 def _kernel_shapes(queries: mx.array, keys: mx.array, values: mx.array) -> bool:

@@ -5,9 +5,13 @@ mlx-lm's `Linear` is four graph nodes (transpose, flatten, product, unflatten), 
 seven of them. Here the products that read the same input share one matrix, q|k|v and gate|up,
 whose rows are the layers' own weights (those become views of it, so no memory is added), and
 every product takes a 2-D input and a transposed view made once: a layer runs four products
-of two nodes each, and RoPE rotates queries and keys in one call (where akunu's CPU kernels are
-built, one node splits the q|k|v product into heads and rotates them: `cpu_kernels`). Each output
-element is still one weight row times the input, so results match mlx-lm's to float32 rounding.
+of two nodes each, and RoPE rotates queries and keys in one call. The block keeps its residual
+stream as 2-D rows, so a layer reshapes twice rather than four times. Where akunu's CPU kernels are
+built (`cpu_kernels`), one node splits the q|k|v product into rotated heads, attention reads the
+cache's buffers up to the offset and writes the rows the output projection takes, and SwiGLU reads
+the gate|up product whole: a layer has no slices or transposes left (each node costs a few
+microseconds on the CPU, more while the matmuls' threads hold both cores). Each output element is
+still one weight row times the input, so results match mlx-lm's to float32 rounding.
 
 Passes wider than `MAX_ROWS` (prefill chunks), projections with biases or quantized, and
 weights replaced since `fuse` (a loaded adapter) take mlx-lm's own `__call__`.
@@ -22,6 +26,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache
 
 from akunu.models import cpu_kernels, cpu_rope
 
@@ -53,8 +58,12 @@ class Stacked:
         mx.eval(transposed, [layer.weight for layer in linears])
         return cls(tuple(layer.weight for layer in linears), transposed)
 
-    def holds(self, linears: Sequence[nn.Linear]) -> bool:
-        return all(layer.weight is weight for layer, weight in zip(linears, self.weights))
+    def holds(self, linears: Sequence[nn.Module]) -> bool:
+        """Whether `linears` still have the weights stacked (item lookups: attribute ones cost ~0.4 us each)."""
+        for layer, weight in zip(linears, self.weights):
+            if layer.get("weight") is not weight:
+                return False
+        return True
 
     def __call__(self, rows: mx.array) -> mx.array:
         """(N, in) rows times the stacked matrix: (N, sum of outs)."""
@@ -65,16 +74,32 @@ class FusedAttention(llama.Attention):
     """llama's Attention with q|k|v as one product and o as a 2-D product."""
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        qkv, out = stacks(self).get("qkv"), stacks(self).get("o")
-        current = _holds(qkv, (self.q_proj, self.k_proj, self.v_proj)) and _holds(out, [self.o_proj])
-        if cache is None or x.shape[1] > MAX_ROWS or not current:
+        if not self.fused_applies(x.shape[1], cache):
             return super().__call__(x, mask, cache)
         B, L, D = x.shape
-        queries, keys, values = self.rotated_heads(qkv(x.reshape(B * L, D)), B, L, cache.offset)
+        return self.rows(x.reshape(B * L, D), B, L, mask, cache).reshape(B, L, -1)
+
+    def fused_applies(self, L: int, cache: Any) -> bool:
+        """Whether an L-token pass takes the stacked products: a decode-shaped pass, stacks still current."""
+        held = stacks(self)
+        return (cache is not None and L <= MAX_ROWS and _holds(held.get("qkv"), (self["q_proj"], self["k_proj"], self["v_proj"]))
+                and _holds(held.get("o"), (self["o_proj"],)))  # fmt: skip
+
+    def rows(self, x: mx.array, B: int, L: int, mask: Any, cache: Any) -> mx.array:
+        """The attention's output rows (B * L, D) for input rows (B * L, D), where `fused_applies`."""
+        held = stacks(self)
+        queries, keys, values = self.rotated_heads(held["qkv"](x), B, L, cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
-        output = llama.scaled_dot_product_attention(  # the module global, which akunu swaps
-            queries, keys, values, cache=cache, scale=self.scale, mask=mask)
-        return out(output.transpose(0, 2, 1, 3).reshape(B * L, -1)).reshape(B, L, -1)
+        attend = llama.scaled_dot_product_attention  # the module global, which akunu swaps
+        if _kernel_reads_cache(attend, queries, cache, mask):
+            # (B * L, H * head_dim) straight from the cache's buffers: none of the slices, transpose and
+            # copy of the path below, each a graph node of a few microseconds on the CPU.
+            heads = cpu_kernels.load().attention(queries, cache.keys, cache.values, self.scale, mask is not None,
+                                                 cache.offset, True)  # fmt: skip
+        else:
+            output = attend(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+            heads = output.transpose(0, 2, 1, 3).reshape(B * L, -1)
+        return held["o"](heads)
 
     def rotated_heads(self, product: mx.array, B: int, L: int, offset: int) -> tuple[mx.array, mx.array, mx.array]:
         """Rotated queries and keys and the values, (B, heads, L, head_dim), from the q|k|v product's
@@ -82,8 +107,7 @@ class FusedAttention(llama.Attention):
         H, KV = self.n_heads, self.n_kv_heads
         rope, head_dim = self.rope, product.shape[1] // (H + 2 * KV)
         kernels = cpu_kernels.load()
-        whole_head = isinstance(rope, nn.RoPE) and rope.dims == head_dim and rope.base is not None
-        if kernels and whole_head and product.dtype == mx.float32 and mx.default_device() == mx.cpu:
+        if kernels and _rope_is_whole_head(rope, head_dim) and product.dtype == mx.float32 and mx.default_device() == mx.cpu:
             cos, sin = cpu_rope.head_tables(L, offset, head_dim, rope.base, rope.scale, rope.traditional, mx.float32)
             return tuple(kernels.split_heads(product, cos, sin, B, H, KV, rope.traditional))
         heads = product.reshape(B, L, H + 2 * KV, -1).transpose(0, 2, 1, 3)  # query, then key, then value heads
@@ -95,26 +119,70 @@ class FusedMLP(llama.MLP):
     """llama's MLP with gate|up as one product and down as a 2-D product."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        both, down = stacks(self).get("gate_up"), stacks(self).get("down")
-        current = _holds(both, (self.gate_proj, self.up_proj)) and _holds(down, [self.down_proj])
-        if x.shape[1] > MAX_ROWS or not current:
+        if not self.fused_applies(x.shape[1]):
             return super().__call__(x)
         B, L, D = x.shape
-        gate_up = both(x.reshape(B * L, D))  # (B * L, 2 * hidden)
+        return self.rows(x.reshape(B * L, D)).reshape(B, L, D)
+
+    def fused_applies(self, L: int) -> bool:
+        held = stacks(self)
+        return L <= MAX_ROWS and _holds(held.get("gate_up"), (self["gate_proj"], self["up_proj"])) and _holds(
+            held.get("down"), (self["down_proj"],))  # fmt: skip
+
+    def rows(self, x: mx.array) -> mx.array:
+        """(N, D) rows in and out, where `fused_applies`."""
+        held = stacks(self)
+        gate_up = held["gate_up"](x)  # (N, 2 * hidden)
+        kernels = cpu_kernels.load()
+        if kernels and gate_up.dtype == mx.float32 and mx.default_device() == mx.cpu:
+            return held["down"](kernels.swiglu_halves(gate_up))  # one node, no slices of the product
         hidden = gate_up.shape[1] // 2
-        return down(llama.swiglu(  # the module global, which akunu swaps
-            gate_up[:, :hidden], gate_up[:, hidden:])).reshape(B, L, D)
+        return held["down"](llama.swiglu(gate_up[:, :hidden], gate_up[:, hidden:]))  # the global akunu swaps
 
 
-FUSED = {llama.Attention: FusedAttention, llama.MLP: FusedMLP}
+class FusedBlock(llama.TransformerBlock):
+    """llama's TransformerBlock keeping its residual stream as (B * L, D) rows between the fused attention
+    and MLP: two reshapes a layer instead of four (on the CPU each graph node costs a few microseconds)."""
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        attention, mlp = self.self_attn, self.mlp
+        B, L, D = x.shape
+        fused = type(attention) is FusedAttention and type(mlp) is FusedMLP
+        if not (fused and attention.fused_applies(L, cache) and mlp.fused_applies(L)):
+            return super().__call__(x, mask, cache)
+        rows = x.reshape(B * L, D)
+        h = rows + attention.rows(self.input_layernorm(rows), B, L, mask, cache)
+        return (h + mlp.rows(self.post_attention_layernorm(h))).reshape(B, L, D)
+
+
+def _kernel_reads_cache(attend: Any, queries: mx.array, cache: Any, mask: Any) -> bool:
+    """Whether akunu's attention kernel may read the cache's buffers itself: the module's attention is akunu's
+    kernel-backed one (also behind exact mode's dispatcher, since the kernel computes each row alone: a pass
+    gives the bits exact mode's per-row calls would), the cache a plain KVCache, the heads float32."""
+    if not getattr(getattr(attend, "akunu_original", attend), "akunu_kernel_attention", False):
+        return False
+    if type(cache) is not KVCache or isinstance(mask, mx.array) or not cpu_kernels.load() or mx.default_device() != mx.cpu:
+        return False
+    keys, values = cache.keys, cache.values
+    return queries.dtype == keys.dtype == values.dtype == mx.float32 and queries.shape[-1] % 16 == values.shape[-1] % 16 == 0
+
+
+def _rope_is_whole_head(rope: Any, head_dim: int) -> bool:
+    """A plain RoPE over the whole head, which the split kernel applies from cpu_rope's tables."""
+    return isinstance(rope, nn.RoPE) and rope.dims == head_dim and rope.base is not None
+
+
+FUSED = {llama.Attention: FusedAttention, llama.MLP: FusedMLP, llama.TransformerBlock: FusedBlock}
 
 
 def fuse(model: nn.Module) -> int:
-    """Give the model's llama attention and MLP modules their fused class; how many."""
+    """Give the model's llama blocks, attention and MLP modules their fused class; how many attention and MLP modules."""
     count = 0
     for _, module in model.named_modules():
         if type(module) in FUSED:
             module.__class__ = FUSED[type(module)]
+            if isinstance(module, llama.TransformerBlock):
+                continue  # no products of its own
             held = module.__dict__.setdefault(_STACKS, {})
             for name, linears in _stack_layout(module).items():
                 if not _holds(held.get(name), linears):  # stacked before and untouched: keep

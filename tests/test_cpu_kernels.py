@@ -2,6 +2,7 @@
 independent of the rows computed with it, in use where they can be built, and skipped cleanly where not."""
 
 import platform
+import re
 import shutil
 import sys
 
@@ -64,6 +65,32 @@ def test_attention_row_is_independent_of_the_pass(kernels, S):
         assert mx.array_equal(wide[:, :, j : j + 1], alone).item(), j
 
 
+def test_attention_reads_a_cache_buffer_up_to_its_fill_into_projection_rows(kernels):
+    """The fused attention layer hands the kernel the cache's whole buffers and how far they are filled, and
+    takes (B * L, H * Dv) rows for the output projection: the same bits as slicing, then transposing."""
+    L, S = 5, 70
+    q, k, v = _attention_inputs(L, S, seed=4)
+    stale = mx.random.normal((1, 2, 30, 32), key=mx.random.key(8)) * 50  # what a rolled-back pass left behind
+    buffer_k, buffer_v = mx.concatenate([k, stale], axis=2), mx.concatenate([v, -stale], axis=2)
+    expected = kernels.attention(q, k, v, 0.2, True)
+    assert mx.array_equal(kernels.attention(q, buffer_k, buffer_v, 0.2, True, keys=S), expected).item()
+    rows = kernels.attention(q, buffer_k, buffer_v, 0.2, True, keys=S, rows=True)
+    assert rows.shape == (L, 6 * 32)
+    assert mx.array_equal(rows, expected.transpose(0, 2, 1, 3).reshape(L, -1)).item()
+    with pytest.raises(ValueError, match="keys <= S"):
+        kernels.attention(q, k, v, 0.2, True, keys=S + 1)
+    with pytest.raises(ValueError, match="L <= keys"):
+        kernels.attention(q, k, v, 0.2, True, keys=L - 1)
+
+
+def test_swiglu_of_a_whole_gate_up_product_is_swiglu_of_its_halves(kernels):
+    product = mx.random.normal((7, 2 * 100), key=mx.random.key(6)) * 6
+    gate, up = mx.split(product, 2, axis=-1)
+    assert mx.array_equal(kernels.swiglu_halves(product), kernels.swiglu(gate, up)).item()
+    with pytest.raises(ValueError, match="2n"):
+        kernels.swiglu_halves(product[:, :199])
+
+
 def test_swiglu_matches_and_is_elementwise(kernels):
     stacked = mx.random.normal((1, 9, 2 * 100), key=mx.random.key(5)) * 6
     gate, x = mx.split(stacked, 2, axis=-1)  # views into the gate|up product, as the fused MLP passes them
@@ -123,10 +150,35 @@ def test_the_fast_step_runs_the_kernels(kernels):
     model = tiny_llama(hidden=64, seed=2)  # heads of 16 dimensions, as the kernel requires
     fast_step.enable(model)
     cache = make_cache(model)
-    model(mx.array([[1, 2, 3]]), cache=cache)
+    mx.eval(model(mx.array([[1, 2, 3]]), cache=cache), [c.state for c in cache])
     out = model(mx.array([[4]]), cache=cache)
-    dot = _graph_text(out)
-    assert all(name in dot for name in ("AkunuAttention", "AkunuSwiGLU", "AkunuRMSNorm", "AkunuSplitHeads"))
+    dot = _graph_text(out)  # the step's graph alone
+    assert all(name in dot for name in ("AkunuAttention", "AkunuSwiGLUHalves", "AkunuRMSNorm", "AkunuSplitHeads"))
+    # The layers read the cache's buffers and the gate|up product whole, and keep their rows 2-D: no
+    # slices or transposes (the tied output head's transpose aside), two reshapes a layer.
+    nodes = re.findall(r'label ="(\w+)"', dot)
+    assert nodes.count("Slice") == 0 and nodes.count("Transpose") <= 1, nodes
+    assert nodes.count("Reshape") <= 2 * len(model.layers) + 2, nodes
+
+
+def test_exact_mode_keeps_one_kernel_call_per_layer(kernels):
+    """Exact mode's dispatcher wraps the module's attention; the layers still hand the kernel the whole pass
+    and the cache's buffers (it computes each row alone: the bits of exact mode's per-row calls), and the
+    default mode keeps that path once the dispatcher is installed."""
+    from akunu.exact import exact_model
+    from akunu.kv_cache import make_cache
+    from akunu.models import fast_step
+    from tests.tiny import tiny_llama
+
+    model = tiny_llama(hidden=64, seed=2)
+    fast_step.enable(model)
+    exact, cache = exact_model(model, 3), make_cache(model)
+    mx.eval(exact(mx.array([[1, 2, 3, 4, 5]]), cache=cache), [c.state for c in cache])
+    for run in (exact, model):
+        out = run(mx.array([[6]]), cache=cache)
+        nodes = re.findall(r'label ="(\w+)"', _graph_text(out))
+        assert nodes.count("AkunuAttention") == len(model.layers), nodes  # per-row calls would be 4 a layer
+        mx.eval(out, [c.state for c in cache])  # so the next graph holds its own pass alone
 
 
 def _graph_text(out: mx.array) -> str:
