@@ -91,7 +91,7 @@ class FusedAttention(llama.Attention):
         queries, keys, values = self.rotated_heads(held["qkv"](x), B, L, cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
         attend = llama.scaled_dot_product_attention  # the module global, which akunu swaps
-        if _kernel_reads_cache(attend, queries, cache, mask):
+        if kernel_reads_cache(attend, queries, cache, mask):
             # (B * L, H * head_dim) straight from the cache's buffers: none of the slices, transpose and
             # copy of the path below, each a graph node of a few microseconds on the CPU.
             heads = cpu_kernels.load().attention(queries, cache.keys, cache.values, self.scale, mask is not None,
@@ -155,7 +155,7 @@ class FusedBlock(llama.TransformerBlock):
         return (h + mlp.rows(self.post_attention_layernorm(h))).reshape(B, L, D)
 
 
-def _kernel_reads_cache(attend: Any, queries: mx.array, cache: Any, mask: Any) -> bool:
+def kernel_reads_cache(attend: Any, queries: mx.array, cache: Any, mask: Any) -> bool:
     """Whether akunu's attention kernel may read the cache's buffers itself: the module's attention is akunu's
     kernel-backed one (also behind exact mode's dispatcher, since the kernel computes each row alone: a pass
     gives the bits exact mode's per-row calls would), the cache a plain KVCache, the heads float32."""

@@ -32,7 +32,7 @@ from akunu.decode import plain_decode, prefill
 from akunu.kv_cache import cache_length, make_cache, rewind
 from akunu.sampling import SamplingParams
 from akunu.stats import GenerationStats
-from akunu.models import fast_step, fused_layers, load_model
+from akunu.models import cpu_kernels, fast_step, fused_layers, load_model
 
 
 def linears(model: nn.Module) -> list[mx.array]:
@@ -68,16 +68,26 @@ def kinds(model: nn.Module, cache: list) -> dict[str, Callable[[], list[mx.array
     queries = [mx.random.normal((1, h, 1, d)) for h, _, d in heads]
     products = [mx.random.normal((1, (h + 2 * kv) * d)) for h, kv, d in heads]  # one token's q|k|v product
     inter = layers[0].mlp.gate_proj.weight.shape[0]
-    gate, up = mx.random.normal((1, 1, inter)), mx.random.normal((1, 1, inter))
-    mx.eval(x, inputs, norm_inputs, queries, products, gate, up)
+    gate_up = mx.random.normal((1, 2 * inter))
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    mx.eval(x, inputs, norm_inputs, queries, products, gate_up)
     module = __import__(type(model).__module__, fromlist=["scaled_dot_product_attention"])
 
     def attention() -> list[mx.array]:
+        """As the fused layers run it where they can (the kernel reading the cache's buffers), else the module's."""
         out = []
         for a, c, q in zip(attn, cache, queries):
+            if fused_layers.kernel_reads_cache(module.scaled_dot_product_attention, q, c, None):
+                out.append(cpu_kernels.load().attention(q, c.keys, c.values, a.scale, False, c.offset, True))
+                continue
             keys, values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
             out.append(module.scaled_dot_product_attention(q, keys, values, cache=c, scale=a.scale, mask=None))
         return out
+
+    def swiglu() -> mx.array:
+        """The step's SwiGLU: on the gate|up product whole where the kernels are built."""
+        kernels = cpu_kernels.load()
+        return kernels.swiglu_halves(gate_up) if kernels else module.swiglu(gate, up)
 
     def rope() -> list[mx.array]:
         """Split into heads and rotate, as the fused attention does (one kernel, or views and one RoPE call)."""
@@ -88,7 +98,7 @@ def kinds(model: nn.Module, cache: list) -> dict[str, Callable[[], list[mx.array
         "norms": lambda: [m(v) for m, v in zip(norm_modules, norm_inputs)],
         "rope": rope,
         "attention": attention,
-        "elementwise": lambda: [t for _ in layers for t in (x + x, x + x, module.swiglu(gate, up))],  # the step's SwiGLU
+        "elementwise": lambda: [t for _ in layers for t in (x + x, x + x, swiglu())],
     }
 
 
