@@ -11,16 +11,20 @@ elementwise rest (residual adds, SwiGLU). Norms, RoPE and SwiGLU run as the fast
 "overhead" is the full step minus their sum: graph building, dispatch, reshapes, copies.
 The full step and attention are timed with akunu's fast step (models/fast_step.py) on and
 off. Timings interleave and report the minimum over --reps (the machine may be shared).
-Then, with the fast step: "graph build" is building one step's graph in Python, nothing
-evaluated, and "decode loop" the time per token of `plain_decode` over 32 greedy tokens,
+Then, with the fast step: "graph nodes" counts one step's graph, "graph build" is building it
+in Python, nothing evaluated, and "decode loop" the time per token of `plain_decode` over 32 greedy tokens,
 which queues each step before reading the last token: where it exceeds the step, host work
-(the next graph's building among it) did not overlap the step's computation.
+(the next graph's building among it) did not overlap the step's computation. Its ratio to the
+weight matmuls pairs each run with the matmuls timed just before it.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import re
+import statistics
 import time
 from collections.abc import Callable
 
@@ -135,26 +139,44 @@ def graph_build_ms(model: nn.Module, cache: list, reps: int) -> float:
     return min(times) * 1e3
 
 
-def decode_loop_ms(model: nn.Module, cache: list, runs: int, tokens: int = 32) -> float:
-    """Per token of `plain_decode` over `tokens` greedy tokens, the cache rewound after each run."""
-    start, means = cache_length(cache), []
+def graph_nodes(model: nn.Module, cache: list) -> int:
+    """How many nodes a decode step's graph holds (each costs a dispatch on MLX's CPU stream): the second
+    step from here, since the first may grow the cache (every 256 positions) and the second is at a
+    position whose RoPE tables are not cached yet, as in a decode."""
+    token = mx.array([[100]], mx.uint32)
+    mx.eval(model(token, cache=cache), [c.state for c in cache])
+    built = mx.argmax(model(token, cache=cache)[0, -1])
+    text = io.StringIO()
+    mx.export_to_dot(text, built)
+    mx.eval(built)
+    rewind(cache, 2)
+    return len(re.findall(r"shape=rectangle", text.getvalue()))
+
+
+def decode_loop_ms(model: nn.Module, cache: list, runs: int, matmuls: Callable[[], object], tokens: int = 32):
+    """Per token of `plain_decode` over `tokens` greedy tokens, the cache rewound after each run; and its
+    ratio to the weight matmuls timed just before each run (the median): the machine's speed drifts."""
+    start, means, ratios = cache_length(cache), [], []
     for _ in range(runs):
+        products = best_ms(matmuls, 3)
         loop = plain_decode(model, cache, model(mx.array([[100]], mx.uint32), cache=cache)[0, -1],
                             params=SamplingParams(), stats=GenerationStats())  # fmt: skip
         next(loop)  # the first token comes from the logits above, not from a step
         started = time.perf_counter()
         for _ in range(tokens):
             next(loop)
-        means.append((time.perf_counter() - started) / tokens)
+        means.append((time.perf_counter() - started) / tokens * 1e3)
+        ratios.append(means[-1] / products)
         loop.close()
         mx.eval([c.state for c in cache])  # the step queued last
         rewind(cache, cache_length(cache) - start)
-    return min(means) * 1e3
+    return min(means), statistics.median(ratios)
 
 
 def profile(model: nn.Module, context: int, reps: int) -> dict:
     cache = make_cache(model)
     mx.eval(prefill(model, cache, [100 + i % 1000 for i in range(context)]))
+    nodes = graph_nodes(model, cache)  # first, before any step at these positions caches their RoPE tables
     work = kinds(model, cache)
     step = step_once(model, cache)
     timings: dict[str, list[float]] = {}
@@ -173,9 +195,10 @@ def profile(model: nn.Module, context: int, reps: int) -> dict:
         result[f"overhead ({tag})"] = round(result[f"step ({tag})"] - parts, 2)
         result[f"step/matmuls ({tag})"] = round(result[f"step ({tag})"] / result["weight matmuls"], 3)
     fast_step.enable(model)
+    result["graph nodes"] = nodes
     result["graph build"] = round(graph_build_ms(model, cache, reps), 2)
-    result["decode loop"] = round(decode_loop_ms(model, cache, max(1, reps // 5)), 2)
-    result["decode loop/matmuls"] = round(result["decode loop"] / result["weight matmuls"], 3)
+    loop, ratio = decode_loop_ms(model, cache, max(1, reps // 5), work["weight matmuls"])
+    result["decode loop"], result["decode loop/matmuls"] = round(loop, 2), round(ratio, 3)
     return {"context": context, "matmuls": len(linears(model)), **result}
 
 
