@@ -16,11 +16,19 @@ import pytest
 from akunu.exact import FixedWidthModel
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import cache_length, make_cache
+from akunu.models import fast_step
 from tests.fakes import FakeTokenizer
 from tests.tiny import tiny_gemma3, tiny_llama
 
+def _with_fast_step(model):
+    """The model as load_model leaves it: on the CPU, fused layers whose attention kernel takes whole passes."""
+    fast_step.enable(model)
+    return model
+
+
 MODELS = {
     "llama": lambda: tiny_llama(seed=2, hidden=128, sharpness=2.0),
+    "llama-fast-step": lambda: _with_fast_step(tiny_llama(seed=2, hidden=128, sharpness=2.0)),
     "gemma3-sliding": lambda: tiny_gemma3(seed=2, hidden=128, window=8),
 }
 BLAS_CHECKS = [  # the logit identities that depend on the kernels; token identity follows from them
