@@ -71,7 +71,7 @@ static inline __attribute__((always_inline)) v16 lane_sums(const v16 v[16]) {
    products summed in order of k, then lane_sums's tree) do not depend on mr or nr. */
 static inline __attribute__((always_inline)) void tile_wt(const int mr, const int nr, int K,
                                                           const float *x, int ldx, const float *W,
-                                                          int ldw, float *C, int ldc) {
+                                                          int ldw, float *C, int ldc, int add) {
   v16 acc[MR * NR] = {{0}}; /* acc[m * NR + n]; a smaller tile leaves the rest 0 */
   for (int k = 0; k < K; k += 16) {
     v16 w[NR];
@@ -83,13 +83,14 @@ static inline __attribute__((always_inline)) void tile_wt(const int mr, const in
   }
   v16 sums = lane_sums(acc);
   for (int m = 0; m < mr; m++)
-    for (int n = 0; n < nr; n++) C[(size_t)m * ldc + n] = sums[m * NR + n];
+    for (int n = 0; n < nr; n++) C[(size_t)m * ldc + n] = add ? C[(size_t)m * ldc + n] + sums[m * NR + n] : sums[m * NR + n];
 }
 
-/* C[m, j] = x[m, :] . W[j, :] for m < M, K a multiple of 16. Each thread takes tiles of NR
-   rows of W and runs every row block of x past them while they sit in L1. */
+/* C[m, j] = x[m, :] . W[j, :] for m < M, K a multiple of 16, added to what C holds if `add` (beta = 1:
+   MLX's addmm, a residual add in the same node, with the bits of a separate add). Each thread takes
+   tiles of NR rows of W and runs every row block of x past them while they sit in L1. */
 CLONES static void rows_times_wt(int M, int N, int K, const float *x, int ldx, const float *W,
-                                 int ldw, float *C, int ldc) {
+                                 int ldw, float *C, int ldc, int add) {
   int tiles = (N + NR - 1) / NR;
 #pragma omp parallel for schedule(static)
   for (int t = 0; t < tiles; t++) {
@@ -99,7 +100,7 @@ CLONES static void rows_times_wt(int M, int N, int K, const float *x, int ldx, c
       const float *xm = x + (size_t)m * ldx, *Wj = W + (size_t)j * ldw;
       float *Cmj = C + (size_t)m * ldc + j;
       switch (mr * 8 + nr) {
-#define CASE(a, b) case a * 8 + b: tile_wt(a, b, K, xm, ldx, Wj, ldw, Cmj, ldc); break;
+#define CASE(a, b) case a * 8 + b: tile_wt(a, b, K, xm, ldx, Wj, ldw, Cmj, ldc, add); break;
         CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4) CASE(2, 1) CASE(2, 2) CASE(2, 3) CASE(2, 4)
         CASE(3, 1) CASE(3, 2) CASE(3, 3) CASE(3, 4) CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4)
 #undef CASE
@@ -160,8 +161,8 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float
   int a_t = trans_a != NO_TRANS, b_t = trans_b != NO_TRANS;
   if (order != ROW_MAJOR || M <= 0 || N <= 0 || K <= 0) {
     real_sgemm(order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-  } else if (M <= SMALL_M && !a_t && b_t && K % 16 == 0 && alpha == 1.f && beta == 0.f) {
-    rows_times_wt(M, N, K, A, lda, B, ldb, C, ldc);
+  } else if (M <= SMALL_M && !a_t && b_t && K % 16 == 0 && alpha == 1.f && (beta == 0.f || beta == 1.f)) {
+    rows_times_wt(M, N, K, A, lda, B, ldb, C, ldc, beta == 1.f);
   } else if (M <= SMALL_M && !b_t && alpha == 1.f && beta == 0.f) {
     rows_times_b(M, N, K, A, lda, a_t, B, ldb, C, ldc);
   } else if (M == 1) { /* C[0, :] = op(B)^T a */

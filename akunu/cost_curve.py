@@ -26,8 +26,9 @@ from akunu.kv_cache import make_cache, rewind
 # Bumped whenever akunu's decode step changes what a pass of each width costs, so curves saved
 # before are measured again (3: SwiGLU through akunu's exp, RoPE angles shared by a pass's layers;
 # 4: llama's q|k|v and gate|up stacked; 5: fused CPU kernels; 6: heads split and rotated in one;
-# 7: attention reads the cache's buffers, SwiGLU the gate|up product whole, blocks keep 2-D rows).
-STEP_REVISION = 7
+# 7: attention reads the cache's buffers, SwiGLU the gate|up product whole, blocks keep 2-D rows;
+# 8: residual adds in the products, llama passes compiled).
+STEP_REVISION = 8
 MAX_WIDTH = 33  # 32 drafts and the last committed token
 CONTEXT = 512  # a middling context: a prompt plus part of its answer
 CONTEXTS = (64, CONTEXT, 2048)  # tokens already in the cache while timing; generation reads between them

@@ -385,36 +385,56 @@ void rms_norm_kernel(const array& x, const array& weight, float eps, array& out)
 
 // ---- the q|k|v product's heads, rotated ------------------------------------------------------------
 
+// Where one kind of head goes: (B, heads, positions, D) at any strides, the pass's rows from `first` on
+// (0 for a fresh output; the cache's fill for a KV cache buffer written in place).
+struct HeadsOut {
+  float* data;
+  int64_t strides[4];
+  int first;
+
+  HeadsOut(const array& a, int first_position) : data(const_cast<float*>(a.data<float>())), first(first_position) {
+    for (int i = 0; i < 4; i++) strides[i] = a.strides()[i];
+  }
+};
+
 // Splits rows (B * L, (H + 2 KV) * D) of the stacked q|k|v product into queries (B, H, L, D), keys
-// and values (B, KV, L, D), rotating queries and keys: x * cos + partner(x) * sin, the tables
-// (L, D) laid out like x (models/cpu_rope.py), partner(d) = d ^ 1 when traditional, else d +- D/2.
-// No fused multiply-adds here, so the rotation rounds as mx.fast.rope's does.
-__attribute__((optimize("fp-contract=off"))) void split_heads_kernel(const array& qkv, const array& cos, const array& sin, int batch, int heads, int kv_heads,
-                        bool traditional, std::vector<array>& out) {
-  const int length = cos.shape(0), dims = cos.shape(1), half = dims / 2;
+// and values (B, KV, L, D) at `out`, rotating queries and keys: x * cos + partner(x) * sin, the tables'
+// rows table_first.. (D wide) laid out like x (models/cpu_rope.py), partner(d) = d ^ 1 when traditional,
+// else d +- D/2. No fused multiply-adds here, so the rotation rounds as mx.fast.rope's does.
+__attribute__((optimize("fp-contract=off"))) void split_heads_kernel(const array& qkv, const array& cos, const array& sin,
+                                                                     int table_first, int length, int batch, int heads,
+                                                                     int kv_heads, bool traditional, const HeadsOut (&out)[3]) {
+  const int dims = cos.shape(1), half = dims / 2;
   const int64_t qs0 = qkv.strides()[0], qs1 = qkv.strides()[1];
   const int64_t cs0 = cos.strides()[0], cs1 = cos.strides()[1], ss0 = sin.strides()[0], ss1 = sin.strides()[1];
   std::vector<float> x(dims), cp(dims), sp(dims);  // this position's head and tables, contiguous
   for (int b = 0; b < batch; b++)
     for (int p = 0; p < length; p++) {
       const float* row = qkv.data<float>() + (int64_t(b) * length + p) * qs0;
-      for (int d = 0; d < dims; d++) cp[d] = cos.data<float>()[p * cs0 + d * cs1], sp[d] = sin.data<float>()[p * ss0 + d * ss1];
+      const int64_t t = table_first + p;
+      for (int d = 0; d < dims; d++) cp[d] = cos.data<float>()[t * cs0 + d * cs1], sp[d] = sin.data<float>()[t * ss0 + d * ss1];
       for (int h = 0; h < heads + 2 * kv_heads; h++) {
         for (int d = 0; d < dims; d++) x[d] = row[(int64_t(h) * dims + d) * qs1];
         const bool value = h >= heads + kv_heads;
-        array& target = out[h < heads ? 0 : value ? 2 : 1];
+        const HeadsOut& target = out[h < heads ? 0 : value ? 2 : 1];
         const int local = h < heads ? h : value ? h - heads - kv_heads : h - heads;
-        float* dst = target.data<float>() + ((int64_t(b) * target.shape(1) + local) * length + p) * dims;
-        if (value) {
-          std::memcpy(dst, x.data(), dims * sizeof(float));
-          continue;
-        }
+        float* dst = target.data + b * target.strides[0] + local * target.strides[1] + int64_t(target.first + p) * target.strides[2];
+        const int64_t step = target.strides[3];
         for (int d = 0; d < dims; d++) {
           const int partner = traditional ? d ^ 1 : (d < half ? d + half : d - half);
-          dst[d] = x[d] * cp[d] + x[partner] * sp[d];
+          dst[d * step] = value ? x[d] : x[d] * cp[d] + x[partner] * sp[d];
         }
       }
     }
+}
+
+// The pass's first position, from a one-element int32 array: computed steps (models/compiled_step.py)
+// take it as an input, so one traced graph serves every position.
+int first_position(const array& offset) { return offset.data<int32_t>()[0]; }
+
+void fill_nan(array& out) {
+  float* o = out.data<float>();
+  for (size_t i = 0; i < out.size(); i++) o[i] = NAN;
 }
 
 // ---- MLX primitives -----------------------------------------------------------------------------
@@ -525,13 +545,61 @@ class SplitHeads : public CpuPrimitive {
  protected:
   Kernel kernel() const override {
     return [b = batch_, h = heads_, kv = kv_heads_, t = traditional_](const std::vector<array>& in, std::vector<array>& out) {
-      split_heads_kernel(in[0], in[1], in[2], b, h, kv, t, out);
+      const HeadsOut targets[3] = {{out[0], 0}, {out[1], 0}, {out[2], 0}};
+      split_heads_kernel(in[0], in[1], in[2], 0, in[1].shape(0), b, h, kv, t, targets);
     };
   }
 
  private:
   int batch_, heads_, kv_heads_;
   bool traditional_;
+};
+
+// The split into heads for a pass at an array offset: queries out; keys and values written in place into
+// the KV cache's buffers at the offset (their own (B, KV, S, D) layout), the tables read from its row.
+// Writing an input breaks MLX's rule that arrays do not change; it is safe here because the buffers are
+// the cache's own (dense, written by nothing else) and every reader of the rows written is ordered after
+// this node (it depends on the queries) or ran before it on the one CPU stream.
+class CacheHeads : public CpuPrimitive {
+ public:
+  CacheHeads(Stream stream, int batch, int heads, int kv_heads, bool traditional)
+      : CpuPrimitive(stream), batch_(batch), heads_(heads), kv_heads_(kv_heads), traditional_(traditional) {}
+  const char* name() const override { return "AkunuCacheHeads"; }
+  bool is_equivalent(const Primitive&) const override { return false; }  // a write: never merged with another
+
+ protected:
+  Kernel kernel() const override {
+    return [b = batch_, h = heads_, kv = kv_heads_, t = traditional_](const std::vector<array>& in, std::vector<array>& out) {
+      const int first = first_position(in[5]), length = out[0].shape(2);
+      if (first < 0 || first + length > in[3].shape(2) || first + length > in[1].shape(0)) return fill_nan(out[0]);
+      const HeadsOut targets[3] = {{out[0], 0}, {in[3], first}, {in[4], first}};
+      split_heads_kernel(in[0], in[1], in[2], first, length, b, h, kv, t, targets);
+    };
+  }
+
+ private:
+  int batch_, heads_, kv_heads_;
+  bool traditional_;
+};
+
+// Attention over a cache buffer's first offset + L positions, the offset an int32 array, as (B * L, H * Dv) rows.
+class AttentionAt : public CpuPrimitive {
+ public:
+  AttentionAt(Stream stream, float scale) : CpuPrimitive(stream), scale_(scale) {}
+  const char* name() const override { return "AkunuAttentionAt"; }
+  bool is_equivalent(const Primitive& other) const override { return scale_ == static_cast<const AttentionAt&>(other).scale_; }
+
+ protected:
+  Kernel kernel() const override {
+    return [scale = scale_](const std::vector<array>& in, std::vector<array>& out) {
+      const int keys = first_position(in[3]) + in[0].shape(2);
+      if (keys < in[0].shape(2) || keys > in[1].shape(2)) return fill_nan(out[0]);
+      attention_kernel(in[0], in[1], in[2], out[0], scale, true, keys, true);
+    };
+  }
+
+ private:
+  float scale_;
 };
 
 Stream cpu_stream() {
@@ -593,6 +661,37 @@ std::vector<array> split_heads(const array& qkv, const array& cos, const array& 
                             std::make_shared<SplitHeads>(cpu_stream(), batch, heads, kv_heads, traditional), inputs);
 }
 
+void require_offset(const array& offset) {
+  if (offset.dtype() != int32 || offset.size() != 1) throw std::invalid_argument("offset must be one int32");
+}
+
+// Queries (B, H, L, D) of the q|k|v product's rows (B * L, (H + 2 KV) * D); keys and values go into the
+// cache buffers (B, KV, S, D) at positions offset.. in place, rotated from the tables' rows offset.. (S', D).
+array cache_heads(const array& qkv, const array& cos, const array& sin, const array& keys, const array& values,
+                  const array& offset, int batch, int heads, int kv_heads, bool traditional) {
+  for (auto* a : {&qkv, &cos, &sin, &keys, &values}) require_float32(*a, "cache_heads inputs");
+  require_offset(offset);
+  if (qkv.ndim() != 2 || cos.ndim() != 2 || cos.shape() != sin.shape() || cos.shape(1) % 2 || batch < 1 ||
+      qkv.shape(0) % batch || qkv.shape(1) != (heads + 2 * kv_heads) * cos.shape(1) || keys.ndim() != 4 ||
+      keys.shape() != values.shape() || keys.shape(0) != batch || keys.shape(1) != kv_heads || keys.shape(3) != cos.shape(1))
+    throw std::invalid_argument("cache_heads expects qkv (B * L, (H + 2 KV) * D), tables (S', D) and buffers (B, KV, S, D)");
+  Shape shape{batch, heads, qkv.shape(0) / batch, cos.shape(1)};
+  return array(shape, float32, std::make_shared<CacheHeads>(cpu_stream(), batch, heads, kv_heads, traditional),
+               {qkv, cos, sin, keys, values, offset});
+}
+
+// softmax(scale * q @ k^T, causal) @ v over the buffers' first offset + L positions: (B * L, H * Dv) rows.
+array attention_at(const array& q, const array& k, const array& v, const array& offset, float scale) {
+  for (auto* a : {&q, &k, &v}) require_float32(*a, "attention inputs");
+  require_offset(offset);
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || k.shape(1) == 0 || q.shape(1) % k.shape(1) ||
+      q.shape(3) != k.shape(3) || k.shape(2) != v.shape(2) || k.shape(1) != v.shape(1) || q.shape(0) != k.shape(0))
+    throw std::invalid_argument("attention_at expects q (B, H, L, D), k (B, KVH, S, D), v (B, KVH, S, Dv)");
+  if (q.shape(3) % W || v.shape(3) % W) throw std::invalid_argument("attention's head dimensions must be multiples of 16");
+  Shape shape{q.shape(0) * q.shape(2), q.shape(1) * v.shape(3)};
+  return array(shape, float32, std::make_shared<AttentionAt>(cpu_stream(), scale), {q, k, v, offset});
+}
+
 }  // namespace
 
 NB_MODULE(akunu_cpu_kernels, m) {
@@ -606,5 +705,11 @@ NB_MODULE(akunu_cpu_kernels, m) {
   m.def("split_heads", &split_heads, nb::arg("qkv"), nb::arg("cos"), nb::arg("sin"), nb::arg("batch"),
         nb::arg("heads"), nb::arg("kv_heads"), nb::arg("traditional"),
         "queries, keys, values (B, heads, L, D) from the q|k|v product, queries and keys rotated");
+  m.def("cache_heads", &cache_heads, nb::arg("qkv"), nb::arg("cos"), nb::arg("sin"), nb::arg("keys"), nb::arg("values"),
+        nb::arg("offset"), nb::arg("batch"), nb::arg("heads"), nb::arg("kv_heads"), nb::arg("traditional"),
+        "rotated queries (B, heads, L, D) from the q|k|v product; its keys and values written into the cache buffers "
+        "(B, kv_heads, S, D) at the int32 offset, in place");
+  m.def("attention_at", &attention_at, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("offset"), nb::arg("scale"),
+        "causal attention of q (B, H, L, D) over the buffers' first offset + L positions, as (B * L, H * Dv) rows");
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"), "weight * x / sqrt(mean(x^2) + eps)");
 }

@@ -4,14 +4,16 @@ On MLX's CPU backend a decode step of a small model is bound by dispatch as much
 mlx-lm's `Linear` is four graph nodes (transpose, flatten, product, unflatten), and a layer runs
 seven of them. Here the products that read the same input share one matrix, q|k|v and gate|up,
 whose rows are the layers' own weights (those become views of it, so no memory is added), and
-every product takes a 2-D input and a transposed view made once: a layer runs four products
-of two nodes each, and RoPE rotates queries and keys in one call. The block keeps its residual
-stream as 2-D rows, so a layer reshapes twice rather than four times. Where akunu's CPU kernels are
-built (`cpu_kernels`), one node splits the q|k|v product into rotated heads, attention reads the
-cache's buffers up to the offset and writes the rows the output projection takes, and SwiGLU reads
-the gate|up product whole: a layer has no slices or transposes left (each node costs a few
-microseconds on the CPU, more while the matmuls' threads hold both cores). Each output element is
-still one weight row times the input, so results match mlx-lm's to float32 rounding.
+every product takes a 2-D input and a transposed view made once: a layer runs four products,
+the output and down projections adding the residual themselves (addmm), and RoPE rotates queries
+and keys in one call. The model keeps the residual stream as 2-D rows from block to block. Where
+akunu's CPU kernels are built (`cpu_kernels`), one node splits the q|k|v product into rotated heads,
+attention reads the cache's buffers up to the offset and writes the rows the output projection
+takes, and SwiGLU reads the gate|up product whole: a layer has no slices, transposes or reshapes
+left (each node costs a few microseconds on the CPU, more while the matmuls' threads hold both
+cores). There a whole pass also runs as a compiled trace (`compiled_pass`), its keys and values
+written into the cache in place: nine nodes a layer, and no Python to build them. Each output
+element is still one weight row times the input, so results match mlx-lm's to float32 rounding.
 
 Passes wider than `MAX_ROWS` (prefill chunks), projections with biases or quantized, and
 weights replaced since `fuse` (a loaded adapter) take mlx-lm's own `__call__`.
@@ -28,7 +30,7 @@ import mlx.nn as nn
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
-from akunu.models import cpu_kernels, cpu_rope
+from akunu.models import compiled_pass, cpu_kernels, cpu_rope
 
 MAX_ROWS = 64  # decode steps and verification passes; prefill chunks keep mlx-lm's path
 
@@ -65,9 +67,16 @@ class Stacked:
                 return False
         return True
 
-    def __call__(self, rows: mx.array) -> mx.array:
-        """(N, in) rows times the stacked matrix: (N, sum of outs)."""
-        return rows @ self.transposed
+    def __call__(self, rows: mx.array, residual: mx.array | None = None) -> mx.array:
+        """(N, in) rows times the stacked matrix: (N, sum of outs), plus `residual` if given.
+
+        A float32 residual is added by the product itself (addmm: one graph node, not two; the same
+        bits as adding after, since the sum is rounded to float32 before the add either way)."""
+        if residual is None:
+            return rows @ self.transposed
+        if residual.dtype == rows.dtype == mx.float32:
+            return mx.addmm(residual, rows, self.transposed)
+        return residual + rows @ self.transposed  # half types: addmm would round once, not twice
 
 
 class FusedAttention(llama.Attention):
@@ -85,10 +94,18 @@ class FusedAttention(llama.Attention):
         return (cache is not None and L <= MAX_ROWS and _holds(held.get("qkv"), (self["q_proj"], self["k_proj"], self["v_proj"]))
                 and _holds(held.get("o"), (self["o_proj"],)))  # fmt: skip
 
-    def rows(self, x: mx.array, B: int, L: int, mask: Any, cache: Any) -> mx.array:
-        """The attention's output rows (B * L, D) for input rows (B * L, D), where `fused_applies`."""
+    def rows(self, x: mx.array, B: int, L: int, mask: Any, cache: Any, residual: mx.array | None = None) -> mx.array:
+        """The attention's output rows (B * L, D) for input rows (B * L, D), plus `residual` if given,
+        where `fused_applies`."""
         held = stacks(self)
-        queries, keys, values = self.rotated_heads(held["qkv"](x), B, L, cache.offset)
+        product = held["qkv"](x)
+        if isinstance(cache, compiled_pass.CacheBuffers):  # traced for a compiled pass: the position is an array
+            kernels = cpu_kernels.load()
+            queries = kernels.cache_heads(product, cache.cos, cache.sin, cache.keys, cache.values, cache.offset, B,
+                                          self.n_heads, self.n_kv_heads, self.rope.traditional)  # fmt: skip
+            heads = kernels.attention_at(queries, cache.keys, cache.values, cache.offset, self.scale)
+            return held["o"](heads, residual)
+        queries, keys, values = self.rotated_heads(product, B, L, cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
         attend = llama.scaled_dot_product_attention  # the module global, which akunu swaps
         if kernel_reads_cache(attend, queries, cache, mask):
@@ -99,7 +116,18 @@ class FusedAttention(llama.Attention):
         else:
             output = attend(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
             heads = output.transpose(0, 2, 1, 3).reshape(B * L, -1)
-        return held["o"](heads)
+        return held["o"](heads, residual)
+
+    def compiles(self) -> bool:
+        """Whether `rows` can run traced in a compiled pass: float32 heads of a size the kernels take, and a RoPE
+        over whole heads (kept with the stack it was worked out for; the model checks the kernels themselves)."""
+        qkv = stacks(self)["qkv"]
+        known = self.__dict__.get(_COMPILES)
+        if known is None or known[0] is not qkv:
+            head_dim = qkv.transposed.shape[1] // (self.n_heads + 2 * self.n_kv_heads)
+            fits = qkv.transposed.dtype == mx.float32 and head_dim % 16 == 0 and _rope_is_whole_head(self.rope, head_dim)
+            known = self.__dict__[_COMPILES] = (qkv, fits)
+        return known[1]
 
     def rotated_heads(self, product: mx.array, B: int, L: int, offset: int) -> tuple[mx.array, mx.array, mx.array]:
         """Rotated queries and keys and the values, (B, heads, L, head_dim), from the q|k|v product's
@@ -129,37 +157,79 @@ class FusedMLP(llama.MLP):
         return L <= MAX_ROWS and _holds(held.get("gate_up"), (self["gate_proj"], self["up_proj"])) and _holds(
             held.get("down"), (self["down_proj"],))  # fmt: skip
 
-    def rows(self, x: mx.array) -> mx.array:
-        """(N, D) rows in and out, where `fused_applies`."""
+    def rows(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+        """(N, D) rows in and out, plus `residual` if given, where `fused_applies`."""
         held = stacks(self)
         gate_up = held["gate_up"](x)  # (N, 2 * hidden)
         kernels = cpu_kernels.load()
         if kernels and gate_up.dtype == mx.float32 and mx.default_device() == mx.cpu:
-            return held["down"](kernels.swiglu_halves(gate_up))  # one node, no slices of the product
+            return held["down"](kernels.swiglu_halves(gate_up), residual)  # one node, no slices of the product
         hidden = gate_up.shape[1] // 2
-        return held["down"](llama.swiglu(gate_up[:, :hidden], gate_up[:, hidden:]))  # the global akunu swaps
+        return held["down"](llama.swiglu(gate_up[:, :hidden], gate_up[:, hidden:]), residual)  # the global akunu swaps
 
 
 class FusedBlock(llama.TransformerBlock):
-    """llama's TransformerBlock keeping its residual stream as (B * L, D) rows between the fused attention
-    and MLP: two reshapes a layer instead of four (on the CPU each graph node costs a few microseconds)."""
+    """llama's TransformerBlock on (B * L, D) rows: each residual add is done by the product before it
+    (addmm), and `FusedModel` keeps the rows 2-D from block to block (on the CPU each graph node costs
+    a few microseconds)."""
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        attention, mlp = self.self_attn, self.mlp
         B, L, D = x.shape
-        fused = type(attention) is FusedAttention and type(mlp) is FusedMLP
-        if not (fused and attention.fused_applies(L, cache) and mlp.fused_applies(L)):
+        if not self.fused_applies(L, cache):
             return super().__call__(x, mask, cache)
-        rows = x.reshape(B * L, D)
-        h = rows + attention.rows(self.input_layernorm(rows), B, L, mask, cache)
-        return (h + mlp.rows(self.post_attention_layernorm(h))).reshape(B, L, D)
+        return self.rows(x.reshape(B * L, D), B, L, mask, cache).reshape(B, L, D)
+
+    def fused_applies(self, L: int, cache: Any) -> bool:
+        attention, mlp = self.self_attn, self.mlp
+        fused = type(attention) is FusedAttention and type(mlp) is FusedMLP
+        return fused and attention.fused_applies(L, cache) and mlp.fused_applies(L)
+
+    def rows(self, rows: mx.array, B: int, L: int, mask: Any, cache: Any) -> mx.array:
+        """(B * L, D) rows in and out, where `fused_applies`."""
+        h = self.self_attn.rows(self.input_layernorm(rows), B, L, mask, cache, residual=rows)
+        return self.mlp.rows(self.post_attention_layernorm(h), residual=h)
+
+
+class FusedModel(llama.LlamaModel):
+    """llama's LlamaModel passing (B * L, D) rows from block to block, where every block's fused path applies;
+    as a compiled pass (`compiled_pass`) where, besides, the kernels apply and the caches have room."""
+
+    def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: mx.array | None = None) -> mx.array:
+        if input_embeddings is not None or cache is None:
+            return super().__call__(inputs, cache, input_embeddings)
+        L = inputs.shape[1]
+        blocks = tuple(zip(self.layers, cache))
+        if not all(type(block) is FusedBlock and block.fused_applies(L, c) for block, c in blocks):
+            return super().__call__(inputs, cache, input_embeddings)
+        if self._compiles(cache, L):
+            return compiled_pass.run(self, inputs, cache, [block.self_attn.rope for block in self.layers])
+        h = self.embed_tokens(inputs)
+        masks = {False: llama.create_attention_mask(h, cache[self.fa_idx])}  # by use_sliding, as mlx-lm's loop
+        if self.swa_idx is not None:
+            masks[True] = llama.create_attention_mask(h, cache[self.swa_idx], window_size=self.sliding_window)
+        return self.rows_through(h, cache, masks)
+
+    def _compiles(self, cache: Sequence[Any], L: int) -> bool:
+        """Whether this pass can run compiled: no sliding windows, the CPU kernels in use, caches with room."""
+        kernels = cpu_kernels.load() is not None and mx.default_device() == mx.cpu
+        if not (kernels and self.swa_idx is None and _kernel_attention(llama.scaled_dot_product_attention)):
+            return False
+        return compiled_pass.room(cache, L) and all(block.self_attn.compiles() for block in self.layers)
+
+    def rows_through(self, h: mx.array, caches: Sequence[Any], masks: dict[bool, Any]) -> mx.array:
+        """The blocks and the final norm over embeddings (B, L, D), as rows between blocks."""
+        B, L, D = h.shape
+        rows = h.reshape(B * L, D)
+        for block, c in zip(self.layers, caches):
+            rows = block.rows(rows, B, L, masks[block.use_sliding], c)
+        return self.norm(rows).reshape(B, L, D)
 
 
 def kernel_reads_cache(attend: Any, queries: mx.array, cache: Any, mask: Any) -> bool:
     """Whether akunu's attention kernel may read the cache's buffers itself: the module's attention is akunu's
     kernel-backed one (also behind exact mode's dispatcher, since the kernel computes each row alone: a pass
     gives the bits exact mode's per-row calls would), the cache a plain KVCache, the heads float32."""
-    if not getattr(getattr(attend, "akunu_original", attend), "akunu_kernel_attention", False):
+    if not _kernel_attention(attend):
         return False
     if type(cache) is not KVCache or isinstance(mask, mx.array) or not cpu_kernels.load() or mx.default_device() != mx.cpu:
         return False
@@ -167,12 +237,17 @@ def kernel_reads_cache(attend: Any, queries: mx.array, cache: Any, mask: Any) ->
     return queries.dtype == keys.dtype == values.dtype == mx.float32 and queries.shape[-1] % 16 == values.shape[-1] % 16 == 0
 
 
+def _kernel_attention(attend: Any) -> bool:
+    """The module's attention is akunu's kernel-backed one, or exact mode's dispatcher over it."""
+    return getattr(getattr(attend, "akunu_original", attend), "akunu_kernel_attention", False)
+
+
 def _rope_is_whole_head(rope: Any, head_dim: int) -> bool:
     """A plain RoPE over the whole head, which the split kernel applies from cpu_rope's tables."""
     return isinstance(rope, nn.RoPE) and rope.dims == head_dim and rope.base is not None
 
 
-FUSED = {llama.Attention: FusedAttention, llama.MLP: FusedMLP, llama.TransformerBlock: FusedBlock}
+FUSED = {llama.Attention: FusedAttention, llama.MLP: FusedMLP, llama.TransformerBlock: FusedBlock, llama.LlamaModel: FusedModel}
 
 
 def fuse(model: nn.Module) -> int:
@@ -181,8 +256,8 @@ def fuse(model: nn.Module) -> int:
     for _, module in model.named_modules():
         if type(module) in FUSED:
             module.__class__ = FUSED[type(module)]
-            if isinstance(module, llama.TransformerBlock):
-                continue  # no products of its own
+            if isinstance(module, (llama.TransformerBlock, llama.LlamaModel)):
+                continue  # no products of their own
             held = module.__dict__.setdefault(_STACKS, {})
             for name, linears in _stack_layout(module).items():
                 if not _holds(held.get(name), linears):  # stacked before and untouched: keep
@@ -206,6 +281,7 @@ def unfuse(model: nn.Module) -> None:
 
 
 _STACKS = "_akunu_stacks"  # in the instance __dict__: as a Module attribute the arrays would become parameters
+_COMPILES = "_akunu_compiles"
 
 
 def stacks(module: nn.Module) -> dict[str, Stacked | None]:

@@ -75,6 +75,21 @@ def test_a_rows_result_does_not_depend_on_how_many_rows_share_its_pass(layout):
         assert mx.array_equal(together, alone[:width]).item(), f"{width} rows"
 
 
+@linux_with_openblas
+def test_addmm_adds_the_residual_with_a_separate_add_s_bits():
+    """The fused layers add the residual in the product (addmm, beta = 1): the kernels' sum plus what the
+    output held, rounded once, so the same bits as the product then an add, and still row-independent."""
+    if _blas.matvec_path is None:
+        pytest.skip("the router is not built here")
+    mx.random.seed(6)
+    matrix = mx.random.normal((1536, 576)).T
+    rows, residual = mx.random.normal((33, 576)), mx.random.normal((33, 1536))
+    for width in (1, 2, 5, 16, 33):
+        fused = mx.addmm(residual[:width], rows[:width], matrix)
+        assert mx.array_equal(fused, residual[:width] + rows[:width] @ matrix).item(), f"{width} rows"
+        assert mx.array_equal(fused, mx.addmm(residual, rows, matrix)[:width]).item(), f"{width} rows"
+
+
 def test_output_buffers_holding_nans_do_not_leak_into_results():
     """sgemv with beta = 0 may scale what the output held; MLX's fresh buffers can hold anything."""
     for _ in range(20):

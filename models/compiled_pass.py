@@ -1,0 +1,130 @@
+"""A llama decode pass traced once per shape with `mx.compile`, then replayed without Python.
+
+On a 2-core CPU the Python that builds a pass's graph (0.6-1 ms for SmolLM2's 30 layers) runs on
+the cores the matmuls use, so it adds to every step and every verification pass. Here a pass of
+akunu's fused layers (`fused_layers`) is traced once per (batch, width, cache capacity); later
+passes replay the trace. The position goes in as an int32 array: keys and values are written into
+the cache's buffers in place at it (`cpu_kernels.cache_heads`), attention reads the buffers up to
+it (`attention_at`), and RoPE reads its rows of tables as long as the buffers. The model's
+parameters are the trace's implicit inputs, so a replaced weight is never stale (a replaced
+projection is caught earlier: its stack no longer holds, and the pass is not fused at all). The
+kernels and products are the uncompiled fused path's, so the bits are too.
+
+The cache's arrays do not depend on those in-place writes, so each pass is queued as soon as it is
+built (`mx.async_eval`): the rows are written before any later pass reads them, even where the
+caller drops the output (prefill's chunks). MLX runs a stream's work in order, and every model call
+here runs on one thread's stream; only a direct host read of a buffer (NumPy) would need to wait
+for the pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+from akunu.models import cpu_rope
+
+_queue_passes = True
+_COMPILED = "_akunu_compiled_pass"  # in the model's __dict__, like fused_layers' stacks
+_TABLES = "_akunu_rope_tables"
+
+
+@dataclass(frozen=True)
+class CacheBuffers:
+    """What a layer of a compiled pass sees of its KVCache: the buffers, the position as an array,
+    and RoPE's (capacity, head_dim) cos and ±sin tables."""
+
+    keys: mx.array
+    values: mx.array
+    cos: mx.array
+    sin: mx.array
+    offset: mx.array
+
+
+def room(caches: Sequence[Any], L: int) -> bool:
+    """Whether every layer's cache is a plain KVCache already holding float32 buffers with room for L
+    more positions, all at one offset and capacity (an interrupt can leave layers apart)."""
+    first = caches[0]
+    if type(first) is not KVCache or first.keys is None or first.keys.dtype != mx.float32:
+        return False
+    offset, capacity = first.offset, first.keys.shape[2]
+    if offset + L > capacity:
+        return False  # mlx-lm's update_and_fetch grows the buffers
+    for c in caches:
+        if type(c) is not KVCache or c.offset != offset or c.keys is None or c.keys.shape[2] != capacity:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    function: Callable
+    constants: tuple[mx.array, ...]  # the norms' and embedding's arrays it was traced with
+
+
+def run(model: nn.Module, inputs: mx.array, caches: Sequence[KVCache], ropes: Sequence[nn.RoPE]) -> mx.array:
+    """The model's (B, L, D) output for `inputs` (B, L), `room` having said yes; the caches advance by L."""
+    constants = _constants(model)
+    compiled = model.__dict__.get(_COMPILED)
+    if compiled is None or len(compiled.constants) != len(constants) or any(
+        a is not b for a, b in zip(compiled.constants, constants)
+    ):
+        compiled = model.__dict__[_COMPILED] = _Compiled(mx.compile(partial(_traced, model)), constants)
+    capacity, head_dim = caches[0].keys.shape[2], caches[0].keys.shape[3]
+    tables = [_tables(model, rope, capacity, head_dim) for rope in ropes]
+    offset = mx.array([caches[0].offset], mx.int32)
+    hidden = compiled.function(inputs, offset, [c.keys for c in caches], [c.values for c in caches],
+                      [t[0] for t in tables], [t[1] for t in tables])  # fmt: skip
+    # The cache's new rows are written by the pass, not by arrays the cache holds: queue the pass now, so
+    # they are written even if its output is dropped (prefill's chunks), before any later pass reads them.
+    if _queue_passes:
+        mx.async_eval(hidden)
+    for c in caches:
+        c.offset += inputs.shape[1]
+    return hidden
+
+
+@contextmanager
+def unqueued() -> Iterator[None]:
+    """Passes left lazy, as eager ones are, so that a pass's graph can be looked at (tests,
+    scripts/profile_step.py). The caller must then evaluate every pass it builds."""
+    global _queue_passes
+    _queue_passes = False
+    try:
+        yield
+    finally:
+        _queue_passes = True
+
+
+def _constants(model: nn.Module) -> tuple[mx.array, ...]:
+    """The arrays a trace holds besides the stacks: the embedding's and every norm's."""
+    modules = [model["embed_tokens"], model["norm"]]  # item lookups: a Module's attribute lookups are slower
+    for block in model["layers"]:
+        modules += (block["input_layernorm"], block["post_attention_layernorm"])
+    return tuple(v for m in modules for v in m.values() if isinstance(v, mx.array))
+
+
+def _traced(model: nn.Module, inputs, offset, keys, values, coss, sins) -> mx.array:
+    buffers = [CacheBuffers(*layer, offset) for layer in zip(keys, values, coss, sins)]
+    mask = "causal" if inputs.shape[1] > 1 else None  # what create_attention_mask gives a model without windows
+    return model.rows_through(model.embed_tokens(inputs), buffers, {False: mask})
+
+
+def _tables(model: nn.Module, rope: nn.RoPE, capacity: int, head_dim: int) -> tuple[mx.array, mx.array]:
+    """cpu_rope's tables for positions 0..capacity-1: row p is the bits of the table for a pass at p."""
+    key = (capacity, head_dim, rope.base, rope.scale, rope.traditional)
+    held = model.__dict__.setdefault(_TABLES, {})
+    if key not in held:
+        tables = cpu_rope.head_tables(capacity, 0, head_dim, rope.base, rope.scale, rope.traditional, mx.float32)
+        mx.eval(tables)  # evaluated once, so no thread's lazy graph is shared
+        if len(held) >= 4:  # tables for shorter capacities are not needed again
+            held.clear()
+        held[key] = tables
+    return held[key]

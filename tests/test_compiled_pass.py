@@ -1,0 +1,109 @@
+"""Compiled llama passes (akunu.models.compiled_pass): the eager fused path's bits, the same cache, and
+never a stale trace."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from akunu.kv_cache import make_cache, rewind
+from akunu.models import compiled_pass, cpu_kernels, fast_step
+from tests.tiny import tiny_llama
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="compiled passes run on akunu's CPU kernels")
+
+PROMPT = [(5 * i + 1) % 64 for i in range(250)]  # fills the first 256-position buffers within a few steps
+
+
+@pytest.fixture
+def model():
+    model = tiny_llama(hidden=64, seed=4)  # heads of 16 dimensions, as the kernels require
+    fast_step.enable(model)
+    return model
+
+
+@pytest.fixture
+def eager(monkeypatch):
+    """Switches compiled passes off: every pass builds its graph in Python, as before."""
+    return lambda: monkeypatch.setattr(compiled_pass, "room", lambda caches, L: False)
+
+
+def decode(model, passes: int = 24) -> tuple[list[mx.array], list]:
+    """Steps and verification passes of widths 1-5 with rollbacks, crossing a buffer's end (where mlx-lm's
+    update_and_fetch grows it and the pass runs eagerly): each pass's logits, and the cache."""
+    cache, out = make_cache(model), []
+    token = int(model(mx.array([PROMPT]), cache=cache)[0, -1].argmax())
+    for i in range(passes):
+        width = 1 + i % 5
+        logits = model(mx.array([[token] + [(token + 7 * j) % 64 for j in range(1, width)]]), cache=cache)[0]
+        mx.eval(logits)
+        out.append(logits)
+        rewind(cache, width - 1)
+        token = int(logits[0].argmax())
+    return out, cache
+
+
+def test_compiled_passes_give_the_eager_passes_bits_and_cache(model, eager, monkeypatch):
+    runs = []
+    monkeypatch.setattr(compiled_pass, "run", _counting(compiled_pass.run, runs))
+    compiled, compiled_cache = decode(model)
+    compiled_passes = len(runs)
+    assert compiled_passes >= 20  # all but the pass that grew the buffers
+    eager()
+    reference, reference_cache = decode(model)
+    assert len(runs) == compiled_passes  # the reference ran eagerly
+    assert all(mx.array_equal(a, b).item() for a, b in zip(compiled, reference))
+    for c, r in zip(compiled_cache, reference_cache):
+        assert c.offset == r.offset == len(PROMPT) + 24
+        assert mx.array_equal(c.keys[..., : c.offset, :], r.keys[..., : r.offset, :]).item()
+        assert mx.array_equal(c.values[..., : c.offset, :], r.values[..., : r.offset, :]).item()
+
+
+def _counting(function, calls: list):
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return function(*args, **kwargs)
+
+    return counted
+
+
+def test_a_replaced_norm_or_embedding_weight_is_used_at_once(model, eager):
+    """The trace holds those weights as constants; replacing one makes a new trace, not a stale pass."""
+    decode(model, passes=3)  # traced with the first weights
+    model.model.norm.weight = model.model.norm.weight * 1.5
+    model.model.layers[1].post_attention_layernorm.weight = -model.model.layers[1].post_attention_layernorm.weight
+    model.model.embed_tokens.weight = model.model.embed_tokens.weight[::-1]
+    compiled, _ = decode(model, passes=3)
+    eager()
+    reference, _ = decode(model, passes=3)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(compiled, reference))
+
+
+def test_caches_a_compiled_pass_cannot_take():
+    """Layers at different offsets (an interrupt between layers), a full buffer, an empty or foreign cache."""
+    def filled(offset, capacity=256):
+        cache = KVCache()
+        cache.update_and_fetch(mx.zeros((1, 2, capacity, 16)), mx.zeros((1, 2, capacity, 16)))
+        cache.offset = offset
+        return cache
+
+    assert compiled_pass.room([filled(10), filled(10)], 5)
+    assert not compiled_pass.room([filled(10), filled(9)], 1)
+    assert not compiled_pass.room([filled(250), filled(250)], 7)
+    assert not compiled_pass.room([KVCache(), KVCache()], 1)
+    assert not compiled_pass.room([filled(10), object()], 1)
+
+
+def test_a_pass_whose_output_is_dropped_still_fills_the_cache(model, eager):
+    """Prefill feeds its chunks and reads only the cache (a chat's later turn: short chunks, compiled passes);
+    the keys and values written in place must not depend on anyone reading the pass's output."""
+    from akunu.decode import prefill
+
+    def turns():
+        cache = make_cache(model)
+        first = prefill(model, cache, PROMPT[:100])
+        second = prefill(model, cache, PROMPT[100:140], step=16)  # chunks of 16 tokens, their outputs dropped
+        return mx.concatenate([first, second])
+
+    compiled = turns()
+    eager()
+    assert mx.array_equal(compiled, turns()).item()
