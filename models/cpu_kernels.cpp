@@ -1,7 +1,9 @@
 // Fused decode kernels for MLX's CPU backend: attention, SwiGLU, RMSNorm, and the split of a
 // q|k|v product into rotated heads, one MLX primitive each. Attention can read a KV cache's buffers up
 // to how far they are filled and write (B * L, H * Dv) rows, and SwiGLU a whole gate|up product, so the
-// fused llama layers (models/fused_layers.py) need no slices, transposes or copies around them.
+// fused llama layers (models/fused_layers.py) need no slices, transposes or copies around them. For
+// compiled passes (models/compiled_pass.py) each half of a llama layer is one node, its products
+// through the process's cblas_sgemm.
 //
 // On the CPU every MLX graph node costs 1-3 us, MLX's exp runs one element at a time through libm
 // on x86, and MLX's CPU compile cannot fuse a reduction; so a decode layer's attention was a dozen
@@ -14,6 +16,7 @@
 //
 // Built on first use by models/cpu_kernels.py (g++, against the installed MLX and nanobind).
 
+#include <dlfcn.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
 
@@ -437,6 +440,80 @@ void fill_nan(array& out) {
   for (size_t i = 0; i < out.size(); i++) o[i] = NAN;
 }
 
+
+// ---- a layer's halves, for compiled passes ------------------------------------------------------
+
+// Each half of a llama layer as one node: a node costs a few microseconds of dispatch on the CPU, and
+// a half is otherwise four or five. The products go through the process's cblas_sgemm with the
+// arguments MLX's own Matmul and AddMM nodes give it, and the rest through the kernels above, so the
+// bits are those of the nodes a half replaces.
+
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*, int);
+
+// The cblas_sgemm MLX's products resolve to (akunu's decode matmuls ahead of OpenBLAS), or null.
+sgemm_fn process_sgemm() {
+  static const sgemm_fn found = reinterpret_cast<sgemm_fn>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
+  return found;
+}
+
+array scratch(Shape shape) {
+  array a(std::move(shape), float32, nullptr, {});
+  a.set_data(allocator::malloc(a.nbytes()));
+  return a;
+}
+
+// out = x @ w, plus what out holds if `add`; x contiguous rows, w (K, N) row-major or the transposed view
+// of an (N, K) one (how MLX's CPU matmul reads its operands).
+void product(const array& x, const array& w, array& out, bool add) {
+  const int M = x.shape(0), K = x.shape(1), N = w.shape(1);
+  const bool transposed = !(w.strides()[0] == N && w.strides()[1] == 1);
+  const int ldb = transposed ? w.strides()[1] : w.strides()[0];
+  process_sgemm()(101, 111, transposed ? 112 : 111, M, N, K, 1.0f, x.data<float>(), K, w.data<float>(), ldb,
+                  add ? 1.0f : 0.0f, out.data<float>(), N);
+}
+
+// out = a copy of x's (N, D) rows: the residual the second product adds to, as AddMM copies it.
+void copy_rows(const array& x, array& out) {
+  const int n = x.shape(-1);
+  const auto rows = row_offsets(x);
+  for (size_t r = 0; r < rows.size(); r++)
+    for (int i = 0; i < n; i++) out.data<float>()[r * n + i] = x.data<float>()[rows[r] + i * x.strides().back()];
+}
+
+// x + attention(rotated heads of rms_norm(x) @ wqkv, over the cache) @ wo. The pass's keys and values are
+// written into the cache's buffers in place at the offset, and the tables read from its row. Writing an
+// input breaks MLX's rule that arrays do not change; it is safe here because the buffers are the cache's
+// own (dense, written by nothing else) and every reader of the rows written runs after this node on the one
+// CPU stream (compiled_pass queues each pass as it is built). Inputs: x, norm weight, wqkv, wo, cos, sin,
+// keys, values, offset.
+void attention_half(const std::vector<array>& in, array& out, float eps, int batch, int heads, int kv_heads,
+                    bool traditional, float scale) {
+  const array &x = in[0], &keys = in[6], &values = in[7];
+  const int first = first_position(in[8]), rows = x.shape(0), length = rows / batch, dims = in[4].shape(1);
+  if (first < 0 || first + length > keys.shape(2) || first + length > in[4].shape(0)) return fill_nan(out);
+  array normed = scratch(x.shape()), qkv = scratch({rows, in[2].shape(1)});
+  rms_norm_kernel(x, in[1], eps, normed);
+  product(normed, in[2], qkv, false);
+  array queries = scratch({batch, heads, length, dims}), attended = scratch({rows, heads * values.shape(3)});
+  const HeadsOut targets[3] = {{queries, 0}, {keys, first}, {values, first}};
+  split_heads_kernel(qkv, in[4], in[5], first, length, batch, heads, kv_heads, traditional, targets);
+  attention_kernel(queries, keys, values, attended, scale, true, first + length, true);
+  copy_rows(x, out);
+  product(attended, in[3], out, true);
+}
+
+// x + swiglu(rms_norm(x) @ wgate_up) @ wdown. Inputs: x, norm weight, wgate_up, wdown.
+void mlp_half(const std::vector<array>& in, array& out, float eps) {
+  const array& x = in[0];
+  const int rows = x.shape(0);
+  array normed = scratch(x.shape()), gate_up = scratch({rows, in[2].shape(1)}), hidden = scratch({rows, in[2].shape(1) / 2});
+  rms_norm_kernel(x, in[1], eps, normed);
+  product(normed, in[2], gate_up, false);
+  swiglu_halves_kernel(gate_up, hidden);
+  copy_rows(x, out);
+  product(hidden, in[3], out, true);
+}
+
 // ---- MLX primitives -----------------------------------------------------------------------------
 
 using Kernel = std::function<void(const std::vector<array>&, std::vector<array>&)>;
@@ -555,51 +632,40 @@ class SplitHeads : public CpuPrimitive {
   bool traditional_;
 };
 
-// The split into heads for a pass at an array offset: queries out; keys and values written in place into
-// the KV cache's buffers at the offset (their own (B, KV, S, D) layout), the tables read from its row.
-// Writing an input breaks MLX's rule that arrays do not change; it is safe here because the buffers are
-// the cache's own (dense, written by nothing else) and every reader of the rows written is ordered after
-// this node (it depends on the queries) or ran before it on the one CPU stream.
-class CacheHeads : public CpuPrimitive {
+class AttentionHalf : public CpuPrimitive {
  public:
-  CacheHeads(Stream stream, int batch, int heads, int kv_heads, bool traditional)
-      : CpuPrimitive(stream), batch_(batch), heads_(heads), kv_heads_(kv_heads), traditional_(traditional) {}
-  const char* name() const override { return "AkunuCacheHeads"; }
-  bool is_equivalent(const Primitive&) const override { return false; }  // a write: never merged with another
+  AttentionHalf(Stream stream, float eps, int batch, int heads, int kv_heads, bool traditional, float scale)
+      : CpuPrimitive(stream), eps_(eps), batch_(batch), heads_(heads), kv_heads_(kv_heads), traditional_(traditional), scale_(scale) {}
+  const char* name() const override { return "AkunuAttentionHalf"; }
+  bool is_equivalent(const Primitive&) const override { return false; }  // it writes the cache: never merged
 
  protected:
   Kernel kernel() const override {
-    return [b = batch_, h = heads_, kv = kv_heads_, t = traditional_](const std::vector<array>& in, std::vector<array>& out) {
-      const int first = first_position(in[5]), length = out[0].shape(2);
-      if (first < 0 || first + length > in[3].shape(2) || first + length > in[1].shape(0)) return fill_nan(out[0]);
-      const HeadsOut targets[3] = {{out[0], 0}, {in[3], first}, {in[4], first}};
-      split_heads_kernel(in[0], in[1], in[2], first, length, b, h, kv, t, targets);
+    return [e = eps_, b = batch_, h = heads_, kv = kv_heads_, t = traditional_, s = scale_](const std::vector<array>& in, std::vector<array>& out) {
+      attention_half(in, out[0], e, b, h, kv, t, s);
     };
   }
 
  private:
+  float eps_;
   int batch_, heads_, kv_heads_;
   bool traditional_;
+  float scale_;
 };
 
-// Attention over a cache buffer's first offset + L positions, the offset an int32 array, as (B * L, H * Dv) rows.
-class AttentionAt : public CpuPrimitive {
+class MLPHalf : public CpuPrimitive {
  public:
-  AttentionAt(Stream stream, float scale) : CpuPrimitive(stream), scale_(scale) {}
-  const char* name() const override { return "AkunuAttentionAt"; }
-  bool is_equivalent(const Primitive& other) const override { return scale_ == static_cast<const AttentionAt&>(other).scale_; }
+  MLPHalf(Stream stream, float eps) : CpuPrimitive(stream), eps_(eps) {}
+  const char* name() const override { return "AkunuMLPHalf"; }
+  bool is_equivalent(const Primitive& other) const override { return eps_ == static_cast<const MLPHalf&>(other).eps_; }
 
  protected:
   Kernel kernel() const override {
-    return [scale = scale_](const std::vector<array>& in, std::vector<array>& out) {
-      const int keys = first_position(in[3]) + in[0].shape(2);
-      if (keys < in[0].shape(2) || keys > in[1].shape(2)) return fill_nan(out[0]);
-      attention_kernel(in[0], in[1], in[2], out[0], scale, true, keys, true);
-    };
+    return [e = eps_](const std::vector<array>& in, std::vector<array>& out) { mlp_half(in, out[0], e); };
   }
 
  private:
-  float scale_;
+  float eps_;
 };
 
 Stream cpu_stream() {
@@ -665,31 +731,48 @@ void require_offset(const array& offset) {
   if (offset.dtype() != int32 || offset.size() != 1) throw std::invalid_argument("offset must be one int32");
 }
 
-// Queries (B, H, L, D) of the q|k|v product's rows (B * L, (H + 2 KV) * D); keys and values go into the
-// cache buffers (B, KV, S, D) at positions offset.. in place, rotated from the tables' rows offset.. (S', D).
-array cache_heads(const array& qkv, const array& cos, const array& sin, const array& keys, const array& values,
-                  const array& offset, int batch, int heads, int kv_heads, bool traditional) {
-  for (auto* a : {&qkv, &cos, &sin, &keys, &values}) require_float32(*a, "cache_heads inputs");
-  require_offset(offset);
-  if (qkv.ndim() != 2 || cos.ndim() != 2 || cos.shape() != sin.shape() || cos.shape(1) % 2 || batch < 1 ||
-      qkv.shape(0) % batch || qkv.shape(1) != (heads + 2 * kv_heads) * cos.shape(1) || keys.ndim() != 4 ||
-      keys.shape() != values.shape() || keys.shape(0) != batch || keys.shape(1) != kv_heads || keys.shape(3) != cos.shape(1))
-    throw std::invalid_argument("cache_heads expects qkv (B * L, (H + 2 KV) * D), tables (S', D) and buffers (B, KV, S, D)");
-  Shape shape{batch, heads, qkv.shape(0) / batch, cos.shape(1)};
-  return array(shape, float32, std::make_shared<CacheHeads>(cpu_stream(), batch, heads, kv_heads, traditional),
-               {qkv, cos, sin, keys, values, offset});
+// A product's weight as MLX hands it to BLAS: (K, N) row-major, or the transposed view of an (N, K) matrix.
+void require_matrix(const array& w, int rows, const char* what) {
+  require_float32(w, what);
+  const bool plain = w.ndim() == 2 && w.strides()[0] == w.shape(1) && w.strides()[1] == 1;
+  const bool transposed = w.ndim() == 2 && w.strides()[0] == 1 && w.strides()[1] >= w.shape(0);
+  if (w.ndim() != 2 || w.shape(0) != rows || !(plain || transposed))
+    throw std::invalid_argument(std::string(what) + " must be a (" + std::to_string(rows) + ", N) matrix or a transposed one");
 }
 
-// softmax(scale * q @ k^T, causal) @ v over the buffers' first offset + L positions: (B * L, H * Dv) rows.
-array attention_at(const array& q, const array& k, const array& v, const array& offset, float scale) {
-  for (auto* a : {&q, &k, &v}) require_float32(*a, "attention inputs");
+void require_layer_input(const array& x, const array& norm_weight) {
+  require_float32(x, "a layer's rows");
+  require_float32(norm_weight, "a norm weight");
+  if (!process_sgemm()) throw std::invalid_argument("no cblas_sgemm in this process");
+  if (x.ndim() != 2 || norm_weight.ndim() != 1 || norm_weight.shape(0) != x.shape(1))
+    throw std::invalid_argument("a layer half takes rows (N, D) and a norm weight (D,)");
+}
+
+array attention_half_op(const array& x, const array& norm_weight, float eps, const array& wqkv, const array& wo,
+                        const array& cos, const array& sin, const array& keys, const array& values, const array& offset,
+                        int batch, int heads, int kv_heads, bool traditional, float scale) {
+  require_layer_input(x, norm_weight);
+  require_matrix(wqkv, x.shape(1), "the q|k|v weight");
+  for (auto* a : {&cos, &sin, &keys, &values}) require_float32(*a, "attention_half inputs");
   require_offset(offset);
-  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || k.shape(1) == 0 || q.shape(1) % k.shape(1) ||
-      q.shape(3) != k.shape(3) || k.shape(2) != v.shape(2) || k.shape(1) != v.shape(1) || q.shape(0) != k.shape(0))
-    throw std::invalid_argument("attention_at expects q (B, H, L, D), k (B, KVH, S, D), v (B, KVH, S, Dv)");
-  if (q.shape(3) % W || v.shape(3) % W) throw std::invalid_argument("attention's head dimensions must be multiples of 16");
-  Shape shape{q.shape(0) * q.shape(2), q.shape(1) * v.shape(3)};
-  return array(shape, float32, std::make_shared<AttentionAt>(cpu_stream(), scale), {q, k, v, offset});
+  const int dims = cos.ndim() == 2 ? cos.shape(1) : 0;
+  if (cos.ndim() != 2 || cos.shape() != sin.shape() || dims % 2 || dims % W || batch < 1 || x.shape(0) % batch ||
+      wqkv.shape(1) != (heads + 2 * kv_heads) * dims || keys.ndim() != 4 || keys.shape() != values.shape() ||
+      keys.shape(0) != batch || keys.shape(1) != kv_heads || keys.shape(3) != dims || kv_heads < 1 || heads % kv_heads)
+    throw std::invalid_argument("attention_half expects q|k|v weights (D, (H + 2 KV) * hd), tables (S', hd) and buffers (B, KV, S, hd)");
+  require_matrix(wo, heads * dims, "the output projection");
+  if (wo.shape(1) != x.shape(1)) throw std::invalid_argument("the output projection must give rows of x's width");
+  return array(x.shape(), float32, std::make_shared<AttentionHalf>(cpu_stream(), eps, batch, heads, kv_heads, traditional, scale),
+               {x, norm_weight, wqkv, wo, cos, sin, keys, values, offset});
+}
+
+array mlp_half_op(const array& x, const array& norm_weight, float eps, const array& wgate_up, const array& wdown) {
+  require_layer_input(x, norm_weight);
+  require_matrix(wgate_up, x.shape(1), "the gate|up weight");
+  if (wgate_up.shape(1) % 2) throw std::invalid_argument("the gate|up weight must have an even width");
+  require_matrix(wdown, wgate_up.shape(1) / 2, "the down projection");
+  if (wdown.shape(1) != x.shape(1)) throw std::invalid_argument("the down projection must give rows of x's width");
+  return array(x.shape(), float32, std::make_shared<MLPHalf>(cpu_stream(), eps), {x, norm_weight, wgate_up, wdown});
 }
 
 }  // namespace
@@ -705,11 +788,13 @@ NB_MODULE(akunu_cpu_kernels, m) {
   m.def("split_heads", &split_heads, nb::arg("qkv"), nb::arg("cos"), nb::arg("sin"), nb::arg("batch"),
         nb::arg("heads"), nb::arg("kv_heads"), nb::arg("traditional"),
         "queries, keys, values (B, heads, L, D) from the q|k|v product, queries and keys rotated");
-  m.def("cache_heads", &cache_heads, nb::arg("qkv"), nb::arg("cos"), nb::arg("sin"), nb::arg("keys"), nb::arg("values"),
-        nb::arg("offset"), nb::arg("batch"), nb::arg("heads"), nb::arg("kv_heads"), nb::arg("traditional"),
-        "rotated queries (B, heads, L, D) from the q|k|v product; its keys and values written into the cache buffers "
-        "(B, kv_heads, S, D) at the int32 offset, in place");
-  m.def("attention_at", &attention_at, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("offset"), nb::arg("scale"),
-        "causal attention of q (B, H, L, D) over the buffers' first offset + L positions, as (B * L, H * Dv) rows");
+  m.def("attention_half", &attention_half_op, nb::arg("x"), nb::arg("norm_weight"), nb::arg("eps"), nb::arg("wqkv"),
+        nb::arg("wo"), nb::arg("cos"), nb::arg("sin"), nb::arg("keys"), nb::arg("values"), nb::arg("offset"),
+        nb::arg("batch"), nb::arg("heads"), nb::arg("kv_heads"), nb::arg("traditional"), nb::arg("scale"),
+        "x + causal attention over the cache's first offset + L positions of the rotated heads of rms_norm(x) @ wqkv, "
+        "times wo: one node; the pass's keys and values written into the cache buffers (B, KV, S, hd) in place");
+  m.def("mlp_half", &mlp_half_op, nb::arg("x"), nb::arg("norm_weight"), nb::arg("eps"), nb::arg("wgate_up"), nb::arg("wdown"),
+        "x + swiglu_halves(rms_norm(x) @ wgate_up) @ wdown, one node");
+  m.def("has_products", []() { return process_sgemm() != nullptr; }, "whether the layer halves can call cblas_sgemm here");
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"), "weight * x / sqrt(mean(x^2) + eps)");
 }

@@ -113,7 +113,7 @@ def _build(target: Path, nanobind: ModuleType) -> None:
             f"-I{sysconfig.get_paths()['include']}", f"-I{nanobind.include_dir()}",
             f"-I{Path(nanobind.source_dir()).parent / 'ext' / 'robin_map' / 'include'}", f"-I{mlx_dir / 'include'}",
             str(Path(nanobind.source_dir()) / "nb_combined.cpp"), str(SOURCE),
-            f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}", "-o", str(partial),
+            f"-L{mlx_dir / 'lib'}", "-lmlx", "-ldl", f"-Wl,-rpath,{mlx_dir / 'lib'}", "-o", str(partial),
         ]  # fmt: skip
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode:

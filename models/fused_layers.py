@@ -98,14 +98,7 @@ class FusedAttention(llama.Attention):
         """The attention's output rows (B * L, D) for input rows (B * L, D), plus `residual` if given,
         where `fused_applies`."""
         held = stacks(self)
-        product = held["qkv"](x)
-        if isinstance(cache, compiled_pass.CacheBuffers):  # traced for a compiled pass: the position is an array
-            kernels = cpu_kernels.load()
-            queries = kernels.cache_heads(product, cache.cos, cache.sin, cache.keys, cache.values, cache.offset, B,
-                                          self.n_heads, self.n_kv_heads, self.rope.traditional)  # fmt: skip
-            heads = kernels.attention_at(queries, cache.keys, cache.values, cache.offset, self.scale)
-            return held["o"](heads, residual)
-        queries, keys, values = self.rotated_heads(product, B, L, cache.offset)
+        queries, keys, values = self.rotated_heads(held["qkv"](x), B, L, cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
         attend = llama.scaled_dot_product_attention  # the module global, which akunu swaps
         if kernel_reads_cache(attend, queries, cache, mask):
@@ -118,9 +111,16 @@ class FusedAttention(llama.Attention):
             heads = output.transpose(0, 2, 1, 3).reshape(B * L, -1)
         return held["o"](heads, residual)
 
+    def half(self, x: mx.array, norm: nn.RMSNorm, B: int, cache: compiled_pass.CacheBuffers) -> mx.array:
+        """x + this attention of norm(x), rows (B * L, D), as one kernel node inside a compiled pass."""
+        held = stacks(self)
+        return cpu_kernels.load().attention_half(
+            x, norm["weight"], norm.eps, held["qkv"].transposed, held["o"].transposed, cache.cos, cache.sin,
+            cache.keys, cache.values, cache.offset, B, self.n_heads, self.n_kv_heads, self.rope.traditional, self.scale)
+
     def compiles(self) -> bool:
-        """Whether `rows` can run traced in a compiled pass: float32 heads of a size the kernels take, and a RoPE
-        over whole heads (kept with the stack it was worked out for; the model checks the kernels themselves)."""
+        """Whether `half` applies: float32 heads of a size the kernels take, and a RoPE over whole heads (kept with
+        the stack it was worked out for; the model checks the kernels themselves)."""
         qkv = stacks(self)["qkv"]
         known = self.__dict__.get(_COMPILES)
         if known is None or known[0] is not qkv:
@@ -167,6 +167,11 @@ class FusedMLP(llama.MLP):
         hidden = gate_up.shape[1] // 2
         return held["down"](llama.swiglu(gate_up[:, :hidden], gate_up[:, hidden:]), residual)  # the global akunu swaps
 
+    def half(self, x: mx.array, norm: nn.RMSNorm) -> mx.array:
+        """x + this MLP of norm(x), rows (N, D), as one kernel node inside a compiled pass."""
+        held = stacks(self)
+        return cpu_kernels.load().mlp_half(x, norm["weight"], norm.eps, held["gate_up"].transposed, held["down"].transposed)
+
 
 class FusedBlock(llama.TransformerBlock):
     """llama's TransformerBlock on (B * L, D) rows: each residual add is done by the product before it
@@ -184,8 +189,16 @@ class FusedBlock(llama.TransformerBlock):
         fused = type(attention) is FusedAttention and type(mlp) is FusedMLP
         return fused and attention.fused_applies(L, cache) and mlp.fused_applies(L)
 
+    def compiles(self) -> bool:
+        """Whether its halves can run in a compiled pass: see FusedAttention.compiles; float32 RMSNorms."""
+        norms = (self["input_layernorm"], self["post_attention_layernorm"])
+        plain = all(isinstance(n, nn.RMSNorm) and n["weight"].dtype == mx.float32 for n in norms)
+        return plain and self["self_attn"].compiles()
+
     def rows(self, rows: mx.array, B: int, L: int, mask: Any, cache: Any) -> mx.array:
-        """(B * L, D) rows in and out, where `fused_applies`."""
+        """(B * L, D) rows in and out, where `fused_applies`: inside a compiled pass, one kernel node per half."""
+        if isinstance(cache, compiled_pass.CacheBuffers):
+            return self.mlp.half(self.self_attn.half(rows, self.input_layernorm, B, cache), self.post_attention_layernorm)
         h = self.self_attn.rows(self.input_layernorm(rows), B, L, mask, cache, residual=rows)
         return self.mlp.rows(self.post_attention_layernorm(h), residual=h)
 
@@ -211,10 +224,12 @@ class FusedModel(llama.LlamaModel):
 
     def _compiles(self, cache: Sequence[Any], L: int) -> bool:
         """Whether this pass can run compiled: no sliding windows, the CPU kernels in use, caches with room."""
-        kernels = cpu_kernels.load() is not None and mx.default_device() == mx.cpu
-        if not (kernels and self.swa_idx is None and _kernel_attention(llama.scaled_dot_product_attention)):
+        kernels = cpu_kernels.load()
+        if not (kernels and kernels.has_products() and mx.default_device() == mx.cpu and self.swa_idx is None):
             return False
-        return compiled_pass.room(cache, L) and all(block.self_attn.compiles() for block in self.layers)
+        if not _kernel_attention(llama.scaled_dot_product_attention):  # another attention swapped in: honour it
+            return False
+        return compiled_pass.room(cache, L) and all(block.compiles() for block in self.layers)
 
     def rows_through(self, h: mx.array, caches: Sequence[Any], masks: dict[bool, Any]) -> mx.array:
         """The blocks and the final norm over embeddings (B, L, D), as rows between blocks."""

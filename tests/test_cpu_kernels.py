@@ -155,15 +155,12 @@ def test_the_fast_step_runs_the_kernels(kernels):
     with compiled_pass.unqueued():
         out = model(mx.array([[4]]), cache=cache)
     dot = _graph_text(out)  # the step's graph alone
-    assert all(name in dot for name in ("AkunuAttentionAt", "AkunuSwiGLUHalves", "AkunuRMSNorm", "AkunuCacheHeads"))
-    # The layers write keys and values into the cache's buffers and read them there, read the gate|up product
-    # whole, add the residual in the products, and pass 2-D rows on: nine nodes a layer, no slices or cache
-    # updates, and no reshapes or transposes but the pass's own (the tied output head's transpose aside).
+    # Each half of a layer is one node, writing keys and values into the cache's buffers itself: no slices or
+    # cache updates, and no reshapes or transposes but the pass's own.
     nodes = re.findall(r'label ="(\w+)"', dot)
+    assert nodes.count("AkunuAttentionHalf") == nodes.count("AkunuMLPHalf") == len(model.layers), nodes
     assert nodes.count("Slice") == nodes.count("SliceUpdate") == nodes.count("Add") == 0, nodes
-    assert nodes.count("Transpose") <= 1 and nodes.count("Reshape") <= 2, nodes
-    assert nodes.count("AddMM") == 2 * len(model.layers), nodes
-    assert len(nodes) <= 9 * len(model.layers) + 10, nodes  # the embedding and an untied output head: 10
+    assert len(nodes) <= 2 * len(model.layers) + 10, nodes  # the embedding, final norm and an untied output head
 
 
 def test_exact_mode_keeps_one_kernel_call_per_layer(kernels):
@@ -217,45 +214,58 @@ def test_default_mode_passes_give_each_position_a_step_s_bits(kernels, width):
     assert mx.array_equal(wide, steps).item()
 
 
+def _layer_weights(D, H, KV, hd, inter, seed=9):
+    """A norm weight and a llama layer's stacked products, transposed as the fused layers hold them."""
+    keys = iter(mx.random.split(mx.random.key(seed), 5))
+    norm = 1 + 0.1 * mx.random.normal((D,), key=next(keys))
+    wqkv, wo = (mx.random.normal(shape, key=next(keys)) / 8 for shape in (((H + 2 * KV) * hd, D), (D, H * hd)))
+    wgu, wdown = (mx.random.normal(shape, key=next(keys)) / 8 for shape in ((2 * inter, D), (D, inter)))
+    return norm, wqkv.T, wo.T, wgu.T, wdown.T
+
+
 @pytest.mark.parametrize("traditional", [True, False])
 @pytest.mark.parametrize("batch, length, offset", [(1, 1, 0), (1, 5, 17), (2, 17, 230)])
-def test_cache_heads_writes_split_heads_rows_into_the_buffers_at_the_offset(kernels, traditional, batch, length, offset):
-    """A compiled pass's split: the queries split_heads gives, its keys and values written in place at the offset
-    (nothing else in the buffers changes), the tables read from the offset's row; attention_at then reads the
-    buffers up to offset + L, as attention with that key count does."""
+def test_a_layer_s_halves_give_the_bits_of_the_nodes_they_replace(kernels, traditional, batch, length, offset):
+    """A compiled pass's two nodes a layer: the eager fused path's norm, products, split, attention, SwiGLU and
+    residual adds, bit for bit. The attention half writes the pass's keys and values into the cache buffers in
+    place at the offset (nothing else in them changes), its tables read from the offset's row."""
     from akunu.models import cpu_rope
 
-    H, KV, D, S = 6, 2, 32, 256
-    product = mx.random.normal((batch * length, (H + 2 * KV) * D), key=mx.random.key(8))
-    q, k, v = kernels.split_heads(product, *cpu_rope.head_tables(length, offset, D, 1e4, 1.0, traditional, mx.float32),
-                                  batch, H, KV, traditional)  # fmt: skip
-    keys, values = (mx.random.normal((batch, KV, S, D), key=mx.random.key(i)) for i in (1, 2))
+    D, H, KV, hd, S, inter = 64, 6, 2, 16, 256, 96
+    norm, wqkv, wo, wgu, wdown = _layer_weights(D, H, KV, hd, inter)
+    x = mx.random.normal((batch * length, D), key=mx.random.key(3))
+    keys, values = (mx.random.normal((batch, KV, S, hd), key=mx.random.key(i)) for i in (1, 2))
     before = [mx.array(np.array(a)) for a in (keys, values)]  # copies: the kernel writes the buffers themselves
+    tables = cpu_rope.head_tables(S, 0, hd, 1e4, 1.0, traditional, mx.float32)  # rows for every position
     position = mx.array([offset], mx.int32)
-    tables = cpu_rope.head_tables(S, 0, D, 1e4, 1.0, traditional, mx.float32)  # rows for every position
-    queries = kernels.cache_heads(product, *tables, keys, values, position, batch, H, KV, traditional)
-    rows = kernels.attention_at(queries, keys, values, position, 0.3)
-    mx.eval(rows)
-    assert mx.array_equal(queries, q).item()
+    half = kernels.attention_half(x, norm, 1e-5, wqkv, wo, *tables, keys, values, position, batch, H, KV, traditional, 0.3)
+    mx.eval(half)
+
+    pass_tables = cpu_rope.head_tables(length, offset, hd, 1e4, 1.0, traditional, mx.float32)
+    q, k, v = kernels.split_heads(kernels.rms_norm(x, norm, 1e-5) @ wqkv, *pass_tables, batch, H, KV, traditional)
     for buffer, old, written in ((keys, before[0], k), (values, before[1], v)):
         assert mx.array_equal(buffer[:, :, offset : offset + length], written).item()
         assert mx.array_equal(buffer[:, :, :offset], old[:, :, :offset]).item()
         assert mx.array_equal(buffer[:, :, offset + length :], old[:, :, offset + length :]).item()
-    assert mx.array_equal(rows, kernels.attention(q, keys, values, 0.3, True, offset + length, True)).item()
+    attended = kernels.attention(q, keys, values, 0.3, True, offset + length, True)
+    assert mx.array_equal(half, mx.addmm(x, attended, wo)).item()
+
+    mlp = kernels.mlp_half(x, norm, 1e-5, wgu, wdown)
+    assert mx.array_equal(mlp, mx.addmm(x, kernels.swiglu_halves(kernels.rms_norm(x, norm, 1e-5) @ wgu), wdown)).item()
 
 
-def test_cache_heads_out_of_the_buffers_writes_nothing(kernels):
-    """An offset past the buffers' room (never passed: compiled_pass.room checks first) gives NaN queries and
-    leaves the buffers alone, rather than writing past them."""
-    product = mx.random.normal((2, 4 * 16))
+def test_an_attention_half_past_the_buffers_writes_nothing(kernels):
+    """An offset past the buffers' room (never passed: compiled_pass.room checks first) gives NaN rows and
+    leaves the buffers alone, rather than writing past them; bad shapes are refused when the node is built."""
+    norm, wqkv, wo, _, _ = _layer_weights(32, 2, 1, 16, 32)
+    x, tables = mx.random.normal((2, 32)), (mx.ones((8, 16)), mx.zeros((8, 16)))
     keys, values = mx.zeros((1, 1, 8, 16)), mx.zeros((1, 1, 8, 16))
-    tables = mx.ones((8, 16)), mx.zeros((8, 16))
-    queries = kernels.cache_heads(product, *tables, keys, values, mx.array([7], mx.int32), 1, 2, 1, False)
-    assert mx.isnan(queries).all().item() and not keys.any().item() and not values.any().item()
-    rows = kernels.attention_at(mx.ones((1, 2, 2, 16)), keys, values, mx.array([7], mx.int32), 0.3)
-    assert mx.isnan(rows).all().item()
+    out = kernels.attention_half(x, norm, 1e-5, wqkv, wo, *tables, keys, values, mx.array([7], mx.int32), 1, 2, 1, False, 0.3)
+    assert mx.isnan(out).all().item() and not keys.any().item() and not values.any().item()
     with pytest.raises(ValueError, match="offset must be one int32"):
-        kernels.cache_heads(product, *tables, keys, values, mx.array([0.0]), 1, 2, 1, False)
+        kernels.attention_half(x, norm, 1e-5, wqkv, wo, *tables, keys, values, mx.array([0.0]), 1, 2, 1, False, 0.3)
+    with pytest.raises(ValueError, match="q\\|k\\|v weight"):
+        kernels.attention_half(x, norm, 1e-5, wqkv[:16], wo, *tables, keys, values, mx.array([0], mx.int32), 1, 2, 1, False, 0.3)
 
 
 @pytest.mark.parametrize("traditional", [True, False])
