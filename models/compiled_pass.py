@@ -1,16 +1,20 @@
 """A llama decode pass traced once per shape with `mx.compile`, then replayed without Python.
 
 On a 2-core CPU the Python that builds a pass's graph (0.6-1 ms for SmolLM2's 30 layers) runs on
-the cores the matmuls use, so it adds to every step and every verification pass. Here a pass of
-akunu's fused layers (`fused_layers`) is traced once per (batch, width, cache capacity); later
-passes replay the trace. The position goes in as an int32 array: keys and values are written into
-the cache's buffers in place at it (`cpu_kernels.cache_heads`), attention reads the buffers up to
-it (`attention_at`), and RoPE reads its rows of tables as long as the buffers. The model's
-parameters are the trace's implicit inputs, so a replaced weight is never stale (a replaced
-projection is caught earlier: its stack no longer holds, and the pass is not fused at all). The
-kernels and products are the uncompiled fused path's, so the bits are too.
+the cores the matmuls use, so it adds to every step and every verification pass; so does each graph
+node's dispatch (a few microseconds). Here a pass of akunu's fused layers (`fused_layers`) is traced
+once per (batch, width, cache capacity) and later passes replay the trace, and each half of a layer
+is one kernel node (`cpu_kernels.attention_half`, `mlp_half`): 2 nodes a layer. The position goes in
+as an int32 array: the attention half writes the pass's keys and values into the cache's buffers in
+place at it, reads them up to it, and reads RoPE's rows from tables as long as the buffers. The
+kernels and products are the eager fused path's, so the bits are too.
 
-The cache's arrays do not depend on those in-place writes, so each pass is queued as soon as it is
+The weights are the trace's constants. A replaced projection is caught before a pass is compiled
+(its stack no longer holds, so nothing is fused); a replaced norm or embedding weight makes a new
+trace. (As `mx.compile`'s implicit inputs they would come back as new Python objects, under the
+stacks' identity checks.)
+
+The cache's arrays do not depend on the in-place writes, so each pass is queued as soon as it is
 built (`mx.async_eval`): the rows are written before any later pass reads them, even where the
 caller drops the output (prefill's chunks). MLX runs a stream's work in order, and every model call
 here runs on one thread's stream; only a direct host read of a buffer (NumPy) would need to wait
@@ -80,8 +84,8 @@ def run(model: nn.Module, inputs: mx.array, caches: Sequence[KVCache], ropes: Se
     capacity, head_dim = caches[0].keys.shape[2], caches[0].keys.shape[3]
     tables = [_tables(model, rope, capacity, head_dim) for rope in ropes]
     offset = mx.array([caches[0].offset], mx.int32)
-    hidden = compiled.function(inputs, offset, [c.keys for c in caches], [c.values for c in caches],
-                      [t[0] for t in tables], [t[1] for t in tables])  # fmt: skip
+    keys, values = [c.keys for c in caches], [c.values for c in caches]
+    hidden = compiled.function(inputs, offset, keys, values, [t[0] for t in tables], [t[1] for t in tables])
     # The cache's new rows are written by the pass, not by arrays the cache holds: queue the pass now, so
     # they are written even if its output is dropped (prefill's chunks), before any later pass reads them.
     if _queue_passes:
@@ -113,8 +117,7 @@ def _constants(model: nn.Module) -> tuple[mx.array, ...]:
 
 def _traced(model: nn.Module, inputs, offset, keys, values, coss, sins) -> mx.array:
     buffers = [CacheBuffers(*layer, offset) for layer in zip(keys, values, coss, sins)]
-    mask = "causal" if inputs.shape[1] > 1 else None  # what create_attention_mask gives a model without windows
-    return model.rows_through(model.embed_tokens(inputs), buffers, {False: mask})
+    return model.rows_through(model.embed_tokens(inputs), buffers, {False: None})  # the halves are causal themselves
 
 
 def _tables(model: nn.Module, rope: nn.RoPE, capacity: int, head_dim: int) -> tuple[mx.array, mx.array]:

@@ -11,9 +11,10 @@ akunu's CPU kernels are built (`cpu_kernels`), one node splits the q|k|v product
 attention reads the cache's buffers up to the offset and writes the rows the output projection
 takes, and SwiGLU reads the gate|up product whole: a layer has no slices, transposes or reshapes
 left (each node costs a few microseconds on the CPU, more while the matmuls' threads hold both
-cores). There a whole pass also runs as a compiled trace (`compiled_pass`), its keys and values
-written into the cache in place: nine nodes a layer, and no Python to build them. Each output
-element is still one weight row times the input, so results match mlx-lm's to float32 rounding.
+cores). There a whole pass also runs as a compiled trace (`compiled_pass`): each half of a layer
+one kernel node, the keys and values written into the cache in place, and no Python to build
+them. Each output element is still one weight row times the input, so results match mlx-lm's to
+float32 rounding.
 
 Passes wider than `MAX_ROWS` (prefill chunks), projections with biases or quantized, and
 weights replaced since `fuse` (a loaded adapter) take mlx-lm's own `__call__`.
@@ -119,15 +120,10 @@ class FusedAttention(llama.Attention):
             cache.keys, cache.values, cache.offset, B, self.n_heads, self.n_kv_heads, self.rope.traditional, self.scale)
 
     def compiles(self) -> bool:
-        """Whether `half` applies: float32 heads of a size the kernels take, and a RoPE over whole heads (kept with
-        the stack it was worked out for; the model checks the kernels themselves)."""
-        qkv = stacks(self)["qkv"]
-        known = self.__dict__.get(_COMPILES)
-        if known is None or known[0] is not qkv:
-            head_dim = qkv.transposed.shape[1] // (self.n_heads + 2 * self.n_kv_heads)
-            fits = qkv.transposed.dtype == mx.float32 and head_dim % 16 == 0 and _rope_is_whole_head(self.rope, head_dim)
-            known = self.__dict__[_COMPILES] = (qkv, fits)
-        return known[1]
+        """Whether `half` applies: float32 heads of a size the kernels take, and a RoPE over whole heads."""
+        qkv = stacks(self)["qkv"].transposed
+        head_dim = qkv.shape[1] // (self.n_heads + 2 * self.n_kv_heads)
+        return qkv.dtype == mx.float32 and head_dim % 16 == 0 and _rope_is_whole_head(self.rope, head_dim)
 
     def rotated_heads(self, product: mx.array, B: int, L: int, offset: int) -> tuple[mx.array, mx.array, mx.array]:
         """Rotated queries and keys and the values, (B, heads, L, head_dim), from the q|k|v product's
@@ -185,15 +181,20 @@ class FusedBlock(llama.TransformerBlock):
         return self.rows(x.reshape(B * L, D), B, L, mask, cache).reshape(B, L, D)
 
     def fused_applies(self, L: int, cache: Any) -> bool:
-        attention, mlp = self.self_attn, self.mlp
+        attention, mlp = self["self_attn"], self["mlp"]
         fused = type(attention) is FusedAttention and type(mlp) is FusedMLP
         return fused and attention.fused_applies(L, cache) and mlp.fused_applies(L)
 
     def compiles(self) -> bool:
-        """Whether its halves can run in a compiled pass: see FusedAttention.compiles; float32 RMSNorms."""
+        """Whether its halves can run in a compiled pass: FusedAttention.compiles, and float32 RMSNorms. The
+        answer is kept with the stack and norm weights it was worked out for (it is asked every pass)."""
         norms = (self["input_layernorm"], self["post_attention_layernorm"])
-        plain = all(isinstance(n, nn.RMSNorm) and n["weight"].dtype == mx.float32 for n in norms)
-        return plain and self["self_attn"].compiles()
+        key = (stacks(self["self_attn"]).get("qkv"), *(n.get("weight") for n in norms))
+        known = self.__dict__.get(_COMPILES)
+        if known is None or any(a is not b for a, b in zip(known[0], key)):
+            plain = all(isinstance(n, nn.RMSNorm) and n["weight"].dtype == mx.float32 for n in norms)
+            known = self.__dict__[_COMPILES] = (key, plain and self["self_attn"].compiles())
+        return known[1]
 
     def rows(self, rows: mx.array, B: int, L: int, mask: Any, cache: Any) -> mx.array:
         """(B * L, D) rows in and out, where `fused_applies`: inside a compiled pass, one kernel node per half."""
