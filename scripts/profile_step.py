@@ -8,7 +8,9 @@ fast step stacks them), norms,
 RoPE (with the split of the q|k|v product into heads), attention over the cache, and the
 elementwise rest (residual adds, SwiGLU). Norms, RoPE and SwiGLU run as the fast step runs them
 (akunu's fused kernels, where they could be built; llama-family models).
-"overhead" is the full step minus their sum: graph building, dispatch, reshapes, copies.
+"overhead" is the full step minus their sum: graph building, dispatch, reshapes, copies. (A compiled
+llama step runs each half of a layer as one node, so its kinds cost less inside it than alone, and
+its overhead can come out negative.)
 The full step and attention are timed with akunu's fast step (models/fast_step.py) on and
 off. Timings interleave and report the minimum over --reps (the machine may be shared).
 Then, with the fast step: "graph nodes" counts one step's graph, "graph build" is building it
