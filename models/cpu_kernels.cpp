@@ -431,7 +431,7 @@ __attribute__((optimize("fp-contract=off"))) void split_heads_kernel(const array
     }
 }
 
-// The pass's first position, from a one-element int32 array: computed steps (models/compiled_step.py)
+// The pass's first position, from a one-element int32 array: compiled passes (models/compiled_pass.py)
 // take it as an input, so one traced graph serves every position.
 int first_position(const array& offset) { return offset.data<int32_t>()[0]; }
 
@@ -439,7 +439,6 @@ void fill_nan(array& out) {
   float* o = out.data<float>();
   for (size_t i = 0; i < out.size(); i++) o[i] = NAN;
 }
-
 
 // ---- a layer's halves, for compiled passes ------------------------------------------------------
 
@@ -462,14 +461,24 @@ array scratch(Shape shape) {
   return a;
 }
 
-// out = x @ w, plus what out holds if `add`; x contiguous rows, w (K, N) row-major or the transposed view
-// of an (N, K) one (how MLX's CPU matmul reads its operands).
+// out = x @ w, plus what out holds if `add`; x contiguous rows. w is read as MLX's CPU matmul reads an
+// operand: (K, N) row-major, the transposed view of a row-major (N, K) matrix, or else a contiguous copy.
 void product(const array& x, const array& w, array& out, bool add) {
   const int M = x.shape(0), K = x.shape(1), N = w.shape(1);
-  const bool transposed = !(w.strides()[0] == N && w.strides()[1] == 1);
-  const int ldb = transposed ? w.strides()[1] : w.strides()[0];
-  process_sgemm()(101, 111, transposed ? 112 : 111, M, N, K, 1.0f, x.data<float>(), K, w.data<float>(), ldb,
-                  add ? 1.0f : 0.0f, out.data<float>(), N);
+  const float* b = w.data<float>();
+  bool transposed = false;
+  int ldb = N;
+  array copied = w;
+  if (w.strides()[0] == 1 && w.strides()[1] == K) {
+    transposed = true, ldb = K;
+  } else if (!(w.strides()[0] == N && w.strides()[1] == 1)) {
+    copied = scratch({K, N});
+    for (int k = 0; k < K; k++)
+      for (int n = 0; n < N; n++) copied.data<float>()[int64_t(k) * N + n] = b[k * w.strides()[0] + n * w.strides()[1]];
+    b = copied.data<float>();
+  }
+  process_sgemm()(101, 111, transposed ? 112 : 111, M, N, K, 1.0f, x.data<float>(), K, b, ldb, add ? 1.0f : 0.0f,
+                  out.data<float>(), N);
 }
 
 // out = a copy of x's (N, D) rows: the residual the second product adds to, as AddMM copies it.
@@ -731,13 +740,9 @@ void require_offset(const array& offset) {
   if (offset.dtype() != int32 || offset.size() != 1) throw std::invalid_argument("offset must be one int32");
 }
 
-// A product's weight as MLX hands it to BLAS: (K, N) row-major, or the transposed view of an (N, K) matrix.
 void require_matrix(const array& w, int rows, const char* what) {
   require_float32(w, what);
-  const bool plain = w.ndim() == 2 && w.strides()[0] == w.shape(1) && w.strides()[1] == 1;
-  const bool transposed = w.ndim() == 2 && w.strides()[0] == 1 && w.strides()[1] >= w.shape(0);
-  if (w.ndim() != 2 || w.shape(0) != rows || !(plain || transposed))
-    throw std::invalid_argument(std::string(what) + " must be a (" + std::to_string(rows) + ", N) matrix or a transposed one");
+  if (w.ndim() != 2 || w.shape(0) != rows) throw std::invalid_argument(std::string(what) + " must be a (" + std::to_string(rows) + ", N) matrix");
 }
 
 void require_layer_input(const array& x, const array& norm_weight) {

@@ -250,8 +250,13 @@ def test_a_layer_s_halves_give_the_bits_of_the_nodes_they_replace(kernels, tradi
     attended = kernels.attention(q, keys, values, 0.3, True, offset + length, True)
     assert mx.array_equal(half, mx.addmm(x, attended, wo)).item()
 
-    mlp = kernels.mlp_half(x, norm, 1e-5, wgu, wdown)
-    assert mx.array_equal(mlp, mx.addmm(x, kernels.swiglu_halves(kernels.rms_norm(x, norm, 1e-5) @ wgu), wdown)).item()
+    # weights as the fused layers hold them (transposed views), plain row-major, and a strided view MLX copies first
+    strided = mx.concatenate([wgu, wgu], axis=0)[::2]
+    mx.eval(strided)
+    for gate_up in (wgu, mx.contiguous(wgu), strided):
+        mlp = kernels.mlp_half(x, norm, 1e-5, gate_up, wdown)
+        expected = mx.addmm(x, kernels.swiglu_halves(kernels.rms_norm(x, norm, 1e-5) @ gate_up), wdown)
+        assert mx.array_equal(mlp, expected).item()
 
 
 def test_an_attention_half_past_the_buffers_writes_nothing(kernels):
