@@ -71,17 +71,18 @@ def room(caches: Sequence[Any], L: int) -> bool:
 class _Compiled:
     function: Callable
     constants: tuple[mx.array, ...]  # the norms' and embedding's arrays it was traced with
+    capacity: int  # the caches' capacity it is traced for: a new one makes a new function, so MLX drops
+    # the old traces (they would never be used again, and every call searches the function's traces)
 
 
 def run(model: nn.Module, inputs: mx.array, caches: Sequence[KVCache], ropes: Sequence[nn.RoPE]) -> mx.array:
     """The model's (B, L, D) output for `inputs` (B, L), `room` having said yes; the caches advance by L."""
-    constants = _constants(model)
+    constants, capacity, head_dim = _constants(model), caches[0].keys.shape[2], caches[0].keys.shape[3]
     compiled = model.__dict__.get(_COMPILED)
-    if compiled is None or len(compiled.constants) != len(constants) or any(
+    if compiled is None or compiled.capacity != capacity or len(compiled.constants) != len(constants) or any(
         a is not b for a, b in zip(compiled.constants, constants)
     ):
-        compiled = model.__dict__[_COMPILED] = _Compiled(mx.compile(partial(_traced, model)), constants)
-    capacity, head_dim = caches[0].keys.shape[2], caches[0].keys.shape[3]
+        compiled = model.__dict__[_COMPILED] = _Compiled(mx.compile(partial(_traced, model)), constants, capacity)
     tables = [_tables(model, rope, capacity, head_dim) for rope in ropes]
     offset = mx.array([caches[0].offset], mx.int32)
     keys, values = [c.keys for c in caches], [c.values for c in caches]
