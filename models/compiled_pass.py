@@ -37,7 +37,6 @@ from akunu.models import cpu_rope
 
 _queue_passes = True
 _COMPILED = "_akunu_compiled_pass"  # in the model's __dict__, like fused_layers' stacks
-_TABLES = "_akunu_rope_tables"
 
 
 @dataclass(frozen=True)
@@ -73,20 +72,23 @@ class _Compiled:
     constants: tuple[mx.array, ...]  # the norms' and embedding's arrays it was traced with
     capacity: int  # the caches' capacity it is traced for: a new one makes a new function, so MLX drops
     # the old traces (they would never be used again, and every call searches the function's traces)
+    coss: list[mx.array]  # each layer's RoPE tables for positions 0..capacity-1
+    sins: list[mx.array]
 
 
-def run(model: nn.Module, inputs: mx.array, caches: Sequence[KVCache], ropes: Sequence[nn.RoPE]) -> mx.array:
+def run(model: nn.Module, inputs: mx.array, caches: Sequence[KVCache]) -> mx.array:
     """The model's (B, L, D) output for `inputs` (B, L), `room` having said yes; the caches advance by L."""
-    constants, capacity, head_dim = _constants(model), caches[0].keys.shape[2], caches[0].keys.shape[3]
+    constants, capacity = _constants(model), caches[0].keys.shape[2]
     compiled = model.__dict__.get(_COMPILED)
     if compiled is None or compiled.capacity != capacity or len(compiled.constants) != len(constants) or any(
         a is not b for a, b in zip(compiled.constants, constants)
     ):
-        compiled = model.__dict__[_COMPILED] = _Compiled(mx.compile(partial(_traced, model)), constants, capacity)
-    tables = [_tables(model, rope, capacity, head_dim) for rope in ropes]
+        coss, sins = _tables(model, capacity, caches[0].keys.shape[3])
+        compiled = _Compiled(mx.compile(partial(_traced, model)), constants, capacity, coss, sins)
+        model.__dict__[_COMPILED] = compiled
     offset = mx.array([caches[0].offset], mx.int32)
     keys, values = [c.keys for c in caches], [c.values for c in caches]
-    hidden = compiled.function(inputs, offset, keys, values, [t[0] for t in tables], [t[1] for t in tables])
+    hidden = compiled.function(inputs, offset, keys, values, compiled.coss, compiled.sins)
     # The cache's new rows are written by the pass, not by arrays the cache holds: queue the pass now, so
     # they are written even if its output is dropped (prefill's chunks), before any later pass reads them.
     if _queue_passes:
@@ -121,14 +123,16 @@ def _traced(model: nn.Module, inputs, offset, keys, values, coss, sins) -> mx.ar
     return model.rows_through(model.embed_tokens(inputs), buffers, {False: None})  # the halves are causal themselves
 
 
-def _tables(model: nn.Module, rope: nn.RoPE, capacity: int, head_dim: int) -> tuple[mx.array, mx.array]:
-    """cpu_rope's tables for positions 0..capacity-1: row p is the bits of the table for a pass at p."""
-    key = (capacity, head_dim, rope.base, rope.scale, rope.traditional)
-    held = model.__dict__.setdefault(_TABLES, {})
-    if key not in held:
-        tables = cpu_rope.head_tables(capacity, 0, head_dim, rope.base, rope.scale, rope.traditional, mx.float32)
-        mx.eval(tables)  # evaluated once, so no thread's lazy graph is shared
-        if len(held) >= 4:  # tables for shorter capacities are not needed again
-            held.clear()
-        held[key] = tables
-    return held[key]
+def _tables(model: nn.Module, capacity: int, head_dim: int) -> tuple[list[mx.array], list[mx.array]]:
+    """Each layer's cpu_rope tables for positions 0..capacity-1 (row p is the bits of the table for a pass at p),
+    computed once per distinct RoPE and evaluated, so no thread's lazy graph is shared."""
+    coss, sins, made = [], [], {}
+    for block in model["layers"]:
+        rope = block["self_attn"]["rope"]
+        key = (rope.base, rope.scale, rope.traditional)
+        if key not in made:
+            made[key] = cpu_rope.head_tables(capacity, 0, head_dim, *key, mx.float32)
+            mx.eval(made[key])
+        coss.append(made[key][0])
+        sins.append(made[key][1])
+    return coss, sins

@@ -216,7 +216,7 @@ class FusedModel(llama.LlamaModel):
         if not all(type(block) is FusedBlock and block.fused_applies(L, c) for block, c in blocks):
             return super().__call__(inputs, cache, input_embeddings)
         if self._compiles(cache, L):
-            return compiled_pass.run(self, inputs, cache, [block.self_attn.rope for block in self.layers])
+            return compiled_pass.run(self, inputs, cache)
         h = self.embed_tokens(inputs)
         masks = {False: llama.create_attention_mask(h, cache[self.fa_idx])}  # by use_sliding, as mlx-lm's loop
         if self.swa_idx is not None:
