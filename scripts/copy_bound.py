@@ -13,6 +13,11 @@ Reads the plain (greedy) answers an `akunu bench --json` run recorded and, per c
             the speedup the curve predicts for it (answer tokens / summed cost of its passes);
             --policy-context N makes the policy draft against the curve at N tokens instead
             (the cost is still read at the prompt's own context)
+  DRAFTER/foreseen   with --curve: the curve's speedup for the drafter's own drafts (<= 32) cut to
+            exactly what lands, as if the policy foresaw every rejection
+  ceiling   with --curve: the curve's speedup for the anchored perfect copier drafting <= 32, each
+            pass continuing an earlier occurrence of the sequence's last token: perfect choices
+            and perfect lengths
 Greedy speculation emits exactly the plain answer, so replaying it is an exact simulation.
 The computation lives in akunu.bench.copy_bound; `akunu bench` shows the <= 16 bound per category.
 """
@@ -26,7 +31,15 @@ from collections import defaultdict
 from pathlib import Path
 
 import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
-from akunu.bench.copy_bound import bound_tokens_per_pass, copied_share, drafter_tokens_per_pass, replay
+from akunu.bench.copy_bound import (
+    ANCHOR,
+    bound_tokens_per_pass,
+    copied_share,
+    copier_widths,
+    drafter_tokens_per_pass,
+    foreseen_widths,
+    replay,
+)
 from akunu.bench.engine import ModelEngine
 from akunu.bench.workloads import load_workload, shipped_workload
 from akunu.cost_curve import CostCurves, costs_at, read_curves
@@ -57,16 +70,24 @@ def main() -> None:
         context, answer, row = contexts[m["prompt_id"]], m["run"]["tokens"], table[m["category"]]
         row["copied"].append(copied_share(context, answer))
         row["bound"].append(bound_tokens_per_pass(context, answer, args.draft_tokens))
+        costs = costs_at(curves, len(context) + len(answer) // 2) if curves else None
         for spec in args.drafters.split(","):
             row[spec].append(drafter_tokens_per_pass(make_drafter(spec), context, answer, args.draft_tokens))
-            if curves:
-                costs = costs_at(curves, len(context) + len(answer) // 2)
+            if costs:
                 policy = costs_at(curves, args.policy_context) if args.policy_context else costs
                 widths = replay(make_drafter(spec), context, answer, make_draft_length("acceptance", 32, policy, adaptive=True))
                 row[f"{spec}/adaptive"].append(len(answer) / len(widths))
-                row[f"{spec}/modelled"].append(len(answer) / sum(costs[w] for w in widths))
+                row[f"{spec}/modelled"].append(modelled(answer, widths, costs))
+                row[f"{spec}/foreseen"].append(modelled(answer, foreseen_widths(make_drafter(spec), context, answer, 32), costs))
+        if costs:
+            row["ceiling"].append(modelled(answer, copier_widths(context, answer, 32, ANCHOR), costs))
     for category, row in table.items():
         print(json.dumps({"category": category, **{k: round(statistics.mean(v), 3) for k, v in row.items()}}))
+
+
+def modelled(answer: list[int], widths: list[int], costs: list[float]) -> float:
+    """The curve's speedup: answer tokens over the summed cost of the passes, in 1-token passes."""
+    return len(answer) / sum(costs[w] for w in widths)
 
 
 def load_curves(path: str) -> CostCurves | list[float]:

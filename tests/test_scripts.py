@@ -55,6 +55,8 @@ def test_copy_bound_reads_a_bench_record(model_home, tmp_path):
     out = run_script("scripts/copy_bound.py", str(record), "--curve", str(curves), "--drafters", "ngram")
     replayed = json.loads(out.splitlines()[0])
     assert 1 <= replayed["ngram/adaptive"] <= 12 and replayed["ngram/modelled"] > 0
+    # a pass costs at least a 1-token pass, so 12 answer tokens are at most 12 times faster
+    assert 0 < replayed["ngram/foreseen"] <= 12 and 0 < replayed["ceiling"] <= 12
 
 
 def test_profile_step_splits_a_step_by_kind(model_home):

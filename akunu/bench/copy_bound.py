@@ -30,10 +30,18 @@ def bound_tokens_per_pass(
 ) -> float:
     """Tokens per pass of the perfect copier drafting at most `draft_tokens` per pass, copying runs
     that continue an earlier occurrence of the sequence's last `anchor` tokens."""
+    widths = copier_widths(context, answer, draft_tokens, anchor)
+    return len(answer) / len(widths) if widths else 0.0
+
+
+def copier_widths(
+    context: Sequence[int], answer: Sequence[int], draft_tokens: int = BOUND_DRAFT_TOKENS, anchor: int = 0
+) -> list[int]:
+    """The perfect copier's drafts, one length per pass: each one all accepted."""
     seen = SuffixAutomaton()
     for token in context:
         seen.extend(token)
-    i = passes = 0
+    i, widths = 0, []
     while i < len(answer):
         state, accepted = 0, 0  # walk from the root: each step is a substring seen before
         for token in seen.tokens[-anchor:] if anchor else ():
@@ -43,8 +51,9 @@ def bound_tokens_per_pass(
             accepted += 1
         for token in answer[i : i + accepted + 1]:
             seen.extend(token)
-        i, passes = i + accepted + 1, passes + 1
-    return len(answer) / passes if passes else 0.0
+        i += accepted + 1
+        widths.append(accepted)
+    return widths
 
 
 def copied_share(context: Sequence[int], answer: Sequence[int], run: int = RUN) -> float:
@@ -69,6 +78,22 @@ def drafter_tokens_per_pass(drafter, context: Sequence[int], answer: Sequence[in
     """Tokens per pass of `drafter` drafting `draft_tokens` every round on this answer."""
     widths = replay(drafter, context, answer, DraftLength(draft_tokens, adaptive=False))
     return len(answer) / len(widths) if widths else 0.0
+
+
+def foreseen_widths(drafter, context: Sequence[int], answer: Sequence[int], draft_tokens: int) -> list[int]:
+    """The drafts' lengths, one per pass, of `drafter` with a length policy that foresees every
+    rejection: each draft (up to `draft_tokens`) cut to exactly what the target accepts.
+    What is left between this and the adaptive policy is the cost of not knowing where a copy breaks;
+    between this and the anchored copier, the cost of the drafter's choices."""
+    drafter.start(context)
+    i, widths = 0, []
+    while i < len(answer):
+        draft = drafter.draft(min(draft_tokens, len(answer) - i - 1))
+        accepted = common_prefix(draft.tokens, answer[i:])
+        drafter.update(answer[i : i + accepted + 1])
+        i += accepted + 1
+        widths.append(accepted)
+    return widths
 
 
 def replay(drafter, context: Sequence[int], answer: Sequence[int], draft_length) -> list[int]:
