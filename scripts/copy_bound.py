@@ -2,7 +2,8 @@
 
     .venv/bin/python scripts/copy_bound.py BENCH.json [--draft-tokens 16] [--curve COSTS.json [--policy-context N]]
 
-Reads the plain (greedy) answers an `akunu bench --json` run recorded and, per category, prints:
+Reads the plain (greedy) answers an `akunu bench --json` run recorded and, per category and over
+all prompts, prints the median over prompts (as `akunu bench` takes medians) of:
   copied    share of answer tokens inside a run of >= 8 tokens found earlier (prompt or answer)
   bound     tokens per pass if every pass accepted the longest next run (<= draft-tokens) found
             anywhere earlier: no drafter that copies runs of the context can beat it
@@ -81,8 +82,12 @@ def main() -> None:
                 row[f"{spec}/foreseen"].append(modelled(answer, foreseen_widths(make_drafter(spec), context, answer, 32), costs))
         if costs:
             row["ceiling"].append(modelled(answer, copier_widths(context, answer, 32, ANCHOR), costs))
-    for category, row in table.items():
-        print(json.dumps({"category": category, **{k: round(statistics.mean(v), 3) for k, v in row.items()}}))
+    overall: dict[str, list[float]] = defaultdict(list)
+    for row in table.values():
+        for key, values in row.items():
+            overall[key] += values
+    for category, row in [*table.items(), ("overall", overall)]:
+        print(json.dumps({"category": category, **{k: round(statistics.median(v), 3) for k, v in row.items()}}))
 
 
 def modelled(answer: list[int], widths: list[int], costs: list[float]) -> float:
