@@ -48,6 +48,8 @@ from akunu.draft_length import make_draft_length
 from akunu.drafters import make_drafter
 from akunu.models import load_model
 
+CEILING = 32  # the most the shipped policy drafts, and so the what-ifs too
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -76,12 +78,12 @@ def main() -> None:
             row[spec].append(drafter_tokens_per_pass(make_drafter(spec), context, answer, args.draft_tokens))
             if costs:
                 policy = costs_at(curves, args.policy_context) if args.policy_context else costs
-                widths = replay(make_drafter(spec), context, answer, make_draft_length("acceptance", 32, policy, adaptive=True))
+                widths = replay(make_drafter(spec), context, answer, make_draft_length("acceptance", CEILING, policy, adaptive=True))
                 row[f"{spec}/adaptive"].append(len(answer) / len(widths))
                 row[f"{spec}/modelled"].append(modelled(answer, widths, costs))
-                row[f"{spec}/foreseen"].append(modelled(answer, foreseen_widths(make_drafter(spec), context, answer, 32), costs))
+                row[f"{spec}/foreseen"].append(modelled(answer, foreseen_widths(make_drafter(spec), context, answer, CEILING), costs))
         if costs:
-            row["ceiling"].append(modelled(answer, copier_widths(context, answer, 32, ANCHOR), costs))
+            row["ceiling"].append(modelled(answer, copier_widths(context, answer, CEILING, ANCHOR), costs))
     overall: dict[str, list[float]] = defaultdict(list)
     for row in table.values():
         for key, values in row.items():
