@@ -4,7 +4,8 @@ The Linux `mlx[cpu]` wheel links a reference BLAS (~4 GFLOP/s here). Loading Ope
 with RTLD_GLOBAL first makes MLX's BLAS calls resolve to it (~40x faster matmuls).
 Ahead of OpenBLAS goes akunu's own `cblas_sgemm` (akunu/_matvec.c, built at install where a
 C compiler exists): it sends decode-shaped products (1-128 rows) to kernels that read each
-weight once, and everything else on to OpenBLAS. This module must not import MLX.
+weight once, and everything else on to OpenBLAS. This module must not import MLX; imported after
+MLX, akunu warns that it is too late.
 Set AKUNU_BLAS=none to opt out, or to a path to pick one; AKUNU_MATVEC=0 skips the kernels.
 """
 
@@ -14,6 +15,7 @@ import ctypes
 import glob
 import os
 import sys
+import warnings
 
 _CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -22,6 +24,11 @@ _CANDIDATES = (
     "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
     "/usr/lib64/libopenblas.so.0",
     "/usr/lib/libopenblas.so.0",
+)
+
+LATE_IMPORT = (
+    "akunu was imported after mlx.core, so MLX keeps its bundled reference BLAS and matmuls run about "
+    "40x slower; import akunu before mlx (or set AKUNU_BLAS=none to silence this)"
 )
 
 loaded_path: str | None = None
@@ -34,10 +41,13 @@ MATVEC_REVISION = 2
 def preload() -> str | None:
     """Load OpenBLAS if present; return its path (None on macOS, opt-out or absence)."""
     global loaded_path
-    if loaded_path or sys.platform != "linux" or "mlx.core" in sys.modules:
+    if loaded_path or sys.platform != "linux":
         return loaded_path
     choice = os.environ.get("AKUNU_BLAS", "auto")
     if choice == "none":
+        return None
+    if "mlx.core" in sys.modules:  # too late: MLX's calls already resolve to its bundled BLAS
+        warnings.warn(LATE_IMPORT, stacklevel=3)
         return None
     for path in (choice,) if choice != "auto" else _CANDIDATES:
         if os.path.exists(path):

@@ -5,7 +5,9 @@ the shapes and layouts MLX produces: Linear layers (x @ W.T), transposed and str
 batched attention products, single rows and single columns.
 """
 
+import os
 import shutil
+import subprocess
 import sys
 
 import mlx.core as mx
@@ -29,6 +31,18 @@ def test_the_router_is_built_and_loaded_where_a_compiler_exists():
         pytest.skip("no C compiler: the package installs without the router")
     assert _blas.matvec_path is not None, "akunu/_matvec.c was not built or not loaded (pip install -e . builds it)"
     assert "decode matmuls" in _blas.describe()
+
+
+@linux_with_openblas
+def test_importing_akunu_after_mlx_warns_that_the_fast_blas_was_missed():
+    def run(code: str) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != "AKUNU_BLAS"}
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+    late = run("import mlx.core, akunu._blas as blas; assert blas.loaded_path is None")
+    assert late.returncode == 0 and "imported after mlx.core" in late.stderr and "40x slower" in late.stderr
+    in_order = run("import warnings; warnings.simplefilter('error'); import akunu, mlx.core, akunu._blas as blas; assert blas.loaded_path")
+    assert in_order.returncode == 0 and "imported after" not in in_order.stderr, in_order.stderr
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 40, 129])
