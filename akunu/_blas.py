@@ -46,10 +46,12 @@ def preload() -> str | None:
     choice = os.environ.get("AKUNU_BLAS", "auto")
     if choice == "none":
         return None
+    candidates = (choice,) if choice != "auto" else _CANDIDATES
     if "mlx.core" in sys.modules:  # too late: MLX's calls already resolve to its bundled BLAS
-        warnings.warn(LATE_IMPORT, stacklevel=3)
+        if any(os.path.exists(path) for path in candidates):  # without OpenBLAS nothing was missed
+            warnings.warn(LATE_IMPORT, stacklevel=3)
         return None
-    for path in (choice,) if choice != "auto" else _CANDIDATES:
+    for path in candidates:
         if os.path.exists(path):
             try:
                 blas = ctypes.CDLL(path)  # local first: the router must precede it in the global scope
