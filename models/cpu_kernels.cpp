@@ -473,9 +473,10 @@ void product(const array& x, const array& w, array& out, bool add) {
     transposed = true, ldb = K;
   } else if (!(w.strides()[0] == N && w.strides()[1] == 1)) {
     copied = scratch({K, N});
+    float* dst = copied.data<float>();
     for (int k = 0; k < K; k++)
-      for (int n = 0; n < N; n++) copied.data<float>()[int64_t(k) * N + n] = b[k * w.strides()[0] + n * w.strides()[1]];
-    b = copied.data<float>();
+      for (int n = 0; n < N; n++) dst[int64_t(k) * N + n] = b[k * w.strides()[0] + n * w.strides()[1]];
+    b = dst;
   }
   process_sgemm()(101, 111, transposed ? 112 : 111, M, N, K, 1.0f, x.data<float>(), K, b, ldb, add ? 1.0f : 0.0f,
                   out.data<float>(), N);

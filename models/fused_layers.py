@@ -187,13 +187,14 @@ class FusedBlock(llama.TransformerBlock):
 
     def compiles(self) -> bool:
         """Whether its halves can run in a compiled pass: FusedAttention.compiles, and float32 RMSNorms. The
-        answer is kept with the stack and norm weights it was worked out for (it is asked every pass)."""
+        answer is kept with the stack, RoPE and norm weights it was worked out for (it is asked every pass)."""
         norms = (self["input_layernorm"], self["post_attention_layernorm"])
-        key = (stacks(self["self_attn"]).get("qkv"), *(n.get("weight") for n in norms))
+        attention = self["self_attn"]
+        key = (stacks(attention).get("qkv"), attention["rope"], *(n.get("weight") for n in norms))
         known = self.__dict__.get(_COMPILES)
         if known is None or any(a is not b for a, b in zip(known[0], key)):
             plain = all(isinstance(n, nn.RMSNorm) and n["weight"].dtype == mx.float32 for n in norms)
-            known = self.__dict__[_COMPILES] = (key, plain and self["self_attn"].compiles())
+            known = self.__dict__[_COMPILES] = (key, plain and attention.compiles())
         return known[1]
 
     def rows(self, rows: mx.array, B: int, L: int, mask: Any, cache: Any) -> mx.array:
