@@ -33,9 +33,9 @@ LATE_IMPORT = (
 
 loaded_path: str | None = None
 matvec_path: str | None = None
-# Bumped whenever the kernels' speed changes (2: register tiles up to 128 rows), so cost curves
-# saved for the old ones are measured again.
-MATVEC_REVISION = 2
+# Bumped whenever the kernels' speed changes, so cost curves saved for the old ones are measured
+# again (2: register tiles up to 128 rows; 3: the next tile of W fetched while a tile computes).
+MATVEC_REVISION = 3
 
 
 def preload() -> str | None:
