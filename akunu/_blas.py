@@ -34,8 +34,9 @@ LATE_IMPORT = (
 loaded_path: str | None = None
 matvec_path: str | None = None
 # Bumped whenever the kernels' speed changes, so cost curves saved for the old ones are measured
-# again (2: register tiles up to 128 rows; 3: the next tile of W fetched while a tile computes).
-MATVEC_REVISION = 3
+# again (2: register tiles up to 128 rows; 3: the next tile of W fetched while a tile computes;
+# 4: x's rows copied to start on cache lines).
+MATVEC_REVISION = 4
 
 
 def preload() -> str | None:

@@ -90,6 +90,33 @@ def test_a_rows_result_does_not_depend_on_how_many_rows_share_its_pass(layout):
 
 
 @linux_with_openblas
+def test_a_rows_result_does_not_depend_on_where_its_array_starts():
+    """The kernel copies rows of x that do not start on a 64-byte line (MLX's never do) before using
+    them: the same numbers in the same order, so the bits cannot depend on the address."""
+    if _blas.matvec_path is None:
+        pytest.skip("the router is not built here")
+    mx.random.seed(7)
+    matrix, flat = mx.random.normal((1536, 576)).T, mx.random.normal((17 * 576 + 16,))
+    for shift in range(16):  # every offset within a 64-byte line: one of them starts on a line, unlike `fresh`
+        rows = flat[shift : shift + 17 * 576].reshape(17, 576)
+        fresh = mx.array(np.array(rows))
+        for width in (1, 2, 5, 17):
+            assert mx.array_equal(rows[:width] @ matrix, fresh[:width] @ matrix).item(), f"shift {shift}, {width} rows"
+
+
+def test_kernel_rows_script_times_the_kernel_by_row_count():
+    if _blas.matvec_path is None:
+        pytest.skip("the router is not built here")
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "kernel_rows.py")
+    done = subprocess.run([sys.executable, script, "--layers", "1", "--rows", "1", "3", "--reps", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split() for line in done.stdout.splitlines()[1:]]
+    assert [row[0] for row in rows] == ["1", "3"] and rows[0][2] == "1.00"
+    assert all(float(row[1]) > 0 and float(row[3]) > 0 for row in rows)
+
+
+@linux_with_openblas
 def test_addmm_adds_the_residual_with_a_separate_add_s_bits():
     """The fused layers add the residual in the product (addmm, beta = 1): the kernels' sum plus what the
     output held, rounded once, so the same bits as the product then an add, and still row-independent."""
