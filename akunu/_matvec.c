@@ -70,8 +70,8 @@ static inline __attribute__((always_inline)) v16 lane_sums(const v16 v[16]) {
 /* Lines of the next tile of W for a tile to ask into cache as it computes, per_step of them at each
    of its k steps, from line `first` on. Line i is row i / steps of the tile, columns (i % steps) * 16
    on. Without this a tile's rows arrive only when its first row block asks for them, so a tile takes
-   its memory time plus its compute time, not the larger of the two: at 5 rows 1.5x a 1-row product,
-   and 1.1x with it (x86 with AVX-512, 2 cores; 9 rows 1.9x -> 1.3x, 17 rows 2.6x -> 2.1x). */
+   its memory time plus its compute time, not the larger of the two: 5 rows took 1.9x a 1-row
+   product, and 1.3x with it (scripts/kernel_rows.py, 2-core x86 with AVX-512; 9 rows 2.3x -> 1.7x). */
 typedef struct {
   const float *W;
   int ldw, steps, lines, per_step, first;
@@ -104,7 +104,7 @@ static inline __attribute__((always_inline)) void tile_wt(const int mr, const in
 /* x's rows copied to start on 64-byte lines. MLX's CPU arrays start 24 bytes past one, so each
    16-float load of a row would straddle two lines; x's rows are loaded once per tile of W, and
    from 9 rows on, where the product is bound by compute, those loads slowed it (17 rows: about
-   1.1x). The copy holds the same numbers, read in the same order, so no result changes. W is
+   1.2x). The copy holds the same numbers, read in the same order, so no result changes. W is
    left where it is: copying its tiles cost as much as the aligned loads saved. */
 static int aligned(const float *rows, int ld) { return (uintptr_t)rows % 64 == 0 && ld % 16 == 0; }
 
