@@ -91,7 +91,7 @@ def test_a_rows_result_does_not_depend_on_how_many_rows_share_its_pass(layout):
 
 @linux_with_openblas
 def test_a_rows_result_does_not_depend_on_where_its_array_starts():
-    """The kernel copies rows of x that do not start on a 64-byte line (MLX's never do) before using
+    """The kernel copies rows of x that do not start on a 64-byte line (MLX's seldom do) before using
     them: the same numbers in the same order, so the bits cannot depend on the address."""
     if _blas.matvec_path is None:
         pytest.skip("the router is not built here")
