@@ -85,27 +85,24 @@ def foreseen_widths(drafter, context: Sequence[int], answer: Sequence[int], draf
     rejection: each draft (up to `draft_tokens`) cut to exactly what the target accepts.
     What is left between this and the adaptive policy is the cost of not knowing where a copy breaks;
     between this and the anchored copier, the cost of the drafter's choices."""
-    drafter.start(context)
-    i, widths = 0, []
-    while i < len(answer):
-        draft = drafter.draft(min(draft_tokens, len(answer) - i - 1))
-        accepted = common_prefix(draft.tokens, answer[i:])
-        drafter.update(answer[i : i + accepted + 1])
-        i += accepted + 1
-        widths.append(accepted)
-    return widths
+    return [accepted for _, accepted in rounds(drafter, context, answer, DraftLength(draft_tokens, adaptive=False))]
 
 
 def replay(drafter, context: Sequence[int], answer: Sequence[int], draft_length) -> list[int]:
     """The drafts' lengths, one per pass, that a chain `drafter` sized by `draft_length` makes on
     this answer: the speculative loop's rounds without the model, exact for greedy answers."""
+    return [drafted for drafted, _ in rounds(drafter, context, answer, draft_length)]
+
+
+def rounds(drafter, context: Sequence[int], answer: Sequence[int], draft_length) -> list[tuple[int, int]]:
+    """(drafted, accepted) for each pass of the speculative loop over this answer, without the model."""
     drafter.start(context)
-    i, widths = 0, []
+    i, passes = 0, []
     while i < len(answer):
         draft = propose(drafter, draft_length, len(answer) - i - 1)
         accepted = common_prefix(draft.tokens, answer[i:])
         draft_length.observe(draft.depth, accepted)
         drafter.update(answer[i : i + accepted + 1])
         i += accepted + 1
-        widths.append(len(draft))
-    return widths
+        passes.append((len(draft), accepted))
+    return passes
