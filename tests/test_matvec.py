@@ -116,6 +116,19 @@ def test_kernel_rows_script_times_the_kernel_by_row_count():
     assert all(float(row[1]) > 0 and float(row[3]) > 0 for row in rows)
 
 
+def test_fma_peak_program_builds_and_reports_both_thread_counts(tmp_path):
+    """BENCHMARKS.md judges kernel_rows.py's GFLOP/s against scripts/fma_peak.c: its command must work."""
+    cpu = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if not shutil.which("gcc") or " avx512f" not in cpu:
+        pytest.skip("needs gcc and an x86 CPU with AVX-512")
+    source = os.path.join(os.path.dirname(__file__), "..", "scripts", "fma_peak.c")
+    program = tmp_path / "fma_peak"
+    subprocess.run(["gcc", "-O3", "-mavx512f", "-pthread", source, "-o", str(program)], check=True, timeout=120)
+    lines = subprocess.run([str(program)], capture_output=True, text=True, check=True, timeout=120).stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["1 thread", "2 threads"]
+    assert all(line.endswith(" GFLOP/s") and float(line.split()[-2]) > 0 for line in lines)
+
+
 @linux_with_openblas
 def test_addmm_adds_the_residual_with_a_separate_add_s_bits():
     """The fused layers add the residual in the product (addmm, beta = 1): the kernels' sum plus what the
