@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -118,8 +119,8 @@ def test_kernel_rows_script_times_the_kernel_by_row_count():
 
 def test_fma_peak_program_builds_and_reports_both_thread_counts(tmp_path):
     """BENCHMARKS.md judges kernel_rows.py's GFLOP/s against scripts/fma_peak.c: its command must work."""
-    cpu = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    if not shutil.which("gcc") or " avx512f" not in cpu:
+    cpuinfo = Path("/proc/cpuinfo")
+    if not shutil.which("gcc") or " avx512f" not in (cpuinfo.read_text() if cpuinfo.exists() else ""):
         pytest.skip("needs gcc and an x86 CPU with AVX-512")
     source = os.path.join(os.path.dirname(__file__), "..", "scripts", "fma_peak.c")
     program = tmp_path / "fma_peak"
