@@ -75,3 +75,14 @@ def test_measure_plain_reports_the_targets(model_home):
     assert list(groups) == ["short", "long"] + ["overall"]
     assert min(groups["long"]["prompt_tokens"]) > 1000 > max(groups["short"]["prompt_tokens"])
     assert all(groups["overall"][key] > 0 for key in ("fast_vs_mlx_lm", "unpatched_vs_mlx_lm", "fast_vs_unpatched"))
+
+
+def test_round_time_splits_decode_time_between_passes_and_host(model_home):
+    out = run_script("scripts/round_time.py", "--categories", "code-edit", "--limit", "1", "--max-tokens", "24")
+    records = [json.loads(line) for line in out.splitlines()]
+    category, overall, *lengths = records
+    assert category["category"] == "code-edit" and {**overall, "category": "code-edit"} == category
+    assert category["rounds"] == sum(length["passes"] for length in lengths) >= 1
+    # the passes are timed inside the decode time, and a round's host work is not free
+    assert 0 < category["passes_share"] <= 1 and category["host_ms_round"] >= 0
+    assert all(length["in_loop_ms"] > 0 and length["curve_relative"] >= 1 for length in lengths)

@@ -1,0 +1,90 @@
+"""Where a speculative round's time goes: the verification pass, and the host work around it.
+
+    .venv/bin/python scripts/round_time.py [--model smollm2-135m] [--categories rag,json] [--limit 8] [--max-tokens 128]
+
+Runs akunu's default speculative decoding (greedy, the stored cost curves, as `akunu generate`
+does) on shipped prompts and times every verification pass inside the loop. A round's pass cannot
+be queued before the last one is read (its draft depends on what was accepted), so whatever the
+host does between passes (drafting, the length policy, rewinding, the generator and its consumer)
+adds to decode time. Prints one JSON line per category and one for all prompts:
+  passes_share     share of decode time spent inside verification passes
+  host_ms_round    decode time outside passes, per round
+and then one line per draft length: the median pass inside the loop, relative to the loop's median
+1-token pass, beside the cost curve's relative cost at the passes' contexts (`akunu bench
+--cost-curve` times passes alone). The replay in `scripts/copy_bound.py` prices rounds by that
+curve, so the two should agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+
+import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
+import akunu.decode
+from akunu import cost_curve
+from akunu.bench.workloads import select, shipped_workload
+from akunu.generate import GenerationConfig, SpecConfig, generate
+from akunu.models import load_model
+
+
+class PassTimer:
+    """Wraps the loop's `verify_round`: (draft length, seconds, context before the pass) per pass."""
+
+    def __init__(self) -> None:
+        self.passes: list[tuple[int, float, int]] = []
+        self.verify_round = akunu.decode.verify_round
+
+    def __call__(self, model, cache, token, draft, params):
+        context, start = cache[0].offset, time.perf_counter()
+        result = self.verify_round(model, cache, token, draft, params)  # returns once the verdict is read
+        self.passes.append((len(draft), time.perf_counter() - start, context))
+        return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--categories", default="code-edit,summarize,rag,json,chat")
+    parser.add_argument("--limit", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args()
+
+    loaded = load_model(args.model)
+    curves = cost_curve.cached(loaded.model, cost_curve.curve_key(loaded.name, loaded.dtype), cost_curve.default_dir())
+    config = GenerationConfig(max_tokens=args.max_tokens, spec=SpecConfig(enabled=True))
+    timer = PassTimer()
+    akunu.decode.verify_round = timer
+    rows: dict[str, list[dict]] = defaultdict(list)
+    for prompt in select(shipped_workload(), args.categories.split(","), args.limit):
+        ids = loaded.tokenizer.encode_chat([{"role": "user", "content": prompt.text}])
+        generate(loaded.model, loaded.tokenizer, ids, config, costs=curves)  # warm: traces, caches
+        timer.passes.clear()
+        _, _, stats = generate(loaded.model, loaded.tokenizer, ids, config, costs=curves)
+        rows[prompt.category].append({"decode": stats.decode_seconds, "passes": list(timer.passes)})
+    for category, runs in [*rows.items(), ("overall", [run for runs in rows.values() for run in runs])]:
+        print(json.dumps({"category": category, **split(runs)}))
+    by_length = defaultdict(list)  # draft length -> (seconds in the loop, the curve's relative cost)
+    for passes in (run["passes"] for runs in rows.values() for run in runs):
+        for drafted, seconds, context in passes:
+            by_length[drafted].append((seconds, cost_curve.costs_at(curves, context)[drafted]))
+    plain_steps = by_length.get(0)  # what each width is relative to (None: no round went undrafted)
+    one_token = statistics.median(seconds for seconds, _ in plain_steps) if plain_steps else None
+    for drafted, pairs in sorted(by_length.items()):
+        in_loop = statistics.median(seconds for seconds, _ in pairs)
+        curve = statistics.median(cost for _, cost in pairs)
+        print(json.dumps({"drafted": drafted, "passes": len(pairs), "in_loop_ms": round(in_loop * 1e3, 2),
+                          "in_loop_relative": round(in_loop / one_token, 3) if one_token else None, "curve_relative": round(curve, 3)}))
+
+def split(runs: list[dict]) -> dict:
+    decode = sum(run["decode"] for run in runs)
+    in_passes = sum(seconds for run in runs for _, seconds, _ in run["passes"])
+    rounds = sum(len(run["passes"]) for run in runs)
+    return {"prompts": len(runs), "rounds": rounds, "passes_share": round(in_passes / decode, 4), "host_ms_round": round((decode - in_passes) / rounds * 1e3, 3)}
+
+
+if __name__ == "__main__":
+    main()
