@@ -10,30 +10,21 @@ tokens per forward pass, decode tok/s, and whether the output equals plain greed
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from akunu import cost_curve
 from akunu.bench.workloads import select, shipped_workload
 from akunu.drafters import make_drafter
 from akunu.generate import GenerationConfig, SpecConfig, generate
-from akunu.models import load_model
 from akunu.ngram_cache import NGramCache
+from shipped_runs import load_with_curves, options
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--categories", default="chat,json")
-    parser.add_argument("--limit", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    args = parser.parse_args()
-
-    loaded = load_model(args.model)
-    costs = cost_curve.cached(loaded.model, cost_curve.curve_key(loaded.name, loaded.dtype), cost_curve.default_dir())
+    args = options(__doc__.splitlines()[0], "chat,json").parse_args()
+    loaded, costs = load_with_curves(args.model)
     config = GenerationConfig(max_tokens=args.max_tokens, spec=SpecConfig(enabled=True))
     encode = lambda text: loaded.tokenizer.encode_chat([{"role": "user", "content": text}])  # noqa: E731
     results = defaultdict(list)

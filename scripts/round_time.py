@@ -17,7 +17,6 @@ curve, so the two should agree.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -28,7 +27,7 @@ import akunu.decode
 from akunu import cost_curve
 from akunu.bench.workloads import select, shipped_workload
 from akunu.generate import GenerationConfig, SpecConfig, generate
-from akunu.models import load_model
+from shipped_runs import load_with_curves, options
 
 
 class PassTimer:
@@ -46,15 +45,8 @@ class PassTimer:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--categories", default="code-edit,summarize,rag,json,chat")
-    parser.add_argument("--limit", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    args = parser.parse_args()
-
-    loaded = load_model(args.model)
-    curves = cost_curve.cached(loaded.model, cost_curve.curve_key(loaded.name, loaded.dtype), cost_curve.default_dir())
+    args = options(__doc__.splitlines()[0], "code-edit,summarize,rag,json,chat").parse_args()
+    loaded, curves = load_with_curves(args.model)
     config = GenerationConfig(max_tokens=args.max_tokens, spec=SpecConfig(enabled=True))
     timer = PassTimer()
     akunu.decode.verify_round = timer
@@ -66,24 +58,37 @@ def main() -> None:
         _, _, stats = generate(loaded.model, loaded.tokenizer, ids, config, costs=curves)
         rows[prompt.category].append({"decode": stats.decode_seconds, "passes": list(timer.passes)})
     for category, runs in [*rows.items(), ("overall", [run for runs in rows.values() for run in runs])]:
-        print(json.dumps({"category": category, **split(runs)}))
-    by_length = defaultdict(list)  # draft length -> (seconds in the loop, the curve's relative cost)
-    for passes in (run["passes"] for runs in rows.values() for run in runs):
-        for drafted, seconds, context in passes:
-            by_length[drafted].append((seconds, cost_curve.costs_at(curves, context)[drafted]))
-    plain_steps = by_length.get(0)  # what each width is relative to (None: no round went undrafted)
-    one_token = statistics.median(seconds for seconds, _ in plain_steps) if plain_steps else None
-    for drafted, pairs in sorted(by_length.items()):
-        in_loop = statistics.median(seconds for seconds, _ in pairs)
-        curve = statistics.median(cost for _, cost in pairs)
-        print(json.dumps({"drafted": drafted, "passes": len(pairs), "in_loop_ms": round(in_loop * 1e3, 2),
-                          "in_loop_relative": round(in_loop / one_token, 3) if one_token else None, "curve_relative": round(curve, 3)}))
+        print(json.dumps({"category": category, **time_split(runs)}))
+    for record in by_draft_length([run["passes"] for runs in rows.values() for run in runs], curves):
+        print(json.dumps(record))
 
-def split(runs: list[dict]) -> dict:
+
+def time_split(runs: list[dict]) -> dict:
+    """How much of the runs' decode time their passes took, and the host time per round besides."""
     decode = sum(run["decode"] for run in runs)
     in_passes = sum(seconds for run in runs for _, seconds, _ in run["passes"])
     rounds = sum(len(run["passes"]) for run in runs)
-    return {"prompts": len(runs), "rounds": rounds, "passes_share": round(in_passes / decode, 4), "host_ms_round": round((decode - in_passes) / rounds * 1e3, 3)}
+    host_ms = (decode - in_passes) / rounds * 1e3
+    return {"prompts": len(runs), "rounds": rounds, "passes_share": round(in_passes / decode, 4), "host_ms_round": round(host_ms, 3)}
+
+
+def by_draft_length(runs: list[list[tuple[int, float, int]]], curves) -> list[dict]:
+    """Per draft length, the median pass in the loop (also relative to the loop's median 1-token
+    pass) beside the median of the curve's relative costs at the passes' contexts."""
+    passes = defaultdict(list)  # draft length -> (seconds in the loop, the curve's relative cost)
+    for drafted, seconds, context in (p for run in runs for p in run):
+        passes[drafted].append((seconds, cost_curve.costs_at(curves, context)[drafted]))
+    plain_steps = passes.get(0)  # None: no round went undrafted, so nothing to be relative to
+    one_token = statistics.median(seconds for seconds, _ in plain_steps) if plain_steps else None
+    records = []
+    for drafted, pairs in sorted(passes.items()):
+        in_loop = statistics.median(seconds for seconds, _ in pairs)
+        records.append({
+            "drafted": drafted, "passes": len(pairs), "in_loop_ms": round(in_loop * 1e3, 2),
+            "in_loop_relative": round(in_loop / one_token, 3) if one_token else None,
+            "curve_relative": round(statistics.median(cost for _, cost in pairs), 3),
+        })  # fmt: skip
+    return records
 
 
 if __name__ == "__main__":
