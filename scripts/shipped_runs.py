@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 
 import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
-from akunu import cost_curve
-from akunu.cost_curve import CostCurves
+from akunu.cli.runtime import cost_curve as stored_cost_curves
+from akunu.generate import SpecConfig
 from akunu.models import load_model
 
 
@@ -23,8 +23,6 @@ def options(description: str | None, categories: str) -> argparse.ArgumentParser
 
 
 def load_with_curves(model: str):
-    """The loaded model and its stored cost curves (measured and stored first if there are none)."""
+    """The loaded model and the cost curves `akunu generate` reads (measured and stored first if there are none)."""
     loaded = load_model(model)
-    key = cost_curve.curve_key(loaded.name, loaded.dtype)
-    curves: CostCurves = cost_curve.cached(loaded.model, key, cost_curve.default_dir())
-    return loaded, curves
+    return loaded, stored_cost_curves(loaded, SpecConfig().draft_tokens)
