@@ -20,15 +20,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from akunu import _blas
+from akunu import backends
 from akunu.kv_cache import make_cache, rewind
 
-# Bumped whenever akunu's decode step changes what a pass of each width costs, so curves saved
-# before are measured again (3: SwiGLU through akunu's exp, RoPE angles shared by a pass's layers;
-# 4: llama's q|k|v and gate|up stacked; 5: fused CPU kernels; 6: heads split and rotated in one;
-# 7: attention reads the cache's buffers, SwiGLU the gate|up product whole, blocks keep 2-D rows;
-# 8: residual adds in the products, llama passes compiled).
-STEP_REVISION = 8
 MAX_WIDTH = 33  # 32 drafts and the last committed token
 CONTEXT = 512  # a middling context: a prompt plus part of its answer
 CONTEXTS = (64, CONTEXT, 2048)  # tokens already in the cache while timing; generation reads between them
@@ -74,14 +68,9 @@ def relative_costs(seconds: Sequence[float]) -> list[float]:
 
 
 def curve_key(model_name: str, dtype: str) -> str:
-    """e.g. "smollm2-135m-float32-cpu-openblas-matvec2-kernels-step6": the curve belongs to model,
-    dtype, backend, matmul routing, CPU kernels and decode step together (they set what passes cost)."""
-    from akunu.models import cpu_kernels
-
-    gpu = mx.default_device().type == mx.DeviceType.gpu
-    blas = _blas.describe().split()[0].lower() + (f"-matvec{_blas.MATVEC_REVISION}" if _blas.matvec_path else "")
-    kernels = "-kernels" if not gpu and cpu_kernels.load() else ""
-    return f"{model_name}-{dtype}-{'gpu' if gpu else 'cpu'}-{blas}{kernels}-step{STEP_REVISION}"
+    """e.g. "smollm2-135m-float32-cpu-openblas-matvec4-kernels-step8": the curve belongs to model, dtype,
+    device and, on the CPU, akunu's CPU backend's revision together (they set what passes cost)."""
+    return f"{model_name}-{dtype}-{backends.revision()}"
 
 
 def default_dir() -> Path:

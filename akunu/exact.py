@@ -45,7 +45,7 @@ def _attention_per_row(queries, keys, values, cache, scale, mask, sinks=None, *,
 
 def _dispatcher(attend: Callable) -> Callable:
     """The module's attention, per row inside exact passes; `akunu_original` is read per call, so whoever
-    swaps the module's attention later (models.fast_step) swaps it there."""
+    swaps the module's attention later (the CPU backend's fast_step) swaps it there."""
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         attend = scaled_dot_product_attention.akunu_original

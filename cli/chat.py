@@ -219,7 +219,7 @@ class ChatSession:
         self.view.dim("new conversation" + (" (system prompt kept)" if self.conversation.system else ""))
 
     def _stats(self, _: str) -> None:
-        from akunu import _blas
+        from akunu import backends
 
         if self.last_stats is not None:
             self.view.console.print(display.stats_table(self.last_stats, "last answer", self.last_finish))
@@ -227,7 +227,7 @@ class ChatSession:
             f"session: {self.totals['answers']} answers, {self.totals['generated']} tokens generated, "
             f"{self.totals['prefilled']} prefilled; context {len(self.prompt_cache.tokens)}/{self.loaded.context_length} tokens"
         )
-        self.view.dim(f"{self.loaded.describe()} · BLAS: {_blas.describe()} · speculative decoding {self._spec_state()}")
+        self.view.dim(f"{self.loaded.describe()} · BLAS: {backends.describe()['blas']} · speculative decoding {self._spec_state()}")
 
     def _spec(self, argument: str) -> None:
         if argument not in ("on", "off", ""):

@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 from rich.text import Text
 
-from akunu.cli import display, options, runtime
+from akunu.cli import display, options, runtime, text_input
 from akunu.cli.console import print_note, stderr_console, stdout_console
 from akunu.drafter_specs import DEFAULT_SPEC
 from akunu.errors import Interrupted, OptionsError, PromptError
@@ -43,6 +43,16 @@ def generate(
         bool,
         typer.Option("--raw", rich_help_panel=OUTPUT_PANEL, help="Send the prompt verbatim, special tokens included: no chat template."),
     ] = False,
+    parse_special: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--parse-special/--no-parse-special",
+            show_default=False,
+            rich_help_panel=OUTPUT_PANEL,
+            help="Read special-token text in the prompt (e.g. <|im_start|>) as control tokens. Default: on with --raw;"
+            " off otherwise, where the chat template alone writes them.",
+        ),
+    ] = None,
     max_tokens: Annotated[int, typer.Option(min=1, rich_help_panel=options.SAMPLING_PANEL, help="The most tokens to generate.")] = 256,
     temp: options.Temp = 0.0,
     top_k: options.TopK = 0,
@@ -82,7 +92,9 @@ def generate(
         raise OptionsError("--json and --verbose cannot be combined: --json already carries every statistic")
     if raw and system:
         raise OptionsError("--system needs the chat template, which --raw turns off")
-    text = read_prompt(prompt, prompt_file)
+    text, source = read_prompt(prompt, prompt_file)
+    if system is not None:
+        text_input.check_text(system, "--system")
     if ngram_cache is not None:
         options.check_writable_file(ngram_cache, "--ngram-cache")
     config = options.generation_config(
@@ -92,7 +104,8 @@ def generate(
     with _interrupt_as_error(json_output):
         loaded = runtime.load(model, dtype)
         config.sampling.validate(loaded.tokenizer.vocab_size)
-        prompt_ids = runtime.encode_prompt(loaded.tokenizer, text, system=system, raw=raw)
+        check_fits(loaded, **{source: text, "--system": system})
+        prompt_ids = runtime.encode_prompt(loaded.tokenizer, text, system=system, raw=raw, parse_special=parse_special)
         drafter = make_drafter_for(loaded, config, draft, draft_model, ngram_cache, tree)
     if verbose:
         describe_run(loaded, config)
@@ -141,25 +154,35 @@ def make_drafter_for(loaded, config, draft: str, draft_model: str | None, ngram_
     )  # fmt: skip
 
 
-def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
-    """The prompt text from the argument, a file or stdin; a PromptError if there is none."""
+def read_prompt(prompt: str | None, prompt_file: Path | None) -> tuple[str, str]:
+    """The prompt text from the argument, a file or stdin, and where it came from; a PromptError if there is none.
+
+    Read before the model loads, up to what the longest context takes; `check_fits` holds it to the model's bound.
+    """
     if prompt_file is not None and prompt is not None:
         raise OptionsError("give the prompt as an argument or with --prompt-file, not both")
     if prompt_file is not None:
-        try:
-            text = prompt_file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as error:
-            raise PromptError(f"cannot read the prompt file {prompt_file}: {getattr(error, 'strerror', None) or error}") from None
+        source = f"the prompt file {prompt_file}"
+        text = text_input.read_text_file(prompt_file, text_input.READ_LIMIT, "the prompt file", CONVERT_HINT)
     elif prompt is None or prompt == "-":
         if runtime.stdin_is_terminal() and prompt is None:
             raise OptionsError("no prompt: give it as an argument, with --prompt-file, or on stdin ('-')")
-        runtime.tolerant_stdin()
-        text = runtime.check_utf8(sys.stdin.read(), "the prompt on stdin", CONVERT_HINT)
+        source = "the prompt on stdin"
+        text = text_input.read_stdin(text_input.READ_LIMIT, source, CONVERT_HINT)
     else:
-        text = runtime.check_utf8(prompt, "the prompt", CONVERT_HINT)
+        source = "the prompt"
+        text = text_input.check_text(prompt, source, CONVERT_HINT)
     if not text.strip():
         raise PromptError("the prompt is empty")
-    return text
+    return text, source
+
+
+def check_fits(loaded, **texts: str | None) -> None:
+    """Each text (keyword: where it came from) within the bytes the loaded model's context can take."""
+    limit = text_input.text_limit(loaded.context_length)
+    for source, text in texts.items():
+        if text is not None:
+            text_input.check_length(text, limit, source)
 
 
 def run(loaded, prompt_ids: list[int], config, *, json_output: bool, verbose: bool, drafter=None) -> None:
@@ -207,14 +230,12 @@ def report(stats, finish: str | None, verbose: bool) -> None:
 
 def describe_run(loaded, config) -> None:
     """The --verbose header: model, weights, backend, speculation settings."""
-    import mlx.core as mx
-
-    from akunu import _blas
-    from akunu.models import cpu_kernels
+    from akunu import backends
 
     err = stderr_console()
-    kernels = f" · CPU kernels: {cpu_kernels.describe()}" if mx.default_device() == mx.cpu else ""
-    err.print(f"[dim]{loaded.describe()} · {getattr(loaded, 'dtype_reason', '')} · BLAS: {_blas.describe()}{kernels}[/]")
+    backend = backends.describe()
+    kernels = f" · CPU kernels: {backend['cpu_kernels']}" if backend["cpu_kernels"] else ""
+    err.print(f"[dim]{loaded.describe()} · {getattr(loaded, 'dtype_reason', '')} · BLAS: {backend['blas']}{kernels}[/]")
     spec = config.spec
     policy = ("adaptive" if spec.length_policy == "acceptance" else spec.length_policy) if spec.adaptive else "fixed"
     mode = f"on, up to {spec.draft_tokens} drafts, {policy}" if spec.enabled else "off"

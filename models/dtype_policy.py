@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from akunu import _blas
+from akunu import backends
 from akunu.errors import OptionsError
 
 DTYPE_CHOICES = ("auto", "quantized", "float32")
@@ -52,7 +52,7 @@ def choose_dtype(requested: str = "auto", *, float32_bytes: int | None = None) -
         return DtypeChoice("quantized", "Metal GPU: MLX quantized kernels are fastest")
     if sys.platform == "darwin":
         return DtypeChoice("float32", "CPU backend: float32 matmuls through Accelerate beat quantized kernels")
-    if _blas.loaded_path:
+    if backends.optimized_blas_loaded():
         return DtypeChoice("float32", "CPU backend with OpenBLAS: float32 decodes 1.5-2x faster than 4-bit")
     return DtypeChoice("quantized", "CPU backend without OpenBLAS: float32 would be no faster than 4-bit")
 

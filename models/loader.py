@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from akunu import backends
 from akunu.errors import ModelError
 from akunu.models import catalogue
-from akunu.models import fast_step
 from akunu.models.dtype_policy import DtypeChoice, choose_dtype
 from akunu.models.gguf_file import read_gguf
 from akunu.models.fetch import Progress
@@ -56,8 +56,7 @@ def load_model(spec: str, *, dtype: str = "auto", progress: Progress | None = No
         loaded = _load_gguf(catalogue.resolve(spec, progress=progress), spec, dtype, progress)
     else:
         loaded = _load_local_or_hub(spec, dtype, progress)
-    if fast_step.enabled_by_environment():
-        fast_step.enable(loaded.model)
+    backends.apply(loaded.model)  # the CPU backend's faster step where it applies; elsewhere mlx-lm's model as it is
     loaded.load_seconds = time.perf_counter() - started
     return loaded
 

@@ -1,4 +1,4 @@
-"""How long akunu's `x @ Wᵀ` kernel (akunu/_matvec.c) takes for 1-33 rows of x, called directly.
+"""How long akunu's `x @ Wᵀ` kernel (akunu/backends/cpu/_matvec.c) takes for 1-33 rows of x, called directly.
 
     .venv/bin/python scripts/kernel_rows.py [--rows 1 2 3 5 9 17 33] [--layers 30] [--reps 8]
 
@@ -16,16 +16,16 @@ import time
 import akunu  # noqa: F401  (loads the kernel library ahead of OpenBLAS)
 import numpy as np
 
-from akunu import _blas
+from akunu.backends.cpu import blas
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of one layer's products
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 
 
 def kernel() -> ctypes._CFuncPtr:
-    if _blas.matvec_path is None:
+    if blas.matvec_path is None:
         raise SystemExit("akunu's decode matmuls are not built here (pip install -e . builds them)")
-    sgemm = ctypes.CDLL(_blas.matvec_path).cblas_sgemm
+    sgemm = ctypes.CDLL(blas.matvec_path).cblas_sgemm
     sgemm.restype = None
     sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                           ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]

@@ -5,7 +5,7 @@
 On one loaded model (float32 by default), for each prompt of the shipped short workloads
 (chat, code-edit: 40-550 tokens) and of benchmarks/long-context.jsonl (shipped summarize and
 rag prompts joined: 1.3-1.8k tokens), runs in turn: akunu plain
-with the fast step (models/fast_step.py), akunu plain without it, and mlx-lm's
+with the fast step (akunu/backends/cpu/fast_step.py), akunu plain without it, and mlx-lm's
 `stream_generate` (always with mlx-lm's own attention). Prints one JSON line per group with
 the median decode tok/s of each and the ratios the issue asks for.
 """
@@ -21,7 +21,8 @@ from pathlib import Path
 import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
 from akunu.bench.engine import ModelEngine
 from akunu.bench.workloads import load_workload, select, shipped_workload
-from akunu.models import fast_step, load_model
+from akunu.backends.cpu import fast_step
+from akunu.models import load_model
 
 LONG_PROMPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "long-context.jsonl"
 

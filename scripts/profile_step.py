@@ -11,7 +11,7 @@ elementwise rest (residual adds, SwiGLU). Norms, RoPE and SwiGLU run as the fast
 "overhead" is the full step minus their sum: graph building, dispatch, reshapes, copies. (A compiled
 llama step runs each half of a layer as one node, so its kinds cost less inside it than alone, and
 its overhead can come out negative.)
-The full step and attention are timed with akunu's fast step (models/fast_step.py) on and
+The full step and attention are timed with akunu's fast step (akunu/backends/cpu/fast_step.py) on and
 off. Timings interleave and report the minimum over --reps (the machine may be shared).
 Then, with the fast step: "graph nodes" counts one step's graph, "graph build" is building it
 in Python, nothing evaluated, and "decode loop" the time per token of `plain_decode` over 32 greedy tokens,
@@ -38,7 +38,9 @@ from akunu.decode import plain_decode, prefill
 from akunu.kv_cache import cache_length, make_cache, rewind
 from akunu.sampling import SamplingParams
 from akunu.stats import GenerationStats
-from akunu.models import compiled_pass, cpu_kernels, fast_step, fused_layers, load_model
+from akunu.backends.cpu import compiled_pass, fast_step, fused_layers
+from akunu.backends.cpu import kernels as cpu_kernels
+from akunu.models import load_model
 
 
 def linears(model: nn.Module) -> list[mx.array]:

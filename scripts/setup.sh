@@ -12,7 +12,7 @@ if [ "$(uname -s)" = "Linux" ] && ! ls /usr/lib/*/openblas-pthread/libopenblas.s
   fi
 fi
 
-# C: akunu's decode matmuls (akunu/_matvec.c); C++: MLX's CPU backend builds mx.compile kernels with g++.
+# C: akunu's decode matmuls (akunu/backends/cpu/_matvec.c); C++: MLX's CPU backend builds mx.compile kernels with g++.
 if [ "$(uname -s)" = "Linux" ] && ! { command -v cc && command -v g++; } >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = "0" ]; then
     echo "Installing C and C++ compilers (akunu's decode matmuls and MLX's fused CPU kernels)..."
@@ -24,7 +24,7 @@ fi
 
 PYTHON="${PYTHON:-python3}"
 
-# Python's headers: akunu's fused CPU kernels (models/cpu_kernels.cpp) are built against them on first use.
+# Python's headers: akunu's fused CPU kernels (akunu/backends/cpu/kernels.cpp) are built against them on first use.
 if [ "$(uname -s)" = "Linux" ] && ! "$PYTHON" -c 'import os, sysconfig; raise SystemExit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' 2>/dev/null; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = "0" ]; then
     echo "Installing Python's headers (akunu's fused CPU kernels)..."

@@ -1,4 +1,4 @@
-"""Compiled llama passes (akunu.models.compiled_pass): the eager fused path's bits, the same cache, and
+"""Compiled llama passes (akunu.backends.cpu.compiled_pass): the eager fused path's bits, the same cache, and
 never a stale trace."""
 
 import mlx.core as mx
@@ -6,10 +6,10 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from akunu.kv_cache import make_cache, rewind
-from akunu.models import compiled_pass, cpu_kernels, fast_step
+from akunu.backends.cpu import compiled_pass, fast_step, kernels
 from tests.tiny import tiny_llama
 
-pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="compiled passes run on akunu's CPU kernels")
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason="compiled passes run on akunu's CPU kernels")
 
 PROMPT = [(5 * i + 1) % 64 for i in range(250)]  # fills the first 256-position buffers within a few steps
 

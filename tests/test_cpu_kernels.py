@@ -1,4 +1,4 @@
-"""akunu's fused CPU kernels (models/cpu_kernels.cpp): right against MLX's ops, a row's bits
+"""akunu's fused CPU kernels (akunu/backends/cpu/kernels.cpp): right against MLX's ops, a row's bits
 independent of the rows computed with it, in use where they can be built, and skipped cleanly where not."""
 
 import platform
@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from akunu.models import cpu_kernels
+from akunu.backends.cpu import kernels as cpu_kernels
 
 BUILDABLE = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64") and shutil.which("g++")
 
@@ -131,7 +131,7 @@ def test_a_fresh_cache_builds_and_a_missing_compiler_falls_back(kernels, tmp_pat
         monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
         cpu_kernels.load.cache_clear()
         assert cpu_kernels.load() is None
-        assert "building cpu_kernels.cpp failed" in cpu_kernels.unavailable()
+        assert "building kernels.cpp failed" in cpu_kernels.unavailable()
         assert "no-such-compiler" in cpu_kernels.unavailable()  # the reason names what went wrong
         monkeypatch.setenv("AKUNU_KERNELS", "0")
         cpu_kernels.load.cache_clear()
@@ -145,7 +145,7 @@ def test_a_fresh_cache_builds_and_a_missing_compiler_falls_back(kernels, tmp_pat
 def test_the_fast_step_runs_the_kernels(kernels):
     """A decode step of a tiny llama goes through them, as a compiled pass: the graph holds akunu's primitives."""
     from akunu.kv_cache import make_cache
-    from akunu.models import compiled_pass, fast_step
+    from akunu.backends.cpu import compiled_pass, fast_step
     from tests.tiny import tiny_llama
 
     model = tiny_llama(hidden=64, seed=2)  # heads of 16 dimensions, as the kernel requires
@@ -169,7 +169,7 @@ def test_exact_mode_keeps_one_kernel_call_per_layer(kernels):
     default mode keeps that path once the dispatcher is installed."""
     from akunu.exact import exact_model
     from akunu.kv_cache import make_cache
-    from akunu.models import compiled_pass, fast_step
+    from akunu.backends.cpu import compiled_pass, fast_step
     from tests.tiny import tiny_llama
 
     model = tiny_llama(hidden=64, seed=2)
@@ -196,13 +196,13 @@ def _graph_text(out: mx.array) -> str:
 def test_default_mode_passes_give_each_position_a_step_s_bits(kernels, width):
     """With the decode matmuls and these kernels every op of a pass is row-independent, so on the CPU
     a verification pass's logits equal 1-token steps' bit for bit without exact mode's padding."""
-    from akunu import _blas
+    from akunu.backends.cpu import blas
     from akunu.kv_cache import make_cache, rewind
-    from akunu.models import fast_step
+    from akunu.backends.cpu import fast_step
     from tests.tiny import tiny_llama
 
-    if not _blas.matvec_path:
-        pytest.skip("needs akunu's decode matmuls (akunu/_matvec.c)")
+    if not blas.matvec_path:
+        pytest.skip("needs akunu's decode matmuls (akunu/backends/cpu/_matvec.c)")
     model = tiny_llama(hidden=64, seed=1)
     fast_step.enable(model)
     cache = make_cache(model)
@@ -229,7 +229,7 @@ def test_a_layer_s_halves_give_the_bits_of_the_nodes_they_replace(kernels, tradi
     """A compiled pass's two nodes a layer: the eager fused path's norm, products, split, attention, SwiGLU and
     residual adds, bit for bit. The attention half writes the pass's keys and values into the cache buffers in
     place at the offset (nothing else in them changes), its tables read from the offset's row."""
-    from akunu.models import cpu_rope
+    from akunu.backends.cpu import rope as cpu_rope
 
     D, H, KV, hd, S, inter = 64, 6, 2, 16, 256, 96
     norm, wqkv, wo, wgu, wdown = _layer_weights(D, H, KV, hd, inter)
@@ -278,7 +278,7 @@ def test_an_attention_half_past_the_buffers_writes_nothing(kernels):
 def test_split_heads_rotates_as_mx_fast_rope_bit_for_bit(kernels, traditional, batch, length, offset):
     """The q|k|v product's rows become rotated queries and keys and plain values, the same bits as
     mlx's RoPE on the split views (and so as the fast step's path without the kernel)."""
-    from akunu.models import cpu_rope
+    from akunu.backends.cpu import rope as cpu_rope
 
     H, KV, D = 6, 2, 32
     product = mx.random.normal((batch * length, (H + 2 * KV) * D), key=mx.random.key(8))

@@ -16,7 +16,7 @@ import pytest
 from akunu.exact import FixedWidthModel
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import cache_length, make_cache
-from akunu.models import fast_step
+from akunu.backends.cpu import fast_step
 from tests.fakes import FakeTokenizer
 from tests.tiny import tiny_gemma3, tiny_llama
 
@@ -105,7 +105,7 @@ def test_a_token_tree_drafter_is_refused_in_exact_mode():
 def test_the_kernel_dependent_checks_also_pass_on_the_reference_blas():
     """The BLAS is chosen before MLX loads, so the other path needs a fresh process."""
     env = {**os.environ, "AKUNU_BLAS": "none"}
-    code = "import sys, pytest, akunu._blas as blas; assert blas.loaded_path is None; sys.exit(pytest.main(sys.argv[1:]))"
+    code = "import sys, pytest, akunu.backends.cpu.blas as blas; assert blas.loaded_path is None; sys.exit(pytest.main(sys.argv[1:]))"
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run(
         [sys.executable, "-c", code, "-q", "-p", "no:cacheprovider", *BLAS_CHECKS],

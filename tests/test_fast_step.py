@@ -1,4 +1,4 @@
-"""The fast decode step (akunu.models.fast_step) must compute what mlx-lm's unpatched model computes."""
+"""The fast decode step (akunu.backends.cpu.fast_step) must compute what mlx-lm's unpatched model computes."""
 
 import random
 
@@ -7,7 +7,7 @@ import pytest
 
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import make_cache, rewind
-from akunu.models import cpu_math, cpu_rope, fast_step, fused_layers
+from akunu.backends.cpu import elementwise, fast_step, fused_layers, rope
 from tests.fakes import FakeTokenizer
 from tests.tiny import tiny_gemma3, tiny_llama
 
@@ -39,7 +39,7 @@ def scripted_logits(model, tokens, prefix=11):
 
 
 @MODELS
-@pytest.mark.parametrize("prefix", [11, cpu_math.WORTH_IT_FROM + 9], ids=["short", "long"])
+@pytest.mark.parametrize("prefix", [11, elementwise.WORTH_IT_FROM + 9], ids=["short", "long"])
 def test_patched_model_gives_the_unpatched_logits(model_fn, prefix, restore_attention):
     model = model_fn(seed=3)
     tokens = [random.Random(5).randrange(64) for _ in range(prefix + 29)]
@@ -80,12 +80,12 @@ def test_a_wide_pass_matches_one_token_steps_with_the_patch(model_fn, restore_at
         assert mx.allclose(wide, steps[: wide.shape[0]], atol=1e-4).item(), f"width {width}"
 
 
-@pytest.mark.parametrize("keys", [10, cpu_math.WORTH_IT_FROM + 44], ids=["mx.softmax", "akunu's exp"])
+@pytest.mark.parametrize("keys", [10, elementwise.WORTH_IT_FROM + 44], ids=["mx.softmax", "akunu's exp"])
 @pytest.mark.parametrize("head_dim", [8, 64])
 @pytest.mark.parametrize("router", [True, False], ids=["q @ K^T", "K @ q per row"])
 def test_attention_matches_mlx_on_every_mask_kind(keys, head_dim, router, monkeypatch):
     if not router:  # the scores' layout without akunu's decode matmuls
-        monkeypatch.setattr(fast_step._blas, "matvec_path", None)
+        monkeypatch.setattr(fast_step.blas, "matvec_path", None)
     mx.random.seed(0)
     q = mx.random.normal((2, 6, 3, head_dim))
     k, v = mx.random.normal((2, 2, keys, head_dim)), mx.random.normal((2, 2, keys, head_dim))
@@ -98,7 +98,7 @@ def test_attention_matches_mlx_on_every_mask_kind(keys, head_dim, router, monkey
         assert mx.allclose(ours, theirs, atol=1e-5).item(), mask
 
 
-@pytest.mark.parametrize("keys", [cpu_math.WORTH_IT_FROM + 20, 40], ids=["long context", "wide pass"])
+@pytest.mark.parametrize("keys", [elementwise.WORTH_IT_FROM + 20, 40], ids=["long context", "wide pass"])
 def test_attention_rows_do_not_depend_on_the_pass_width(keys):
     """Row j of a causal pass gives what a 1-row call over its own keys gives, past WORTH_IT_FROM keys
     (akunu's exp in both), and where only the wide pass has that many scores (akunu's exp against
@@ -115,14 +115,14 @@ def test_attention_rows_do_not_depend_on_the_pass_width(keys):
 
 def test_exp_minus_is_exp_to_float32_precision():
     x = mx.concatenate([mx.linspace(-87.0, 0.0, 100_001), mx.array([-1e-30, -0.5, -1e4, -mx.inf, mx.finfo(mx.float32).min])])
-    ours, exact = cpu_math.exp_minus(x, mx.array(0.0)), mx.exp(x.astype(mx.float32))
+    ours, exact = elementwise.exp_minus(x, mx.array(0.0)), mx.exp(x.astype(mx.float32))
     relative = mx.abs(ours - exact) / mx.maximum(exact, 1e-30)
     assert relative.max().item() < 3e-7
     assert ours[-3:].tolist() == [0.0, 0.0, 0.0]  # masked scores weigh nothing
-    assert mx.isnan(cpu_math.exp_minus(mx.array([mx.nan]), mx.array(0.0))).item()
+    assert mx.isnan(elementwise.exp_minus(mx.array([mx.nan]), mx.array(0.0))).item()
     peak = mx.array([[2.0], [-3.0]])  # broadcast over rows, any shape (the kernels are shapeless)
     scores = mx.array([[2.0, 1.0, -5.0], [-3.0, -4.0, -3.5]])
-    assert mx.allclose(cpu_math.exp_minus(scores, peak), mx.exp(scores - peak), rtol=3e-7).item()
+    assert mx.allclose(elementwise.exp_minus(scores, peak), mx.exp(scores - peak), rtol=3e-7).item()
 
 
 @pytest.mark.parametrize("switch", ["1", "0"])
@@ -165,9 +165,9 @@ def test_swiglu_is_mlx_lm_s_to_float32_precision():
     mx.random.seed(5)
     gate = mx.concatenate([mx.linspace(-100.0, 100.0, 20_001), mx.random.normal((4_000,)) * 3, mx.array([0.0, -0.0])])
     x = mx.random.normal(gate.shape)
-    ours, theirs = cpu_math.swiglu(gate, x), swiglu(gate, x)
+    ours, theirs = elementwise.swiglu(gate, x), swiglu(gate, x)
     assert mx.allclose(ours, theirs, rtol=5e-7, atol=1e-30).item()
-    assert mx.array_equal(cpu_math.swiglu(gate[:7], x[:7]), ours[:7]).item()  # elementwise: no row sees another
+    assert mx.array_equal(elementwise.swiglu(gate[:7], x[:7]), ours[:7]).item()  # elementwise: no row sees another
 
 
 @pytest.mark.parametrize("traditional", [True, False], ids=["pairs (2i, 2i+1)", "pairs (i, i+d/2)"])
@@ -181,9 +181,9 @@ def test_rope_with_shared_angles_is_mlx_fast_rope_bit_for_bit(traditional, dims,
         for offset in (0, 1, 17, 300, 1500, 40_000):
             for base, scale in ((10_000.0, 1.0), (100_000.0, 1.0), (500_000.0, 0.25)):
                 expected = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
-                got = cpu_rope.rope(x, dims, traditional, base, scale, offset)
+                got = rope.rope(x, dims, traditional, base, scale, offset)
                 assert mx.array_equal(got, expected).item(), (width, offset, base, scale)
-    assert cpu_rope.angles(5, 9, 16, 1e4, 1.0)[0] is cpu_rope.angles(5, 9, 16, 1e4, 1.0)[0]  # shared by a pass's layers
+    assert rope.angles(5, 9, 16, 1e4, 1.0)[0] is rope.angles(5, 9, 16, 1e4, 1.0)[0]  # shared by a pass's layers
 
 
 def test_compiled_rope_and_norm_equal_mlx_fast_at_every_offset():

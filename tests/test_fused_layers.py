@@ -1,4 +1,4 @@
-"""Fused llama layers (akunu.models.fused_layers) compute mlx-lm's layers, in the same memory."""
+"""Fused llama layers (akunu.backends.cpu.fused_layers) compute mlx-lm's layers, in the same memory."""
 
 import gc
 import random
@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.models import llama
 
 from akunu.kv_cache import make_cache, rewind
-from akunu.models import fast_step, fused_layers
+from akunu.backends.cpu import fast_step, fused_layers
 from tests.tiny import tiny_gemma3, tiny_llama
 
 TOKENS = [random.Random(3).randrange(64) for _ in range(90)]

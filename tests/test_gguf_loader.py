@@ -300,7 +300,7 @@ def test_hub_without_network_is_one_line(monkeypatch):
 
 
 def test_dtype_policy(monkeypatch):
-    from akunu import _blas
+    from akunu.backends.cpu import blas
 
     assert choose_dtype("float32").dtype == "float32"
     assert choose_dtype("quantized").reason == "requested"
@@ -310,10 +310,10 @@ def test_dtype_policy(monkeypatch):
         load_model("smollm2-135m", dtype="float64")  # before any fetch
     monkeypatch.setattr(mx.metal, "is_available", lambda: False)
     monkeypatch.setattr("sys.platform", "linux")
-    monkeypatch.setattr(_blas, "loaded_path", "/usr/lib/libopenblas.so.0")
+    monkeypatch.setattr(blas, "loaded_path", "/usr/lib/libopenblas.so.0")
     assert choose_dtype("auto").dtype == "float32"
     assert choose_dtype("auto", float32_bytes=1 << 60).dtype == "quantized"
-    monkeypatch.setattr(_blas, "loaded_path", None)
+    monkeypatch.setattr(blas, "loaded_path", None)
     assert choose_dtype("auto").dtype == "quantized"
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)
     assert choose_dtype("auto").dtype == "quantized"

@@ -1,4 +1,4 @@
-"""akunu's cblas_sgemm router (akunu/_matvec.c): every product it takes is right, and it is in use.
+"""akunu's cblas_sgemm router (akunu/backends/cpu/_matvec.c): every product it takes is right, and it is in use.
 
 MLX calls cblas_sgemm for every float32 matmul on the CPU, so these drive it through MLX with
 the shapes and layouts MLX produces: Linear layers (x @ W.T), transposed and strided operands,
@@ -15,10 +15,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from akunu import _blas
+from akunu.backends.cpu import blas
 
 linux_with_openblas = pytest.mark.skipif(
-    sys.platform != "linux" or _blas.loaded_path is None, reason="the router sits in front of OpenBLAS on Linux"
+    sys.platform != "linux" or blas.loaded_path is None, reason="the router sits in front of OpenBLAS on Linux"
 )
 
 
@@ -30,8 +30,8 @@ def reference(a: mx.array, b: mx.array) -> np.ndarray:
 def test_the_router_is_built_and_loaded_where_a_compiler_exists():
     if shutil.which("cc") is None:
         pytest.skip("no C compiler: the package installs without the router")
-    assert _blas.matvec_path is not None, "akunu/_matvec.c was not built or not loaded (pip install -e . builds it)"
-    assert "decode matmuls" in _blas.describe()
+    assert blas.matvec_path is not None, "akunu/backends/cpu/_matvec.c was not built or not loaded (pip install -e . builds it)"
+    assert "decode matmuls" in blas.describe()
 
 
 @linux_with_openblas
@@ -40,9 +40,9 @@ def test_importing_akunu_after_mlx_warns_that_the_fast_blas_was_missed():
         env = {k: v for k, v in os.environ.items() if k != "AKUNU_BLAS"}
         return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
-    late = run("import mlx.core, akunu._blas as blas; assert blas.loaded_path is None")
+    late = run("import mlx.core, akunu.backends.cpu.blas as blas; assert blas.loaded_path is None")
     assert late.returncode == 0 and "imported after mlx.core" in late.stderr and "40x slower" in late.stderr
-    in_order = run("import warnings; warnings.simplefilter('error'); import akunu, mlx.core, akunu._blas as blas; assert blas.loaded_path")
+    in_order = run("import warnings; warnings.simplefilter('error'); import akunu, mlx.core, akunu.backends.cpu.blas as blas; assert blas.loaded_path")
     assert in_order.returncode == 0 and "imported after" not in in_order.stderr, in_order.stderr
 
 
@@ -79,7 +79,7 @@ def test_batched_and_strided_operands_as_attention_makes_them():
 def test_a_rows_result_does_not_depend_on_how_many_rows_share_its_pass(layout):
     """What the kernels guarantee for up to 128 rows (a verification pass's rows times its attention
     heads): a row is bit-identical alone or batched, whichever register tile it lands in."""
-    if _blas.matvec_path is None:
+    if blas.matvec_path is None:
         pytest.skip("the router is not built here")
     mx.random.seed(5)
     matrix = mx.random.normal((1536, 576)).T if layout.startswith("x") else mx.random.normal((576, 100))
@@ -94,7 +94,7 @@ def test_a_rows_result_does_not_depend_on_how_many_rows_share_its_pass(layout):
 def test_a_rows_result_does_not_depend_on_where_its_array_starts():
     """The kernel copies rows of x that do not start on a 64-byte line (MLX's seldom do) before using
     them: the same numbers in the same order, so the bits cannot depend on the address."""
-    if _blas.matvec_path is None:
+    if blas.matvec_path is None:
         pytest.skip("the router is not built here")
     mx.random.seed(7)
     matrix, flat = mx.random.normal((1536, 576)).T, mx.random.normal((17 * 576 + 16,))
@@ -106,7 +106,7 @@ def test_a_rows_result_does_not_depend_on_where_its_array_starts():
 
 
 def test_kernel_rows_script_times_the_kernel_by_row_count():
-    if _blas.matvec_path is None:
+    if blas.matvec_path is None:
         pytest.skip("the router is not built here")
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "kernel_rows.py")
     done = subprocess.run([sys.executable, script, "--layers", "1", "--rows", "1", "3", "--reps", "1"],
@@ -134,7 +134,7 @@ def test_fma_peak_program_builds_and_reports_both_thread_counts(tmp_path):
 def test_addmm_adds_the_residual_with_a_separate_add_s_bits():
     """The fused layers add the residual in the product (addmm, beta = 1): the kernels' sum plus what the
     output held, rounded once, so the same bits as the product then an add, and still row-independent."""
-    if _blas.matvec_path is None:
+    if blas.matvec_path is None:
         pytest.skip("the router is not built here")
     mx.random.seed(6)
     matrix = mx.random.normal((1536, 576)).T

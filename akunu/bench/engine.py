@@ -117,7 +117,7 @@ class ModelEngine:
         from mlx_lm.generate import stream_generate
         from mlx_lm.sample_utils import make_sampler
 
-        from akunu.models import fast_step
+        from akunu import backends
 
         if self._mlx_tokenizer is None:
             self._mlx_tokenizer = self.tokenizer.to_mlx_lm()
@@ -138,6 +138,6 @@ class ModelEngine:
                 if response.finish_reason is None or response.finish_reason == "length":
                     yield int(response.token)
 
-        with fast_step.unpatched(self.model):  # mlx-lm as shipped, not with akunu's faster step
+        with backends.unpatched(self.model):  # mlx-lm as shipped, not with akunu's faster step
             ids, prefill_seconds, decode_seconds = timed_tokens(start, tokens())
         return Run(ids, len(prompt_ids), prefill_seconds, decode_seconds)

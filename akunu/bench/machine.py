@@ -30,8 +30,7 @@ def _cpu_name() -> str:
 def describe_machine(model_name: str = "", dtype: str = "", dtype_reason: str = "") -> dict[str, str | int]:
     import mlx.core as mx
 
-    from akunu import _blas
-    from akunu.models import cpu_kernels
+    from akunu import backends
 
     return {
         "platform": platform.platform(),
@@ -39,8 +38,7 @@ def describe_machine(model_name: str = "", dtype: str = "", dtype_reason: str = 
         "cpu": _cpu_name(),
         "cores": os.cpu_count() or 0,
         "backend": str(mx.default_device()),
-        "blas": _blas.describe(),
-        "cpu_kernels": cpu_kernels.describe() if mx.default_device() == mx.cpu else "",
+        **backends.describe(),  # "blas", "cpu_kernels"
         "python": sys.version.split()[0],
         "mlx": _version("mlx"),
         "mlx_lm": _version("mlx-lm"),

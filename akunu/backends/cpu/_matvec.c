@@ -1,4 +1,4 @@
-/* Decode-shaped matrix products for MLX's CPU backend, loaded ahead of OpenBLAS (akunu/_blas.py).
+/* Decode-shaped matrix products for MLX's CPU backend, loaded ahead of OpenBLAS (blas.py).
 
    MLX computes every Linear layer as cblas_sgemm(x, W^T). For the 1-33 rows of a decode step
    or a verification pass OpenBLAS's sgemm packs all of W first: at one row it runs at a third
@@ -30,7 +30,7 @@ typedef void (*sgemv_fn)(int, int, int, int, float, const float *, int, const fl
 static sgemm_fn real_sgemm;
 static sgemv_fn real_sgemv;
 
-/* Called once by akunu/_blas.py with OpenBLAS's own entry points. */
+/* Called once by blas.py with OpenBLAS's own entry points. */
 void akunu_matvec_init(void *sgemm, void *sgemv) {
   real_sgemm = (sgemm_fn)sgemm;
   real_sgemv = (sgemv_fn)sgemv;

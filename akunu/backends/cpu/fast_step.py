@@ -5,7 +5,7 @@ mlx-lm's attention calls the module-global `scaled_dot_product_attention`; on th
 query heads of each KV head (K read once per query head), then a softmax whose exp runs one
 element at a time. `cpu_attention` computes all the query rows of a KV head (its query heads
 times the pass's positions) in one product, K and V read once per KV head, and where a row of
-queries meets `cpu_math.WORTH_IT_FROM` scores (a long context, or a wide verification pass over
+queries meets `elementwise.WORTH_IT_FROM` scores (a long context, or a wide verification pass over
 a short one) the softmax numerators with akunu's fused exp (BENCHMARKS.md has the timings). It
 replaces the module global of the model's mlx-lm module, so akunu's exact mode (which swaps that
 same global while active) composes with it. Metal keeps mlx's fused kernel.
@@ -13,12 +13,12 @@ same global while active) composes with it. Metal keeps mlx's fused kernel.
 Likewise `mx.fast.rope` and `mx.fast.rms_norm` are single kernels on Metal but a dozen and a
 handful of small ops on the CPU, each paying a dispatch. On the CPU the model's `nn.RMSNorm`
 modules run through `mx.compile`, one fused kernel with the same results, and its `nn.RoPE`
-modules apply angles computed once per pass (`cpu_rope`), the same bits too (their class is
+modules apply angles computed once per pass (`rope`), the same bits too (their class is
 swapped for a subclass; parameters are untouched). SwiGLU's sigmoid, whose exp also ran one
 element at a time (7.6 of a 16-token pass's 63 ms at a 200-token context), goes through akunu's
-exp (`cpu_math.swiglu`) via the model module's `swiglu` global. Llama-family blocks, attention and MLP
+exp (`elementwise.swiglu`) via the model module's `swiglu` global. Llama-family blocks, attention and MLP
 modules stack their products (`fused_layers`): fewer, larger products and fewer graph nodes.
-Where akunu's fused CPU kernels could be built (`cpu_kernels`), attention, SwiGLU, RMSNorm and
+Where akunu's fused CPU kernels could be built (`kernels`), attention, SwiGLU, RMSNorm and
 (in `fused_layers`) the split of q|k|v into rotated heads are one node each instead; the paths
 above remain for machines without them.
 
@@ -39,8 +39,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import activations, base
 
-from akunu import _blas
-from akunu.models import cpu_kernels, cpu_math, cpu_rope, fused_layers
+from akunu.backends.cpu import blas, elementwise, fused_layers, kernels, rope
 
 ENV_SWITCH = "AKUNU_FAST_STEP"
 MAX_QUERY_ROWS = 64  # decode steps and verification passes (up to 33 tokens); prefill chunks keep mlx's path
@@ -56,7 +55,7 @@ def enable(model: nn.Module) -> bool:
     """Route the model's attention through `cpu_attention`, and on the CPU stack its llama
     products and run its RoPE and RMSNorm as compiled kernels; False if its module has no attention hook."""
     if mx.default_device() == mx.cpu:
-        cpu_kernels.load()  # built now if need be, not in the middle of a generation
+        kernels.load()  # built now if need be, not in the middle of a generation
         fused_layers.fuse(model)
         if _compiling_works():
             _swap_classes(model, _COMPILED)
@@ -126,9 +125,9 @@ def cpu_attention(
     B, n_heads, L, D = queries.shape
     if L > MAX_QUERY_ROWS or sinks is not None or hasattr(cache, "bits") or mx.default_device() != mx.cpu:
         return _mlx_attention(queries, keys, values, cache, scale, mask, sinks)
-    kernels = cpu_kernels.load()
-    if kernels and not isinstance(mask, mx.array) and _kernel_shapes(queries, keys, values):
-        return kernels.attention(queries, keys, values, scale, mask is not None)  # mask: None or "causal"
+    built = kernels.load()
+    if built and not isinstance(mask, mx.array) and _kernel_shapes(queries, keys, values):
+        return built.attention(queries, keys, values, scale, mask is not None)  # mask: None or "causal"
     n_kv_heads, S = keys.shape[1], keys.shape[2]
     repeats = n_heads // n_kv_heads
     # Query head h reads KV head h // repeats, so the heads of one KV head are rows of one product.
@@ -136,10 +135,10 @@ def cpu_attention(
     scores = _scores(q, keys)  # (B, n_kv_heads, repeats, L, S)
     if mask is not None:
         scores = _apply_mask(scores, mask, L, S)
-    if L * S < cpu_math.WORTH_IT_FROM or scores.dtype != mx.float32:  # few scores: one dispatch is cheaper
+    if L * S < elementwise.WORTH_IT_FROM or scores.dtype != mx.float32:  # few scores: one dispatch is cheaper
         out = _weigh(mx.softmax(scores, axis=-1, precise=True), values)
     else:
-        numerators = cpu_math.exp_minus(scores, scores.max(axis=-1, keepdims=True))
+        numerators = elementwise.exp_minus(scores, scores.max(axis=-1, keepdims=True))
         out = _weigh(numerators, values) / numerators.sum(axis=-1, keepdims=True)  # normalised over D, not S
     return out.reshape(B, n_heads, L, values.shape[-1])
 
@@ -157,8 +156,8 @@ def cpu_swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """mlx-lm's `swiglu`, its sigmoid through akunu's exp in float32 (libm's ran one element at a time)."""
     if gate.dtype != mx.float32 or x.dtype != mx.float32 or mx.default_device() != mx.cpu:
         return _mlx_swiglu(gate, x)
-    kernels = cpu_kernels.load()
-    return kernels.swiglu(gate, x) if kernels else cpu_math.swiglu(gate, x)
+    built = kernels.load()
+    return built.swiglu(gate, x) if built else elementwise.swiglu(gate, x)
 
 
 def _scores(q: mx.array, keys: mx.array) -> mx.array:
@@ -166,7 +165,7 @@ def _scores(q: mx.array, keys: mx.array) -> mx.array:
     same result whatever the row count, so all repeats * L rows go in one product that reads K
     once; OpenBLAS alone runs that product slowly and batch-dependently, so without them: K @ q per row."""
     B, n_kv_heads, repeats, L, D = q.shape
-    if _blas.matvec_path:
+    if blas.matvec_path:
         rows = q.reshape(B, n_kv_heads, repeats * L, D)
         return (rows @ keys.swapaxes(-1, -2)).reshape(B, n_kv_heads, repeats, L, keys.shape[2])
     return (keys[:, :, None, None] @ q[..., None]).squeeze(-1)
@@ -195,12 +194,12 @@ def _apply_mask(scores: mx.array, mask: mx.array | str, L: int, S: int) -> mx.ar
 
 
 class CompiledRoPE(nn.RoPE):
-    """nn.RoPE as one fused kernel over angles shared by the pass's layers (`cpu_rope`); an array
+    """nn.RoPE as one fused kernel over angles shared by the pass's layers (`rope`); an array
     offset (a batch's own positions) goes into a kernel of the whole fallback instead."""
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         if isinstance(offset, int) and x.ndim == 4 and self.base is not None:
-            return cpu_rope.rope(x, self.dims, self.traditional, self.base, self.scale, offset)
+            return rope.rope(x, self.dims, self.traditional, self.base, self.scale, offset)
         if isinstance(offset, int):
             offset = mx.array(offset, mx.int32)
         return _rope_kernel(self.dims, self.traditional, self.base, self.scale)(x, offset)
@@ -210,9 +209,9 @@ class CompiledRMSNorm(nn.RMSNorm):
     """nn.RMSNorm as one fused kernel."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        kernels, weight = cpu_kernels.load(), self["weight"]
-        if kernels and x.dtype == weight.dtype == mx.float32 and mx.default_device() == mx.cpu:
-            return kernels.rms_norm(x, weight, self.eps)
+        built, weight = kernels.load(), self["weight"]
+        if built and x.dtype == weight.dtype == mx.float32 and mx.default_device() == mx.cpu:
+            return built.rms_norm(x, weight, self.eps)
         return _rms_norm_kernel(self.eps)(x, weight)
 
 

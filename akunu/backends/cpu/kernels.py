@@ -1,4 +1,4 @@
-"""akunu's fused CPU kernels (cpu_kernels.cpp): attention, SwiGLU, RMSNorm and the split of q|k|v into rotated heads, one MLX primitive each.
+"""akunu's fused CPU kernels (kernels.cpp): attention, SwiGLU, RMSNorm and the split of q|k|v into rotated heads, one MLX primitive each.
 
 They are built on first use, the way MLX builds its own compiled CPU kernels: g++ against the MLX
 and nanobind installed beside akunu, for this machine's CPU, into a cache keyed by all of those
@@ -25,7 +25,7 @@ from types import ModuleType
 import mlx.core as mx
 
 ENV_SWITCH = "AKUNU_KERNELS"
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCE = Path(__file__).with_name("kernels.cpp")
 MODULE_NAME = "akunu_cpu_kernels"
 _why_not: list[str] = []
 

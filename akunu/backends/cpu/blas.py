@@ -2,7 +2,7 @@
 
 The Linux `mlx[cpu]` wheel links a reference BLAS (~4 GFLOP/s here). Loading OpenBLAS
 with RTLD_GLOBAL first makes MLX's BLAS calls resolve to it (~40x faster matmuls).
-Ahead of OpenBLAS goes akunu's own `cblas_sgemm` (akunu/_matvec.c, built at install where a
+Ahead of OpenBLAS goes akunu's own `cblas_sgemm` (_matvec.c, built at install where a
 C compiler exists): it sends decode-shaped products (1-128 rows) to kernels that read each
 weight once, and everything else on to OpenBLAS. This module must not import MLX; imported after
 MLX, akunu warns that it is too late.

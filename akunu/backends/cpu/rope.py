@@ -48,7 +48,7 @@ def rope(x: mx.array, dims: int, traditional: bool, base: float, scale: float, o
 
 
 def head_tables(length: int, offset: int, dims: int, base: float, scale: float, traditional: bool, dtype: mx.Dtype):
-    """The pair tables as (length, dims) rows, for a kernel that rotates whole heads (cpu_kernels.split_heads)."""
+    """The pair tables as (length, dims) rows, for a kernel that rotates whole heads (kernels.cpp's split_heads)."""
     return _tables_for(length, offset, dims, base, scale, traditional, dtype)[2:]
 
 

@@ -4,7 +4,7 @@ On a 2-core CPU the Python that builds a pass's graph (0.6-1 ms for SmolLM2's 30
 the cores the matmuls use, so it adds to every step and every verification pass; so does each graph
 node's dispatch (a few microseconds). Here a pass of akunu's fused layers (`fused_layers`) is traced
 once per (batch, width, cache capacity) and later passes replay the trace, and each half of a layer
-is one kernel node (`cpu_kernels.attention_half`, `mlp_half`): 2 nodes a layer. The position goes in
+is one kernel node (kernels.cpp's `attention_half`, `mlp_half`): 2 nodes a layer. The position goes in
 as an int32 array: the attention half writes the pass's keys and values into the cache's buffers in
 place at it, reads them up to it, and reads RoPE's rows from tables as long as the buffers. The
 kernels and products are the eager fused path's, so the bits are too.
@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from akunu.models import cpu_rope
+from akunu.backends.cpu.rope import head_tables
 
 _queue_passes = True
 _COMPILED = "_akunu_compiled_pass"  # in the model's __dict__, like fused_layers' stacks
@@ -124,14 +124,14 @@ def _traced(model: nn.Module, inputs, offset, keys, values, coss, sins) -> mx.ar
 
 
 def _tables(model: nn.Module, capacity: int, head_dim: int) -> tuple[list[mx.array], list[mx.array]]:
-    """Each layer's cpu_rope tables for positions 0..capacity-1 (row p is the bits of the table for a pass at p),
+    """Each layer's RoPE tables (rope.py) for positions 0..capacity-1 (row p is the bits of the table for a pass at p),
     computed once per distinct RoPE and evaluated, so no thread's lazy graph is shared."""
     coss, sins, made = [], [], {}
     for block in model["layers"]:
         rope = block["self_attn"]["rope"]
         key = (rope.base, rope.scale, rope.traditional)
         if key not in made:
-            made[key] = cpu_rope.head_tables(capacity, 0, head_dim, *key, mx.float32)
+            made[key] = head_tables(capacity, 0, head_dim, *key, mx.float32)
             mx.eval(made[key])
         coss.append(made[key][0])
         sins.append(made[key][1])

@@ -7,7 +7,7 @@ whose rows are the layers' own weights (those become views of it, so no memory i
 every product takes a 2-D input and a transposed view made once: a layer runs four products,
 the output and down projections adding the residual themselves (addmm), and RoPE rotates queries
 and keys in one call. The model keeps the residual stream as 2-D rows from block to block. Where
-akunu's CPU kernels are built (`cpu_kernels`), one node splits the q|k|v product into rotated heads,
+akunu's CPU kernels are built (`kernels`), one node splits the q|k|v product into rotated heads,
 attention reads the cache's buffers up to the offset and writes the rows the output projection
 takes, and SwiGLU reads the gate|up product whole: a layer has no slices, transposes or reshapes
 left (each node costs a few microseconds on the CPU, more while the matmuls' threads hold both
@@ -31,7 +31,8 @@ import mlx.nn as nn
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
-from akunu.models import compiled_pass, cpu_kernels, cpu_rope
+from akunu.backends.cpu import compiled_pass, kernels
+from akunu.backends.cpu.rope import head_tables
 
 MAX_ROWS = 64  # decode steps and verification passes; prefill chunks keep mlx-lm's path
 
@@ -105,7 +106,7 @@ class FusedAttention(llama.Attention):
         if kernel_reads_cache(attend, queries, cache, mask):
             # (B * L, H * head_dim) straight from the cache's buffers: none of the slices, transpose and
             # copy of the path below, each a graph node of a few microseconds on the CPU.
-            heads = cpu_kernels.load().attention(queries, cache.keys, cache.values, self.scale, mask is not None,
+            heads = kernels.load().attention(queries, cache.keys, cache.values, self.scale, mask is not None,
                                                  cache.offset, True)  # fmt: skip
         else:
             output = attend(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
@@ -115,7 +116,7 @@ class FusedAttention(llama.Attention):
     def half(self, x: mx.array, norm: nn.RMSNorm, B: int, cache: compiled_pass.CacheBuffers) -> mx.array:
         """x + this attention of norm(x), rows (B * L, D), as one kernel node inside a compiled pass."""
         held = stacks(self)
-        return cpu_kernels.load().attention_half(
+        return kernels.load().attention_half(
             x, norm["weight"], norm.eps, held["qkv"].transposed, held["o"].transposed, cache.cos, cache.sin,
             cache.keys, cache.values, cache.offset, B, self.n_heads, self.n_kv_heads, self.rope.traditional, self.scale)
 
@@ -130,10 +131,10 @@ class FusedAttention(llama.Attention):
         (B * L, (H + 2 KV) * head_dim) rows: one fused kernel where it applies, else views and one RoPE call."""
         H, KV = self.n_heads, self.n_kv_heads
         rope, head_dim = self.rope, product.shape[1] // (H + 2 * KV)
-        kernels = cpu_kernels.load()
-        if kernels and _rope_is_whole_head(rope, head_dim) and product.dtype == mx.float32 and mx.default_device() == mx.cpu:
-            cos, sin = cpu_rope.head_tables(L, offset, head_dim, rope.base, rope.scale, rope.traditional, mx.float32)
-            return tuple(kernels.split_heads(product, cos, sin, B, H, KV, rope.traditional))
+        built = kernels.load()
+        if built and _rope_is_whole_head(rope, head_dim) and product.dtype == mx.float32 and mx.default_device() == mx.cpu:
+            cos, sin = head_tables(L, offset, head_dim, rope.base, rope.scale, rope.traditional, mx.float32)
+            return tuple(built.split_heads(product, cos, sin, B, H, KV, rope.traditional))
         heads = product.reshape(B, L, H + 2 * KV, -1).transpose(0, 2, 1, 3)  # query, then key, then value heads
         rotated = rope(heads[:, : H + KV], offset=offset)  # queries and keys: one call
         return rotated[:, :H], rotated[:, H:], heads[:, H + KV :]
@@ -157,16 +158,16 @@ class FusedMLP(llama.MLP):
         """(N, D) rows in and out, plus `residual` if given, where `fused_applies`."""
         held = stacks(self)
         gate_up = held["gate_up"](x)  # (N, 2 * hidden)
-        kernels = cpu_kernels.load()
-        if kernels and gate_up.dtype == mx.float32 and mx.default_device() == mx.cpu:
-            return held["down"](kernels.swiglu_halves(gate_up), residual)  # one node, no slices of the product
+        built = kernels.load()
+        if built and gate_up.dtype == mx.float32 and mx.default_device() == mx.cpu:
+            return held["down"](built.swiglu_halves(gate_up), residual)  # one node, no slices of the product
         hidden = gate_up.shape[1] // 2
         return held["down"](llama.swiglu(gate_up[:, :hidden], gate_up[:, hidden:]), residual)  # the global akunu swaps
 
     def half(self, x: mx.array, norm: nn.RMSNorm) -> mx.array:
         """x + this MLP of norm(x), rows (N, D), as one kernel node inside a compiled pass."""
         held = stacks(self)
-        return cpu_kernels.load().mlp_half(x, norm["weight"], norm.eps, held["gate_up"].transposed, held["down"].transposed)
+        return kernels.load().mlp_half(x, norm["weight"], norm.eps, held["gate_up"].transposed, held["down"].transposed)
 
 
 class FusedBlock(llama.TransformerBlock):
@@ -226,8 +227,8 @@ class FusedModel(llama.LlamaModel):
 
     def _compiles(self, cache: Sequence[Any], L: int) -> bool:
         """Whether this pass can run compiled: no sliding windows, the CPU kernels in use, caches with room."""
-        kernels = cpu_kernels.load()
-        if not (kernels and kernels.has_products() and mx.default_device() == mx.cpu and self.swa_idx is None):
+        built = kernels.load()
+        if not (built and built.has_products() and mx.default_device() == mx.cpu and self.swa_idx is None):
             return False
         if not _kernel_attention(llama.scaled_dot_product_attention):  # another attention swapped in: honour it
             return False
@@ -248,7 +249,7 @@ def kernel_reads_cache(attend: Any, queries: mx.array, cache: Any, mask: Any) ->
     gives the bits exact mode's per-row calls would), the cache a plain KVCache, the heads float32."""
     if not _kernel_attention(attend):
         return False
-    if type(cache) is not KVCache or isinstance(mask, mx.array) or not cpu_kernels.load() or mx.default_device() != mx.cpu:
+    if type(cache) is not KVCache or isinstance(mask, mx.array) or not kernels.load() or mx.default_device() != mx.cpu:
         return False
     keys, values = cache.keys, cache.values
     return queries.dtype == keys.dtype == values.dtype == mx.float32 and queries.shape[-1] % 16 == values.shape[-1] % 16 == 0
@@ -260,7 +261,7 @@ def _kernel_attention(attend: Any) -> bool:
 
 
 def _rope_is_whole_head(rope: Any, head_dim: int) -> bool:
-    """A plain RoPE over the whole head, which the split kernel applies from cpu_rope's tables."""
+    """A plain RoPE over the whole head, which the split kernel applies from rope.py's tables."""
     return isinstance(rope, nn.RoPE) and rope.dims == head_dim and rope.base is not None
 
 

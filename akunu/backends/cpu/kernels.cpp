@@ -1,8 +1,8 @@
 // Fused decode kernels for MLX's CPU backend: attention, SwiGLU, RMSNorm, and the split of a
 // q|k|v product into rotated heads, one MLX primitive each. Attention can read a KV cache's buffers up
 // to how far they are filled and write (B * L, H * Dv) rows, and SwiGLU a whole gate|up product, so the
-// fused llama layers (models/fused_layers.py) need no slices, transposes or copies around them. For
-// compiled passes (models/compiled_pass.py) each half of a llama layer is one node, its products
+// fused llama layers (fused_layers.py) need no slices, transposes or copies around them. For
+// compiled passes (compiled_pass.py) each half of a llama layer is one node, its products
 // through the process's cblas_sgemm.
 //
 // On the CPU every MLX graph node costs 1-3 us, MLX's exp runs one element at a time through libm
@@ -14,7 +14,7 @@
 // order fixed by the row's own length, so a row gets the same bits whatever rows share its pass:
 // a 1-token step and a 16-token verification pass agree exactly on each position they share.
 //
-// Built on first use by models/cpu_kernels.py (g++, against the installed MLX and nanobind).
+// Built on first use by kernels.py (g++, against the installed MLX and nanobind).
 
 #include <dlfcn.h>
 #include <nanobind/nanobind.h>
@@ -402,7 +402,7 @@ struct HeadsOut {
 
 // Splits rows (B * L, (H + 2 KV) * D) of the stacked q|k|v product into queries (B, H, L, D), keys
 // and values (B, KV, L, D) at `out`, rotating queries and keys: x * cos + partner(x) * sin, the tables'
-// rows table_first.. (D wide) laid out like x (models/cpu_rope.py), partner(d) = d ^ 1 when traditional,
+// rows table_first.. (D wide) laid out like x (rope.py), partner(d) = d ^ 1 when traditional,
 // else d +- D/2. No fused multiply-adds here, so the rotation rounds as mx.fast.rope's does.
 __attribute__((optimize("fp-contract=off"))) void split_heads_kernel(const array& qkv, const array& cos, const array& sin,
                                                                      int table_first, int length, int batch, int heads,
@@ -431,7 +431,7 @@ __attribute__((optimize("fp-contract=off"))) void split_heads_kernel(const array
     }
 }
 
-// The pass's first position, from a one-element int32 array: compiled passes (models/compiled_pass.py)
+// The pass's first position, from a one-element int32 array: compiled passes (compiled_pass.py)
 // take it as an input, so one traced graph serves every position.
 int first_position(const array& offset) { return offset.data<int32_t>()[0]; }
 
@@ -784,7 +784,7 @@ array mlp_half_op(const array& x, const array& norm_weight, float eps, const arr
 }  // namespace
 
 NB_MODULE(akunu_cpu_kernels, m) {
-  m.doc() = "akunu's fused CPU decode kernels (models/cpu_kernels.cpp)";
+  m.doc() = "akunu's fused CPU decode kernels (akunu/backends/cpu/kernels.cpp)";
   m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"), nb::arg("causal"),
         nb::arg("keys") = -1, nb::arg("rows") = false,
         "softmax(scale * q @ k^T, causal from the last query) @ v: q (B, H, L, D), k (B, KVH, S, D), v (B, KVH, S, Dv), "

@@ -1,0 +1,84 @@
+"""Where akunu's backend-specific speed code plugs in, without importing it.
+
+MLX runs mlx-lm's models as they are on every device. On MLX's CPU backend akunu adds a
+backend of its own (`akunu.backends.cpu`): an optimized BLAS loaded before MLX, decode-shaped
+matmuls, fused kernels, and a patched decode step. It is imported only where it applies (the
+CPU, with it wanted), so on Metal, or with AKUNU_CPU_BACKEND=0, the model is mlx-lm's, unpatched.
+This module must not import MLX: `import akunu` runs `preload()` before MLX is first imported.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+ENV_SWITCH = "AKUNU_CPU_BACKEND"
+_OFF = ("0", "off")
+_CPU_PACKAGE = "akunu.backends.cpu"
+
+
+def cpu_backend_wanted() -> bool:
+    """False when AKUNU_CPU_BACKEND is 0 or off."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in _OFF
+
+
+def on_cpu() -> bool:
+    """Whether MLX computes on its CPU backend (the device check every CPU-backend decision shares)."""
+    import mlx.core as mx
+
+    return mx.default_device() == mx.cpu
+
+
+def cpu_backend_applies() -> bool:
+    return cpu_backend_wanted() and on_cpu()
+
+
+def preload() -> None:
+    """Load the CPU backend's BLAS ahead of MLX on Linux; nothing to do on macOS (Accelerate) or with it off."""
+    if sys.platform == "linux" and cpu_backend_wanted():
+        from akunu.backends.cpu import blas
+
+        blas.preload()
+
+
+def apply(model: Any) -> None:
+    """What `load_model` runs on every model: the CPU backend's faster step where it applies, else nothing."""
+    if cpu_backend_applies():
+        from akunu.backends import cpu
+
+        cpu.apply(model)
+
+
+def unpatched(model: Any) -> AbstractContextManager[None]:
+    """A context running `model` as mlx-lm ships it (mlx-lm's column of a benchmark)."""
+    cpu = sys.modules.get(_CPU_PACKAGE)
+    return cpu.unpatched(model) if cpu is not None else nullcontext()
+
+
+def describe() -> dict[str, str]:
+    """For run headers: the BLAS MLX's CPU matmuls use, and the CPU backend's kernels ("" where none run)."""
+    if cpu_backend_applies():
+        from akunu.backends import cpu
+
+        return cpu.describe()
+    if sys.platform == "darwin":
+        return {"blas": "Accelerate", "cpu_kernels": ""}
+    return {"blas": "the reference BLAS bundled with mlx (akunu's CPU backend is off)", "cpu_kernels": ""}
+
+
+def revision() -> str:
+    """What a pass's cost depends on besides model and dtype, for cost-curve keys: the device, and on the
+    CPU the backend's revision."""
+    if cpu_backend_applies():
+        from akunu.backends import cpu
+
+        return f"cpu-{cpu.REVISION}"
+    return f"{'cpu' if on_cpu() else 'gpu'}-mlx"
+
+
+def optimized_blas_loaded() -> bool:
+    """Whether the CPU backend put an optimized BLAS under MLX (never without it; asking imports nothing)."""
+    blas = sys.modules.get(f"{_CPU_PACKAGE}.blas")
+    return bool(blas is not None and blas.loaded_path)

@@ -1,0 +1,58 @@
+"""akunu's CPU backend: what makes MLX's CPU decode steps fast, applied to mlx-lm's models.
+
+- `blas`: OpenBLAS loaded ahead of MLX, with akunu's decode-shaped matmuls (`_matvec.c`) in front of it;
+- `kernels` (`kernels.cpp`): fused attention, SwiGLU, RMSNorm and q|k|v split, built on first use;
+- `fast_step`: the model's attention, RoPE, RMSNorm and SwiGLU routed through them (`rope`, `elementwise`);
+- `fused_layers`: llama layers with stacked products; `compiled_pass`: whole llama passes as compiled traces.
+
+The rest of akunu sees only `apply`, `unpatched`, `describe` and `REVISION`, through `akunu.backends`.
+This module must not import MLX at the top: `blas.preload()` runs before MLX is first imported.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import AbstractContextManager
+from typing import Any
+
+# Bumped whenever the decode step changes what a pass of each width costs, so cost curves saved before
+# are measured again.
+STEP_REVISION = 8
+FAST_STEP_SWITCH = "AKUNU_FAST_STEP"  # =0: the BLAS stays, the model is left unpatched (the older switch)
+
+
+def apply(model: Any) -> None:
+    """Patch a loaded model's decode step for the CPU (mlx-lm's model is left as it is with AKUNU_FAST_STEP=0)."""
+    if os.environ.get(FAST_STEP_SWITCH, "1") == "0":
+        return
+    from akunu.backends.cpu import fast_step
+
+    fast_step.enable(model)
+
+
+def unpatched(model: Any) -> AbstractContextManager[None]:
+    """A context running `model` as mlx-lm ships it."""
+    from akunu.backends.cpu import fast_step
+
+    return fast_step.unpatched(model)
+
+
+def describe() -> dict[str, str]:
+    """For run headers: the BLAS MLX's matmuls use, and whether the fused kernels run (if not, why)."""
+    from akunu.backends.cpu import blas, kernels
+
+    return {"blas": blas.describe(), "cpu_kernels": kernels.describe()}
+
+
+def _revision() -> str:
+    """e.g. "openblas-matvec4-kernels-step8": the BLAS, matmul routing, kernels and decode step passes run on."""
+    from akunu.backends.cpu import blas, kernels
+
+    routing = f"-matvec{blas.MATVEC_REVISION}" if blas.matvec_path else ""
+    return f"{blas.describe().split()[0].lower()}{routing}{'-kernels' if kernels.load() else ''}-step{STEP_REVISION}"
+
+
+def __getattr__(name: str) -> str:
+    if name == "REVISION":  # worked out on first use: it needs MLX and the kernels, which must wait for the BLAS
+        return _revision()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
