@@ -5,13 +5,14 @@ Weight policy (the README quotes this):
 * Files holding only F32, F16, Q4_0, Q4_1 and Q8_0 tensors are read by `mx.load`, which maps
   each quantized block exactly onto an MLX affine-quantized triple (weight, scales, biases;
   group size 32, 4 or 8 bits read from the packed shapes).
-* Other files are read tensor by tensor. Q8_0, Q5_0, Q5_1, Q4_0, Q4_1 and Q4_K blocks are
-  re-expressed exactly as MLX affine triples (`ggml_blocks`: 8-bit for Q8_0 and Q5_*,
-  4-bit for Q4_*; group size 32). Types without an exact MLX form (Q6_K, Q5_K, Q3_K, Q2_K)
-  are dequantized to float32 with the `gguf` package and, in "quantized" mode,
+* Other files are read tensor by tensor. Every quantized type with 32-weight groups (Q4_0,
+  Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, MXFP4, Q8_0, IQ4_NL, IQ4_XS) is re-expressed exactly as an
+  MLX affine triple (`ggml_blocks`: 4, 5 or 8 bits, group size 32, float32 scales), equal to
+  llama.cpp's dequantisation value for value. Types with 16-weight groups (Q2_K, Q3_K, Q6_K)
+  have no MLX form: they are dequantized exactly to float32 and, in "quantized" mode,
   re-quantized to MLX affine with group size 32: 4-bit for types of at most 5 bits per
-  weight (Q2_K, Q3_K), 8-bit for richer ones (Q5_K, Q6_K), so precision never drops
-  below the source's. Other types (IQ*, TQ*, ...) are refused with one line.
+  weight (Q2_K, Q3_K), 8-bit for Q6_K, so precision never drops below the source's.
+  Other types (IQ1-IQ3, TQ*, ...) are refused with one line.
 * A quantized tensor that is not a matrix (a relabelled norm, say) is dequantized, never
   handed to MLX as a triple; a dequantized weight that is NaN or infinite means a corrupt file.
 * "quantized" mode keeps those triples, with float32 scales and biases (float32 activations).
@@ -28,7 +29,7 @@ from gguf.quants import dequantize
 
 from akunu.errors import ModelError
 from akunu.models.fetch import Progress
-from akunu.models.ggml_blocks import exact_triple
+from akunu.models.ggml_blocks import LAYOUTS, dequantize_exact, exact_triple
 from akunu.models.gguf_file import GGUFFile, TensorInfo
 
 GROUP_SIZE = 32
@@ -44,11 +45,9 @@ def requantize_bits(ggml_type: GGMLQuantizationType) -> int:
     return 4 if type_size * 8 / block_size <= 5.0 else 8
 
 
-# The types akunu decodes and tests; others (IQ*, TQ*, MXFP4) are refused rather than trusted untested.
-SUPPORTED_TYPES = FLOAT_TYPES | {
-    getattr(GGMLQuantizationType, name)
-    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-}
+# The types akunu decodes and tests; others (IQ1-IQ3, TQ*) are refused rather than trusted untested.
+SUPPORTED_TYPES = FLOAT_TYPES | set(LAYOUTS)
+SUPPORTED_NAMES = "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS, MXFP4"
 
 
 def check_supported_types(gguf_file: GGUFFile) -> None:
@@ -57,7 +56,7 @@ def check_supported_types(gguf_file: GGUFFile) -> None:
         if ggml_type not in SUPPORTED_TYPES:
             raise ModelError(
                 f"{gguf_file.path.name} uses quantization type {ggml_type.name}, which akunu does not support "
-                "(supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K)"
+                f"(supported: {SUPPORTED_NAMES})"
             )
 
 
@@ -120,7 +119,10 @@ def _to_float32(raw: np.ndarray, info: TensorInfo) -> np.ndarray:
         return raw.view(np.float16).reshape(info.shape).astype(np.float32)
     rows = int(np.prod(info.shape[:-1], dtype=np.int64)) if len(info.shape) > 1 else 1
     with np.errstate(all="ignore"):  # garbage blocks overflow; the check below names the tensor instead
-        values = dequantize(raw.reshape(rows, -1), info.ggml_type).reshape(info.shape)
+        if info.ggml_type in LAYOUTS:
+            values = dequantize_exact(raw, info.ggml_type, info.shape)
+        else:
+            values = dequantize(raw.reshape(rows, -1), info.ggml_type).reshape(info.shape)
     _check_finite(info, values)
     return values
 
@@ -147,7 +149,7 @@ def to_float32(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     out = {}
     for name, array in weights.items():
         stem, _, suffix = name.rpartition(".")
-        if stem not in stems:
+        if stem not in stems or suffix not in ("weight", "scales", "biases"):  # a layer's own .bias stays
             out[name] = array.astype(mx.float32)
         elif suffix == "weight":
             # float32 scales make the result float32 directly (twice as fast as via float16 on CPU).
