@@ -62,15 +62,22 @@ def load(model: str | None, dtype) -> object:
         return load_model(model or catalogue.DEFAULT_MODEL, dtype=getattr(dtype, "value", dtype), progress=progress)
 
 
-def encode_prompt(tokenizer, text: str, *, system: str | None = None, raw: bool = False) -> list[int]:
-    """Prompt ids: the chat template around `text`, or `text` verbatim (special tokens included)."""
+def encode_prompt(
+    tokenizer, text: str, *, system: str | None = None, raw: bool = False, parse_special: bool | None = None
+) -> list[int]:
+    """Prompt ids: the chat template around `text`, or `text` verbatim.
+
+    Special-token text in the user's words is read as control tokens only when `parse_special` says so;
+    by default only with `raw`, where the user writes the template's markup themselves.
+    """
+    special = raw if parse_special is None else parse_special
     if raw:
-        return tokenizer.encode(text)
+        return tokenizer.encode(text, parse_special=special)
     if not tokenizer.has_chat_template:
         print_note("this model has no chat template; the prompt is sent as raw text")
-        return tokenizer.encode(f"{system}\n\n{text}" if system else text)
+        return tokenizer.encode(f"{system}\n\n{text}" if system else text, parse_special=special)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    return tokenizer.encode_chat(messages)
+    return tokenizer.encode_chat(messages, parse_special=special)
 
 
 def cost_curve(loaded, max_draft: int):

@@ -19,6 +19,7 @@ import functools
 import json
 import logging
 import re
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from enum import IntEnum
 from pathlib import Path
@@ -113,6 +114,7 @@ class Tokenizer:
         self,
         *,
         encode_plain: Callable[[str], list[int]],
+        encode_text: Callable[[str], list[int]],
         pieces: Sequence[str],
         token_bytes: Sequence[bytes],
         special_ids: frozenset[int],
@@ -126,6 +128,7 @@ class Tokenizer:
         hf_tokenizer: Callable[[], tokenizers.Tokenizer] | None = None,
     ):
         self._encode_plain = encode_plain  # text (special-token strings included) -> ids, no BOS
+        self._encode_text = encode_text  # the same, special-token strings read as plain text
         self._pieces = pieces
         self._token_bytes = token_bytes
         self.special_ids = special_ids
@@ -170,13 +173,14 @@ class Tokenizer:
 
     # Text <-> ids -----------------------------------------------------------------------
 
-    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-        """Token ids for `text`; special-token strings in it (e.g. "<|im_start|>") become their ids.
+    def encode(self, text: str, *, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+        """Token ids for `text`; special-token strings in it (e.g. "<|im_start|>") become their ids
+        when `parse_special`, and are read as plain text otherwise (llama.cpp's parse_special).
 
         BOS is prepended when `add_bos` (default: the model's flag) is set, unless the text
         already starts with it, as a chat template that writes `{{ bos_token }}` does.
         """
-        ids = self._encode_plain(text)
+        ids = self._encode_plain(text) if parse_special else self._encode_text(text)
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             if not ids or ids[0] != self.bos_id:
                 ids.insert(0, self.bos_id)
@@ -194,6 +198,11 @@ class Tokenizer:
     def detokenizer(self) -> StreamingDetokenizer:
         """A fresh streaming decoder whose output concatenates to `decode(ids)`."""
         return StreamingDetokenizer(self._token_bytes, self.special_ids, self._strip_leading_space)
+
+    @property
+    def token_bytes(self) -> Sequence[bytes]:
+        """The bytes each token id stands for (special tokens: their text), as a grammar matcher needs them."""
+        return self._token_bytes
 
     def token_text(self, token_id: int) -> str:
         """A readable form of one token for --verbose displays: its text, or <0xNN> for bytes of a split character."""
@@ -220,9 +229,18 @@ class Tokenizer:
             eos_token=self._special_text(self.eos_id),
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
-        """The prompt ids of a conversation inside the chat template (check `has_chat_template` first)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+    def encode_chat(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, parse_special: bool = False
+    ) -> list[int]:
+        """The prompt ids of a conversation inside the chat template (check `has_chat_template` first).
+
+        Control tokens come from the template's markup only, unless `parse_special` reads them in messages too.
+        """
+        if parse_special:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+        from akunu.models.chat_encoding import encode_conversation
+
+        return encode_conversation(self, messages, add_generation_prompt=add_generation_prompt)
 
     def _special_text(self, token_id: int | None) -> str:
         return self._pieces[token_id] if token_id is not None and 0 <= token_id < self.vocab_size else ""
@@ -301,8 +319,10 @@ def _byte_level_bpe_from_gguf(metadata: Mapping[str, Any], source: str) -> Token
         for i, token in enumerate(tokens)
     ]
     special_ids = frozenset(i for i in added if types[i] == TokenType.CONTROL)
+    encode_plain, encode_text = _hf_encoders(hf_tokenizer)
     return Tokenizer(
-        encode_plain=lambda text: hf_tokenizer.encode(text, add_special_tokens=False).ids,
+        encode_plain=encode_plain,
+        encode_text=encode_text,
         pieces=tokens,
         token_bytes=token_bytes,
         special_ids=special_ids,
@@ -375,6 +395,7 @@ def _sentencepiece_from_gguf(metadata: Mapping[str, Any], source: str) -> Tokeni
     special_ids = frozenset(i for i, kind in enumerate(types) if kind == TokenType.CONTROL)
     return Tokenizer(
         encode_plain=encode_plain,
+        encode_text=lambda text: processor.encode(text),
         pieces=tokens,
         token_bytes=token_bytes,
         special_ids=special_ids,
@@ -575,8 +596,10 @@ def _from_hf_dir(path: Path) -> Tokenizer:
     if add_bos is None:  # decided by the post-processor: does it put BOS in front?
         add_bos = bos_id is not None and hf.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
 
+    encode_plain, encode_text = _hf_encoders(hf)
     return Tokenizer(
-        encode_plain=lambda text: hf.encode(text, add_special_tokens=False).ids,
+        encode_plain=encode_plain,
+        encode_text=encode_text,
         pieces=pieces,
         token_bytes=token_bytes,
         special_ids=special_ids,
@@ -589,6 +612,22 @@ def _from_hf_dir(path: Path) -> Tokenizer:
         decoding=decoding,
         hf_tokenizer=lambda: tokenizers.Tokenizer.from_file(str(tokenizer_file)),
     )
+
+
+def _hf_encoders(hf: tokenizers.Tokenizer) -> tuple[Callable[[str], list[int]], Callable[[str], list[int]]]:
+    """`hf`'s encoding with special-token strings parsed, and read as text (its `encode_special_tokens`
+    switch, shared by both, hence the lock)."""
+    lock = threading.Lock()
+
+    def encode(text: str, as_text: bool) -> list[int]:
+        with lock:
+            hf.encode_special_tokens = as_text
+            try:
+                return hf.encode(text, add_special_tokens=False).ids
+            finally:
+                hf.encode_special_tokens = False
+
+    return functools.partial(encode, as_text=False), functools.partial(encode, as_text=True)
 
 
 def _hf_token_bytes(

@@ -50,7 +50,7 @@ class FakeTokenizer:
         self.chat_template = "fake" if template else None
         self.eos_ids = eos_ids
 
-    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+    def encode(self, text: str, *, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
         return [ALPHABET.index(c) if c in ALPHABET else ALPHABET.index(" ") for c in text]
 
     def decode(self, ids) -> str:
@@ -66,7 +66,7 @@ class FakeTokenizer:
         text = "".join(f"Q{m['role']}Q{m['content']}\n" for m in messages)
         return text + ("QassistantQ" if add_generation_prompt else "")
 
-    def encode_chat(self, messages, *, add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages, *, add_generation_prompt: bool = True, parse_special: bool = False) -> list[int]:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
 
 

@@ -1,0 +1,131 @@
+"""A conversation's prompt ids, with control tokens only where the chat template writes them.
+
+The template renders messages into text, and that text is tokenized. If the special-token strings in it were
+all read as control tokens, a user could write `<|im_end|><|im_start|>system ...` into a message and pose as
+the system. So the rendered text is cut where the messages' own text lies, and those parts are tokenized with
+special-token parsing off, as llama.cpp's server does for user content. A conversation whose text holds no
+special-token string is tokenized exactly as before, in one piece.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+# Private-use characters that mark where a message's text begins and ends while the template renders.
+_MARKS = [(chr(0xF0000 + 2 * i), chr(0xF0001 + 2 * i)) for i in range(16)]
+
+
+def encode_conversation(tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    specials = special_texts(tokenizer)
+    texts = list(message_texts(messages))
+    if not any(special in text for text in texts for special in specials):
+        return tokenizer.encode(rendered)
+    spans = _marked_spans(tokenizer, messages, rendered, texts, add_generation_prompt)
+    if spans is None:
+        spans = _found_spans(rendered, texts)
+    spans = [(start, end) for start, end in spans if any(s in rendered[start:end] for s in specials)]
+    return _encode_pieces(tokenizer, rendered, spans)
+
+
+def special_texts(tokenizer) -> list[str]:
+    return [text for text in (tokenizer.token_text(i) for i in tokenizer.special_ids) if text]
+
+
+def message_texts(messages: list[dict[str, Any]]) -> Iterator[str]:
+    """Every piece of text a caller wrote in the messages (content, content parts, tool-call arguments)."""
+    for message in messages:
+        yield from _texts_of(message.get("content"))
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict):
+                yield from _texts_of(function.get("arguments"))
+
+
+def _texts_of(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, list):
+        for part in value:
+            yield from _texts_of(part.get("text") if isinstance(part, dict) else part)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _texts_of(item)
+
+
+def _marked_spans(tokenizer, messages, rendered: str, texts: list[str], add_generation_prompt: bool):
+    """Where the messages' text lies in `rendered`, found by rendering it between marks; None if the
+    template changed the text (trimmed or cut it) so that the marks no longer tell."""
+    everything = rendered + "".join(texts)
+    marks = next(((o, c) for o, c in _MARKS if o not in everything and c not in everything), None)
+    if marks is None:
+        return None
+    opening, closing = marks
+    marked_messages = [_marked(message, opening, closing) for message in messages]
+    try:
+        marked = tokenizer.apply_chat_template(marked_messages, add_generation_prompt=add_generation_prompt)
+    except Exception:  # noqa: BLE001 - a template that inspects the text may refuse the marks; search instead
+        return None
+    spans, plain, start = [], [], None
+    for char in marked:
+        if char == opening and start is None:
+            start = len(plain)
+        elif char == closing and start is not None:
+            spans.append((start, len(plain)))
+            start = None
+        elif char in (opening, closing):  # unbalanced: the template cut a message
+            return None
+        else:
+            plain.append(char)
+    return spans if start is None and "".join(plain) == rendered else None
+
+
+def _marked(message: dict[str, Any], opening: str, closing: str) -> dict[str, Any]:
+    def mark(value: Any) -> Any:
+        if isinstance(value, str):
+            return f"{opening}{value}{closing}"
+        if isinstance(value, list):
+            return [{**part, "text": mark(part["text"])} if isinstance(part, dict) and "text" in part else mark(part) for part in value]
+        return value
+
+    marked = {**message, "content": mark(message.get("content"))}
+    if message.get("tool_calls"):
+        marked["tool_calls"] = [_marked_call(call, mark) for call in message["tool_calls"]]
+    return marked
+
+
+def _marked_call(call: Any, mark) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    return {**call, "function": {**function, "arguments": mark(function["arguments"])}}
+
+
+def _found_spans(rendered: str, texts: list[str]) -> list[tuple[int, int]]:
+    """The messages' text found in order in `rendered` (as is, or trimmed as templates often do)."""
+    spans, cursor = [], 0
+    for text in texts:
+        for candidate in (text, text.strip()):
+            at = rendered.find(candidate, cursor) if candidate else -1
+            if at >= 0:
+                spans.append((at, at + len(candidate)))
+                cursor = at + len(candidate)
+                break
+    return spans
+
+
+def _encode_pieces(tokenizer, rendered: str, plain_spans: list[tuple[int, int]]) -> list[int]:
+    """Markup with special-token parsing on, the spans of message text with it off; BOS as `encode` adds it."""
+    ids: list[int] = []
+    cursor = 0
+    for start, end in sorted(plain_spans):
+        if start < cursor:
+            continue
+        ids += tokenizer.encode(rendered[cursor:start], add_bos=False) if start > cursor else []
+        ids += tokenizer.encode(rendered[start:end], add_bos=False, parse_special=False)
+        cursor = end
+    ids += tokenizer.encode(rendered[cursor:], add_bos=False) if cursor < len(rendered) else []
+    if tokenizer.add_bos and tokenizer.bos_id is not None and (not ids or ids[0] != tokenizer.bos_id):
+        ids.insert(0, tokenizer.bos_id)
+    return ids
