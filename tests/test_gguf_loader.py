@@ -81,7 +81,7 @@ def test_mixed_k_quant_file_follows_the_policy(tmp_path):
     model, _ = load_gguf_model(read_gguf(path), quantized=True)
     layers = model.model.layers
     bits = (layers[0].mlp.down_proj.bits, layers[1].mlp.down_proj.bits, layers[0].mlp.gate_proj.bits)
-    assert bits + (model.model.embed_tokens.bits,) == (8, 4, 8, 8)
+    assert bits + (model.model.embed_tokens.bits,) == (8, 4, 5, 8)
     # Q4_K, Q5_0 and Q8_0 have exact MLX forms; Q6_K is re-quantized to within one 8-bit step.
     for module, name in [(layers[1].mlp.down_proj, "blk.1.ffn_down.weight"),
                          (layers[0].mlp.gate_proj, "blk.0.ffn_gate.weight"),
@@ -98,16 +98,21 @@ def test_mixed_k_quant_file_follows_the_policy(tmp_path):
         np.testing.assert_allclose(_dense_weight(module), expected[name], atol=1e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("ggml_type", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K])
-def test_exact_triples_match_gguf_dequantize(ggml_type):
-    rng = np.random.default_rng(3)
-    shape = (8, 512)
-    raw, reference = encode_values((rng.standard_normal(shape) * 0.3).astype(np.float32), ggml_type, rng)
-    triple = exact_triple(raw, ggml_type, shape)
-    assert triple.bits == (8 if ggml_type in (Q.Q8_0, Q.Q5_0, Q.Q5_1) else 4)
-    values = mx.dequantize(mx.array(triple.packed), mx.array(triple.scales), mx.array(triple.biases), group_size=32, bits=triple.bits)
-    np.testing.assert_array_equal(np.asarray(values), reference)
-    assert exact_triple(raw, Q.Q6_K, shape) is None
+EXACT_IN_BOTH_MODES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4]
+
+
+@pytest.mark.parametrize("ggml_type", EXACT_IN_BOTH_MODES + [Q.Q2_K, Q.Q3_K, Q.Q6_K], ids=lambda t: t.name)
+def test_each_quantization_type_loads(tmp_path, ggml_type):
+    """ffn_down is the one matrix whose rows (FFN wide) fit a 256-weight K-quant block."""
+    path = tmp_path / "tiny.gguf"
+    expected = write_tiny_gguf(path, matrix_type=Q.Q8_0, types_by_name={"blk.1.ffn_down.weight": ggml_type})
+    for quantized in (False, True):
+        model, _ = load_gguf_model(read_gguf(path), quantized=quantized)
+        down = model.model.layers[1].mlp.down_proj
+        exact = not quantized or ggml_type in EXACT_IN_BOTH_MODES
+        assert isinstance(down, nn.QuantizedLinear) == quantized
+        if exact:
+            np.testing.assert_array_equal(_dense_weight(down), expected["blk.1.ffn_down.weight"])
 
 
 def test_gemma3_config_and_norm_offset(tmp_path):

@@ -32,24 +32,26 @@ def encode_values(values: np.ndarray, ggml_type: Q, rng: np.random.Generator) ->
         return values, values
     if ggml_type == Q.F16:
         return values.astype(np.float16), values.astype(np.float16).astype(np.float32)
-    if ggml_type in (Q.Q4_K, Q.Q6_K):  # gguf cannot quantize K-quants: random blocks with sane scales
+    if ggml_type in HALF_SCALE_OFFSETS:  # gguf cannot quantize these: random blocks with sane scales
         raw = _random_k_blocks(values.shape, ggml_type, rng)
         return raw, dequantize(raw, ggml_type)
     packed = quantize(values, ggml_type)
     return packed, dequantize(packed, ggml_type)
 
 
-def _random_k_blocks(shape: tuple[int, int], ggml_type: Q, rng: np.random.Generator) -> np.ndarray:
+# Byte offsets of the float16 scales (d, dmin) in a block, for types gguf-py cannot quantize.
+HALF_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+                      Q.IQ4_NL: (0,), Q.IQ4_XS: (0,)}
+
+
+def _random_k_blocks(shape: tuple[int, ...], ggml_type: Q, rng: np.random.Generator) -> np.ndarray:
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-    rows, blocks = shape[0], shape[1] // block_size
+    rows, blocks = int(np.prod(shape[:-1])), shape[-1] // block_size
     raw = rng.integers(0, 256, size=(rows, blocks, type_size), dtype=np.uint8)
     scale = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
-    if ggml_type == Q.Q4_K:  # d, dmin lead the block
-        raw[..., 0:2] = scale
-        raw[..., 2:4] = scale
-    else:  # Q6_K: d trails the block
-        raw[..., -2:] = scale
-    return raw.reshape(rows, blocks * type_size)
+    for offset in HALF_SCALE_OFFSETS[ggml_type]:
+        raw[..., offset : offset + 2] = scale
+    return raw.reshape(*shape[:-1], blocks * type_size)
 
 
 def write_tiny_gguf(
