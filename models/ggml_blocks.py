@@ -79,8 +79,10 @@ def _pack(values: np.ndarray, bits: int) -> np.ndarray:
     """Rows of small unsigned ints -> MLX's packing: one little-endian bit stream, bits per value."""
     if bits == 8:
         return np.ascontiguousarray(values, dtype=np.uint8).reshape(-1).view(np.uint32)
-    eights = values.reshape(-1, 8).astype(np.uint64) << (np.arange(8, dtype=np.uint64) * np.uint64(bits))
-    words = np.bitwise_or.reduce(eights, axis=1)  # 8 values fill `bits` bytes exactly
+    eights = values.reshape(-1, 8)
+    words = np.zeros(len(eights), dtype=np.uint64)
+    for j in range(8):  # 8 values fill `bits` bytes exactly
+        words |= eights[:, j].astype(np.uint64) << np.uint64(j * bits)
     return np.ascontiguousarray(words.view(np.uint8).reshape(-1, 8)[:, :bits]).reshape(-1).view(np.uint32)
 
 
@@ -95,8 +97,7 @@ def _split_nibbles(qs: np.ndarray) -> np.ndarray:
 
 def _high_bits(blocks: np.ndarray, start: int) -> np.ndarray:
     """Q5's 32 fifth bits, stored as one little-endian uint32 per block."""
-    qh = np.ascontiguousarray(blocks[:, start : start + 4]).view("<u4")
-    return ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+    return np.unpackbits(blocks[:, start : start + 4], axis=1, bitorder="little") << 4
 
 
 def _lookup(table: tuple[int, ...], offset: int, nibbles: np.ndarray) -> np.ndarray:
