@@ -12,6 +12,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+# Sampling stays finite at every accepted value: below MIN_TEMP, 1/temp would overflow float32, and the
+# likeliest token is all but certain anyway, so it is greedy; a top-p below MIN_TOP_P (under float32's
+# reach) keeps the likeliest token alone, as any top-p under its probability does; above MAX_TEMP every
+# kept token is equally likely, and the scale stays above zero so that dropped tokens stay at -inf.
+MIN_TEMP = 1e-5
+MAX_TEMP = 1e30
+MIN_TOP_P = 1e-9
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -23,7 +31,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temp == 0
+        return self.temp < MIN_TEMP or self.top_p <= 0  # a top-p of 0 keeps the likeliest token alone
 
     def validate(self, vocab_size: int) -> None:
         from akunu.errors import OptionsError
@@ -32,8 +40,8 @@ class SamplingParams:
             raise OptionsError(f"--temp must be >= 0 (got {self.temp})")
         if not 0 <= self.top_k < vocab_size:
             raise OptionsError(f"--top-k must be in [0, {vocab_size}) (got {self.top_k})")
-        if not 0 < self.top_p <= 1:
-            raise OptionsError(f"--top-p must be in (0, 1] (got {self.top_p})")
+        if not 0 <= self.top_p <= 1:
+            raise OptionsError(f"--top-p must be in [0, 1] (got {self.top_p})")
         if not 0 <= self.min_p <= 1:
             raise OptionsError(f"--min-p must be in [0, 1] (got {self.min_p})")
 
@@ -45,10 +53,10 @@ def target_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
     if params.greedy:
         return logprobs
     if 0 < params.top_p < 1:
-        logprobs = apply_top_p(logprobs, params.top_p)
+        logprobs = apply_top_p(logprobs, max(params.top_p, MIN_TOP_P))
     if params.min_p > 0:
         logprobs = apply_min_p(logprobs, params.min_p)
     if params.top_k > 0:
         logprobs = apply_top_k(logprobs, params.top_k)
-    scaled = logprobs * (1.0 / params.temp)
+    scaled = logprobs * (1.0 / min(params.temp, MAX_TEMP))
     return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)

@@ -12,12 +12,20 @@ import typer
 
 MODEL_PANEL, SAMPLING_PANEL, SPEC_PANEL = "Model", "Sampling", "Speculative decoding"
 
+
+def _model_name(value: str | None) -> str | None:
+    if value is not None and not value.strip():
+        raise typer.BadParameter("is empty: give a catalogue name, a .gguf file, an MLX folder or a repo id")
+    return value
+
+
 Model = Annotated[
     Optional[str],
     typer.Option(
         "--model",
         "-m",
         envvar="AKUNU_MODEL",
+        callback=_model_name,
         show_default=False,
         rich_help_panel=MODEL_PANEL,
         help="Catalogue name (see 'akunu models'), a .gguf file, an MLX model folder or a Hugging Face repo id."
@@ -61,7 +69,7 @@ TopP = Annotated[
         min=0.0,
         max=1.0,
         rich_help_panel=SAMPLING_PANEL,
-        help="Nucleus sampling: keep the likeliest tokens up to this probability mass; 1 keeps all.",
+        help="Nucleus sampling: keep the likeliest tokens up to this probability mass; 1 keeps all, 0 the likeliest alone.",
     ),
 ]
 MinP = Annotated[
