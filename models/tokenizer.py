@@ -3,11 +3,12 @@
 GGUF stores no tokenizer program, only its data, under llama.cpp's key names. We rebuild
 the original tokenizer from that data:
 
-* `tokenizer.ggml.model == "gpt2"`: byte-level BPE as a `tokenizers.Tokenizer`, with the
-  pre-tokenizer regex of the original HF tokenizer for the file's `tokenizer.ggml.pre`
-  (the same table llama.cpp keeps in llama-vocab.cpp).
+* `tokenizer.ggml.model == "gpt2"` or `"gemma4"`: BPE, encoding as llama.cpp does (gguf_bpe.py, with
+  the pre-tokenizer table of llama.cpp's llama-vocab.cpp in pretokenizers.py).
 * `tokenizer.ggml.model == "llama"`: a real sentencepiece BPE model assembled in memory
   from pieces, scores and token types, run by the sentencepiece library itself.
+
+Which tokens end generation is llama.cpp's rule too (stop_tokens.py).
 
 Decoding is ours for every kind: each token maps to the exact bytes it stands for, so
 decoding and streaming are the same incremental UTF-8 decode (see detokenizer.py).
@@ -30,6 +31,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 
 from akunu.errors import ModelError
 from akunu.models.chat_template import ChatTemplate
+from akunu.models.stop_tokens import end_of_generation_ids, gguf_end_of_generation_ids
 from akunu.models.detokenizer import (
     StreamingDetokenizer,
     byte_level_alphabet,
@@ -54,57 +56,6 @@ class TokenType(IntEnum):
     USER_DEFINED = 4
     UNUSED = 5
     BYTE = 6
-
-
-# Texts of tokens that end a turn in common chat formats (llama.cpp's end-of-generation list).
-END_OF_TURN_TEXTS = frozenset(
-    {
-        "<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>",
-        "<|end_of_text|>", "<EOT>", "_<EOT>", "<end_of_utterance>", "<|return|>", "<|call|>",
-    }
-)  # fmt: skip
-
-_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN_REGEX = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT4O_REGEX = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT2_PRE = ("gpt2", "default", "mpt", "olmo", "jais", "trillion", "granite-docling")
-_DIGITS_THEN_GPT2_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")
-_LLAMA3_PRE = (
-    "llama3",
-    "llama-v3",
-    "llama-bpe",
-    "falcon3",
-    "falcon-h1",
-    "pixtral",
-    "midm-2.0",
-    "lfm2",
-    "dbrx",
-    "smaug-bpe",
-)
-# Qwen's tokenizer.json composes text to NFC before splitting it.
-_NFC_PRE = ("qwen2", "deepseek-r1-qwen")
-_SPLIT_REGEX_BY_PRE = {
-    **{pre: _LLAMA3_REGEX for pre in _LLAMA3_PRE},
-    **{pre: _QWEN2_REGEX for pre in ("qwen2", "stablelm2", "deepseek-r1-qwen", "megrez", "hunyuan")},
-    "tekken": _TEKKEN_REGEX,
-    **{pre: _GPT4O_REGEX for pre in ("gpt-4o", "llama4", "minimax-m2")},
-}
 
 
 class Tokenizer:
@@ -159,11 +110,18 @@ class Tokenizer:
         if "tokenizer.ggml.tokens" not in metadata:
             raise ModelError(f"{source} has no tokenizer vocabulary (tokenizer.ggml.tokens)")
         if kind == "gpt2":
-            return _byte_level_bpe_from_gguf(metadata, source)
+            from akunu.models.gguf_bpe import byte_level_bpe_from_gguf
+
+            return byte_level_bpe_from_gguf(metadata, source)
+        if kind == "gemma4":
+            from akunu.models.gguf_bpe import raw_bpe_from_gguf
+
+            return raw_bpe_from_gguf(metadata, source)
         if kind == "llama":
             return _sentencepiece_from_gguf(metadata, source)
         raise ModelError(
-            f"{source} uses tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE), 'llama' (sentencepiece)"
+            f"{source} uses tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE), 'gemma4' (BPE),"
+            " 'llama' (sentencepiece)"
         )
 
     @classmethod
@@ -276,85 +234,6 @@ class Tokenizer:
         return f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={eos}, add_bos={self.add_bos})"
 
 
-# GGUF: byte-level BPE ---------------------------------------------------------------------
-
-
-def _byte_level_bpe_from_gguf(metadata: Mapping[str, Any], source: str) -> Tokenizer:
-    tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
-    types = _token_types(metadata, len(tokens))
-    merges = [tuple(merge.split(" ", 1)) for merge in metadata.get("tokenizer.ggml.merges", [])]
-    pre = str(metadata.get("tokenizer.ggml.pre", "default"))
-    added = [i for i, kind in enumerate(types) if kind in (TokenType.CONTROL, TokenType.USER_DEFINED)]
-
-    def build() -> tokenizers.Tokenizer:
-        vocab: dict[str, int] = {}
-        for i, token in enumerate(tokens):
-            vocab.setdefault(token, i)
-        try:
-            model = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _LLAMA3_PRE)
-        except Exception as error:  # noqa: BLE001 - a malformed vocabulary is the file's fault
-            raise ModelError(f"{source} has an inconsistent BPE vocabulary: {error}") from None
-        hf = tokenizers.Tokenizer(model)
-        hf.pre_tokenizer = _byte_level_pre_tokenizer(pre)
-        if pre in _NFC_PRE:
-            hf.normalizer = normalizers.NFC()
-        hf.decoder = decoders.ByteLevel()
-        hf.add_special_tokens(
-            [AddedToken(tokens[i], special=True, normalized=False) for i in added if types[i] == TokenType.CONTROL]
-        )
-        hf.add_tokens(
-            [
-                AddedToken(tokens[i], special=False, normalized=False)
-                for i in added
-                if types[i] == TokenType.USER_DEFINED
-            ]
-        )
-        return hf
-
-    hf_tokenizer = build()
-    alphabet = byte_level_alphabet()
-    added_set = set(added)
-    token_bytes = [
-        token.encode("utf-8") if i in added_set else byte_level_token_bytes(token, alphabet)
-        for i, token in enumerate(tokens)
-    ]
-    special_ids = frozenset(i for i in added if types[i] == TokenType.CONTROL)
-    encode_plain, encode_text = _hf_encoders(hf_tokenizer)
-    return Tokenizer(
-        encode_plain=encode_plain,
-        encode_text=encode_text,
-        pieces=tokens,
-        token_bytes=token_bytes,
-        special_ids=special_ids,
-        bos_id=_optional_id(metadata, "tokenizer.ggml.bos_token_id", len(tokens)),
-        eos_id=_optional_id(metadata, "tokenizer.ggml.eos_token_id", len(tokens)),
-        eos_ids=_gguf_eos_ids(metadata, tokens, special_ids | set(added)),
-        add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", pre in _LLAMA3_PRE)),
-        chat_template=metadata.get("tokenizer.chat_template"),
-        decoding="byte_level",
-        hf_tokenizer=build,
-    )
-
-
-def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    byte_level_with_gpt2_regex = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _GPT2_PRE:
-        return byte_level_with_gpt2_regex
-    if pre in _DIGITS_THEN_GPT2_PRE:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level_with_gpt2_regex])
-    if pre in _SPLIT_REGEX_BY_PRE:
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_SPLIT_REGEX_BY_PRE[pre]), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    log.warning(
-        "unknown pre-tokenizer %r: splitting text with GPT-2's regex, so token ids may differ from the original", pre
-    )
-    return byte_level_with_gpt2_regex
-
-
 # GGUF: sentencepiece ----------------------------------------------------------------------
 
 
@@ -401,9 +280,7 @@ def _sentencepiece_from_gguf(metadata: Mapping[str, Any], source: str) -> Tokeni
         special_ids=special_ids,
         bos_id=_optional_id(metadata, "tokenizer.ggml.bos_token_id", len(tokens)),
         eos_id=_optional_id(metadata, "tokenizer.ggml.eos_token_id", len(tokens)),
-        eos_ids=_gguf_eos_ids(
-            metadata, tokens, special_ids | {i for i, k in enumerate(types) if k == TokenType.USER_DEFINED}
-        ),
+        eos_ids=gguf_end_of_generation_ids(metadata, tokens),
         add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", True)),
         chat_template=metadata.get("tokenizer.chat_template"),
         strip_leading_space=add_dummy_prefix,
@@ -557,15 +434,6 @@ def _optional_id(metadata: Mapping[str, Any], key: str, vocab_size: int) -> int 
     return int(value)
 
 
-def _gguf_eos_ids(
-    metadata: Mapping[str, Any], tokens: Sequence[str], special_ids: set[int] | frozenset[int]
-) -> frozenset[int]:
-    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-    ids = {token_id for key in keys if (token_id := _optional_id(metadata, key, len(tokens))) is not None}
-    ids |= {i for i in special_ids if tokens[i] in END_OF_TURN_TEXTS}
-    return frozenset(ids)
-
-
 # Hugging Face directories -----------------------------------------------------------------
 
 
@@ -591,7 +459,7 @@ def _from_hf_dir(path: Path) -> Tokenizer:
     for extra in ("generation_config.json", "config.json"):
         configured = _read_json(path / extra).get("eos_token_id")
         eos_ids |= set(configured if isinstance(configured, list) else [configured])
-    eos_ids |= {i for i in added if pieces[i] in END_OF_TURN_TEXTS}
+    eos_ids = end_of_generation_ids(pieces, {i for i in eos_ids if isinstance(i, int)}, among=added)
     add_bos = config.get("add_bos_token")
     if add_bos is None:  # decided by the post-processor: does it put BOS in front?
         add_bos = bos_id is not None and hf.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
@@ -605,7 +473,7 @@ def _from_hf_dir(path: Path) -> Tokenizer:
         special_ids=special_ids,
         bos_id=bos_id,
         eos_id=eos_id,
-        eos_ids=frozenset(i for i in eos_ids if isinstance(i, int) and 0 <= i < vocab_size),
+        eos_ids=eos_ids,
         add_bos=bool(add_bos),
         chat_template=_hf_chat_template(path, config),
         strip_leading_space=strip_leading_space,

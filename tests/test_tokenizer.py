@@ -232,7 +232,8 @@ def smollm2_vocab(smollm2_path) -> list[str]:
 def test_smollm2_metadata(smollm2, smollm2_vocab):
     assert smollm2.vocab_size == 49152 and smollm2.bos_id == 1 and smollm2.eos_id == 2 and not smollm2.add_bos
     assert smollm2_vocab[:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    assert smollm2.eos_ids == frozenset({0, 2})  # <|im_end|> as declared, plus <|endoftext|>
+    # <|im_end|> as declared, plus <|endoftext|> and the FIM repository marker <reponame>, as llama.cpp stops
+    assert smollm2.eos_ids == frozenset({0, 2, 4})
     assert smollm2.has_chat_template
 
 

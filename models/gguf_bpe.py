@@ -1,0 +1,230 @@
+"""BPE tokenizers rebuilt from a GGUF file's vocabulary and merges, encoding as llama.cpp does.
+
+* `tokenizer.ggml.model == "gpt2"`: byte-level BPE; text is cut into words by the pre-tokenizer of the
+  file's `tokenizer.ggml.pre` (pretokenizers.py), each word's bytes become GPT-2 symbols, then merge.
+* `tokenizer.ggml.model == "gemma4"`: BPE over raw UTF-8 with spaces written "▁", cut only at newline
+  runs, bytes of unknown characters as <0xNN> tokens.
+
+Special tokens are cut out of the text first, longest at the leftmost place, as llama.cpp's
+`tokenizer_st_partition` does: with `parse_special` every control, user-defined and unknown token;
+without it only user-defined ones (they are vocabulary words like "<think>", not control markup).
+The `tokenizers` library then runs the pre-tokenizer and the merges on each piece of plain text.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers
+
+from akunu.errors import ModelError
+from akunu.models.detokenizer import byte_level_alphabet, byte_level_token_bytes, sentencepiece_token_bytes
+from akunu.models.pretokenizers import GPT2, PRE_TOKENIZERS, PreTokenizer, hf_pre_tokenizer
+from akunu.models.stop_tokens import gguf_end_of_generation_ids
+from akunu.models.tokenizer import Tokenizer, TokenType, _optional_id, _special_splitter, _token_types
+
+log = logging.getLogger(__name__)
+
+# Qwen's tokenizer.json composes text to NFC before splitting it (llama.cpp does not; it matters only
+# for decomposed accents, which llama.cpp then encodes as the original model never would).
+_NFC_PRE = ("qwen2", "deepseek-r1-qwen")
+_UNKNOWN_PRE = PreTokenizer((GPT2,))
+
+
+def byte_level_bpe_from_gguf(metadata: Mapping[str, Any], source: str) -> Tokenizer:
+    tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+    types = _token_types(metadata, len(tokens))
+    pre = str(metadata.get("tokenizer.ggml.pre", "default"))
+    spec = _pre_tokenizer(pre)
+    build = _hf_builder(tokens, types, _merges(metadata, source), spec, nfc=pre in _NFC_PRE, source=source)
+    words = build(with_specials=False)
+    alphabet = byte_level_alphabet()
+    token_bytes = [
+        token.encode("utf-8") if kind in _WRITTEN_AS_TEXT else byte_level_token_bytes(token, alphabet)
+        for token, kind in zip(tokens, types, strict=True)
+    ]
+    return _tokenizer(
+        metadata,
+        tokens,
+        types,
+        encode_words=lambda text: words.encode(text, add_special_tokens=False).ids,
+        token_bytes=token_bytes,
+        add_bos_default=spec.add_bos,
+        decoding="byte_level",
+        hf_tokenizer=lambda: build(with_specials=True),
+    )
+
+
+def raw_bpe_from_gguf(metadata: Mapping[str, Any], source: str) -> Tokenizer:
+    """Gemma 4's tokenizer: sentencepiece-style pieces, merged by rank like any BPE."""
+    tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+    types = _token_types(metadata, len(tokens))
+    spec = PRE_TOKENIZERS["gemma4"]
+    build = _hf_builder(tokens, types, _merges(metadata, source), spec, nfc=False, source=source)
+    words = build(with_specials=False)
+    newline_tokens = {token: i for i, token in enumerate(tokens) if token and not token.strip("\n")}
+
+    def encode_words(text: str) -> list[int]:
+        ids: list[int] = []
+        for run in re.findall(r"[^\n]+|\n+", text.replace(" ", "\u2581")):
+            # A run of newlines that is one token stays one token (llama.cpp's Gemma 4 rule).
+            if run in newline_tokens:
+                ids.append(newline_tokens[run])
+            else:
+                ids.extend(words.encode(run, add_special_tokens=False).ids)
+        return ids
+
+    token_bytes = [
+        token.encode("utf-8") if kind in _WRITTEN_AS_TEXT
+        else sentencepiece_token_bytes(token, byte_piece=kind == TokenType.BYTE)
+        for token, kind in zip(tokens, types, strict=True)
+    ]  # fmt: skip
+    return _tokenizer(
+        metadata,
+        tokens,
+        types,
+        encode_words=encode_words,
+        token_bytes=token_bytes,
+        add_bos_default=True,
+        force_bos=True,  # llama.cpp turns BOS on for Gemma 4 whatever the file says
+        decoding="sentencepiece",
+        hf_tokenizer=lambda: build(with_specials=True),
+    )
+
+
+_WRITTEN_AS_TEXT = (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)
+
+
+def _tokenizer(
+    metadata: Mapping[str, Any],
+    tokens: list[str],
+    types: list[int],
+    *,
+    encode_words: Callable[[str], list[int]],
+    token_bytes: list[bytes],
+    add_bos_default: bool,
+    decoding: Any,
+    hf_tokenizer: Callable[[], tokenizers.Tokenizer],
+    force_bos: bool = False,
+) -> Tokenizer:
+    encode_plain, encode_text = special_token_encoders(tokens, types, encode_words)
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)) or force_bos
+    return Tokenizer(
+        encode_plain=encode_plain,
+        encode_text=encode_text,
+        pieces=tokens,
+        token_bytes=token_bytes,
+        special_ids=frozenset(i for i, kind in enumerate(types) if kind == TokenType.CONTROL),
+        bos_id=_optional_id(metadata, "tokenizer.ggml.bos_token_id", len(tokens)),
+        eos_id=_optional_id(metadata, "tokenizer.ggml.eos_token_id", len(tokens)),
+        eos_ids=gguf_end_of_generation_ids(metadata, tokens),
+        add_bos=add_bos,
+        chat_template=metadata.get("tokenizer.chat_template"),
+        decoding=decoding,
+        hf_tokenizer=hf_tokenizer,
+    )
+
+
+def special_token_encoders(
+    tokens: Sequence[str], types: Sequence[int], encode_words: Callable[[str], list[int]]
+) -> tuple[Callable[[str], list[int]], Callable[[str], list[int]]]:
+    """Encoders of text with special-token strings parsed, and with only user-defined tokens parsed."""
+    user = {token: i for i, token in enumerate(tokens) if types[i] == TokenType.USER_DEFINED and token}
+    every = {
+        token: i
+        for i, token in enumerate(tokens)
+        if types[i] in (TokenType.CONTROL, TokenType.UNKNOWN) and token
+    }
+    every.update(user)
+
+    def encoder(split: Callable[[str], list[tuple[str, int | None]]]) -> Callable[[str], list[int]]:
+        def encode(text: str) -> list[int]:
+            ids: list[int] = []
+            for fragment, special_id in split(text):
+                if special_id is None:
+                    ids.extend(encode_words(fragment))
+                else:
+                    ids.append(special_id)
+            return ids
+
+        return encode
+
+    return encoder(_special_splitter(every)), encoder(_special_splitter(user))
+
+
+def _pre_tokenizer(pre: str) -> PreTokenizer:
+    spec = PRE_TOKENIZERS.get(pre)
+    if spec is None:
+        log.warning(
+            "unknown pre-tokenizer %r: splitting text with GPT-2's regex, so token ids may differ from the original",
+            pre,
+        )
+        return _UNKNOWN_PRE
+    return spec
+
+
+def _merges(metadata: Mapping[str, Any], source: str) -> list[tuple[str, str]]:
+    # llama.cpp cuts each merge at its first space after the first character.
+    merges = []
+    for merge in metadata.get("tokenizer.ggml.merges", []):
+        cut = merge.find(" ", 1)
+        if cut < 0:
+            raise ModelError(f"{source} has a malformed BPE merge: {merge[:40]!r}")
+        merges.append((merge[:cut], merge[cut + 1 :]))
+    return merges
+
+
+def _hf_builder(
+    tokens: Sequence[str],
+    types: Sequence[int],
+    merges: list[tuple[str, str]],
+    spec: PreTokenizer,
+    *,
+    nfc: bool,
+    source: str,
+) -> Callable[..., tokenizers.Tokenizer]:
+    """Builds the `tokenizers` equivalent: without special tokens to encode plain text, with them for mlx-lm."""
+
+    def build(*, with_specials: bool) -> tokenizers.Tokenizer:
+        vocab: dict[str, int] = {}
+        for i, token in enumerate(tokens):
+            vocab.setdefault(token, i)
+        try:
+            model = models.BPE(
+                vocab=vocab, merges=merges, ignore_merges=spec.ignore_merges, byte_fallback=not spec.byte_level
+            )
+        except Exception as error:  # noqa: BLE001 - a malformed vocabulary is the file's fault
+            raise ModelError(f"{source} has an inconsistent BPE vocabulary: {error}") from None
+        hf = tokenizers.Tokenizer(model)
+        if spec.byte_level:
+            hf.pre_tokenizer = hf_pre_tokenizer(spec)
+            hf.decoder = decoders.ByteLevel()
+        else:
+            hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+        if nfc:
+            hf.normalizer = normalizers.NFC()
+        if with_specials:
+            _add_special_tokens(hf, tokens, types, escape_spaces=not spec.byte_level)
+        return hf
+
+    return build
+
+
+def _add_special_tokens(hf: tokenizers.Tokenizer, tokens: Sequence[str], types: Sequence[int], escape_spaces: bool) -> None:
+    if escape_spaces:  # the mlx-lm baseline sees raw text: spaces become "▁" as Gemma 4's normalizer does
+        hf.normalizer = normalizers.Replace(" ", "\u2581")
+        hf.pre_tokenizer = hf_pre_tokenizer(PRE_TOKENIZERS["gemma4"])
+    hf.add_special_tokens(
+        [AddedToken(token, special=True, normalized=False) for token, kind in zip(tokens, types) if kind == TokenType.CONTROL]
+    )
+    hf.add_tokens(
+        [
+            AddedToken(token, special=False, normalized=False)
+            for token, kind in zip(tokens, types)
+            if kind == TokenType.USER_DEFINED
+        ]
+    )
