@@ -23,7 +23,7 @@ def load_gguf_model(
     check_supported_types(gguf_file)
     architecture.check_names(gguf_file.tensors)
     config = architecture.build_config(gguf_file)
-    weights = architecture.map_weights(read_weights(gguf_file, keep_quantized=quantized, progress=progress))
+    weights = architecture.map_weights(read_weights(gguf_file, keep_quantized=quantized, progress=progress), config)
     model = _instantiate(config)
     weights = model.sanitize(weights) if hasattr(model, "sanitize") else weights
     _quantize_like(model, weights)
