@@ -12,22 +12,27 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from akunu.draft_length import DraftLength, EntropyDraftLength
-from akunu.drafter import Draft, Drafter
-from akunu.kv_cache import rewind
+from akunu.drafters.base import Draft, Drafter
+from akunu.grammar import Constraint, grammar_draft
+from akunu.kv_cache import Snapshot, has_state, rewind, run
 from akunu.sampling import SamplingParams, target_logprobs
 from akunu.stats import GenerationStats
-from akunu.tree import verify_tree_round
-from akunu.verify import verify_greedy, verify_sampled
+from akunu.drafters.tree import verify_tree_round
+from akunu.verify import Verdict, verify_greedy, verify_sampled
+
+
+def feed(model: nn.Module, cache: list, tokens: Sequence[int], step: int = 512) -> None:
+    """Feed `tokens` in chunks of `step`, keeping no logits."""
+    tokens = mx.array(tokens, dtype=mx.uint32)
+    for start in range(0, tokens.size, step):
+        run(model, tokens[start : start + step][None], cache)
+        mx.eval([c.state for c in cache])  # bound the graph, as mlx-lm does per chunk
 
 
 def prefill(model: nn.Module, cache: list, tokens: Sequence[int], step: int = 512) -> mx.array:
     """Feed `tokens` in chunks; return the logits after the last one, shape (V,)."""
-    tokens = mx.array(tokens, dtype=mx.uint32)
-    for start in range(0, tokens.size - 1, step):
-        chunk = tokens[start : min(start + step, tokens.size - 1)]
-        model(chunk[None], cache=cache)
-        mx.eval([c.state for c in cache])  # bound the graph, as mlx-lm does per chunk
-    return model(tokens[-1:][None], cache=cache)[0, -1]
+    feed(model, cache, tokens[:-1], step)
+    return run(model, mx.array([tokens[-1:]], mx.uint32), cache)[0, -1]
 
 
 def pick_token(logits: mx.array, params: SamplingParams) -> mx.array:
@@ -38,20 +43,48 @@ def pick_token(logits: mx.array, params: SamplingParams) -> mx.array:
 
 
 def plain_decode(
-    model: nn.Module, cache: list, logits: mx.array, *, params: SamplingParams, stats: GenerationStats
+    model: nn.Module, cache: list, logits: mx.array, *, params: SamplingParams, stats: GenerationStats,
+    rows: list | None = None,
 ) -> Iterator[tuple[int, bool]]:
-    """One token per forward pass; the next pass is queued before this token is read."""
+    """One token per forward pass; the next pass is queued before this token is read.
+
+    With a `rows` list, each token's logits row is appended to it just before the token is yielded.
+    """  # fmt: skip
     y = pick_token(logits, params)
     mx.async_eval(y)
     first = True
     while True:
-        next_y = pick_token(model(y.reshape(1, 1), cache=cache)[0, -1], params)
+        next_logits = run(model, y.reshape(1, 1), cache)[0, -1]
+        next_y = pick_token(next_logits, params)
         mx.async_eval(next_y)
         if not first:
             stats.record_round(0, 0)
         first = False
+        if rows is not None:
+            rows.append(logits)
         yield y.item(), False
-        y = next_y
+        y, logits = next_y, next_logits
+
+
+def constrained_decode(
+    model: nn.Module, cache: list, logits: mx.array, *, params: SamplingParams, stats: GenerationStats,
+    constraint: Constraint, rows: list | None = None,
+) -> Iterator[tuple[int, bool]]:
+    """`plain_decode` under a grammar: each token is chosen from its logits masked by the grammar
+    after the tokens before it; the grammar computes that mask while the token's pass runs."""  # fmt: skip
+    first = True
+    while True:
+        y = pick_token(constraint.constrain(logits), params).item()
+        constraint.commit([y])
+        next_logits = run(model, mx.array([[y]], mx.uint32), cache)[0, -1]
+        mx.async_eval(next_logits)
+        if not first:
+            stats.record_round(0, 0)
+        first = False
+        if rows is not None:
+            rows.append(logits)
+        yield y, False
+        logits = next_logits
 
 
 def speculative_decode(
@@ -64,28 +97,43 @@ def speculative_decode(
     drafter: Drafter,
     draft_length: DraftLength | EntropyDraftLength,
     budget: int,
+    rows: list | None = None,
+    constraint: Constraint | None = None,
 ) -> Iterator[tuple[int, bool]]:
     """Draft, verify in one pass, accept the agreeing prefix plus one token, rewind the rest.
 
     Chains and token trees go through the same round. `budget` caps drafting so no pass
     computes tokens past the generation's end. Statistics count every tree node as drafted.
+    With a `rows` list, each token's logits row (from the verification pass) is appended just before it is yielded.
+    A `constraint` masks every verified position and checks and extends each draft (akunu.grammar).
     """
-    token = pick_token(logits, params).item()
+    keep = rows.append if rows is not None else lambda row: None
+    token = pick_token(logits if constraint is None else constraint.constrain(logits), params).item()
+    if constraint is not None:
+        constraint.commit([token])
     drafter.update([token])
     produced = 1
+    keep(logits)
     yield token, False
     while True:
         room = max(budget - produced - 1, 0)
         with stats.drafting():
             draft = propose(drafter, draft_length, room)
-        accepted, token, row = verify_round(model, cache, token, draft, params)
+            own = draft.depth
+            if constraint is not None:
+                draft, own = grammar_draft(constraint, draft, min(draft_length.max_draft, room))
+        accepted, token, round_rows = verify_round(model, cache, token, draft, params, constraint)
         stats.record_round(len(draft), len(accepted))
-        draft_length.observe(draft.depth, len(accepted), row)
+        draft_length.observe(own, min(len(accepted), own), round_rows[-1])
+        if constraint is not None:
+            constraint.commit([*accepted, token])
         with stats.drafting():
             drafter.update([*accepted, token])
         produced += len(accepted) + 1
-        for t in accepted:
+        for t, row in zip(accepted, round_rows):
+            keep(row)
             yield t, True
+        keep(round_rows[-1])
         yield token, False
 
 
@@ -95,20 +143,43 @@ def propose(drafter: Drafter, draft_length: DraftLength | EntropyDraftLength, ro
     return draft_length.cut(drafter.draft(n)) if n else Draft([])
 
 
-def verify_round(model: nn.Module, cache: list, token: int, draft: Draft, params: SamplingParams):
+def verify_round(
+    model: nn.Module, cache: list, token: int, draft: Draft, params: SamplingParams, constraint: Constraint | None = None
+):
     """One forward pass over `token` and the draft; the cache keeps only what was accepted.
 
-    Returns the accepted drafts, the target's own next token and the logits row it came from.
+    Position layers drop the rejected drafts. State layers cannot: the pass's state is kept
+    only if every draft was accepted; otherwise it goes back to its snapshot from before the
+    pass, and the tokens it should have kept are owed (`cache.owed`) and fed again at the
+    head of the next pass, which costs that pass width but no pass of its own.
+    Returns the accepted drafts, the target's own next token and the logits rows each of them came from (n + 1, V).
+    A `constraint` masks the logits the verdict reads (the returned rows stay unmasked); the grammar
+    computes its masks while the pass runs.
     """
-    if not draft:
-        logits = model(mx.array([[token]], mx.uint32), cache=cache)[0, -1]
-        return [], pick_token(logits, params).item(), logits
-    if draft.parents is not None:
+    if draft and draft.parents is not None:
         return verify_tree_round(model, cache, token, draft, params)
-    logits = model(mx.array([[token, *draft.tokens]], mx.uint32), cache=cache)[0]  # (n+1, V)
-    if params.greedy:
-        verdict = verify_greedy(logits, draft.tokens)
+    owed = getattr(cache, "owed", [])
+    inputs = [*owed, token, *draft.tokens]
+    snapshot = Snapshot(cache) if draft and has_state(cache) else None
+    logits = run(model, mx.array([inputs], mx.uint32), cache)[0, len(owed) :]  # (n+1, V)
+    scored = logits
+    if constraint is not None:
+        mx.async_eval(logits)
+        scored = constraint.constrain(logits, draft.tokens)
+    if not draft:
+        verdict = Verdict(0, pick_token(scored[0], params).item())
+    elif params.greedy:
+        verdict = verify_greedy(scored, draft.tokens)
     else:
-        verdict = verify_sampled(target_logprobs(logits, params), draft.tokens, draft.probs)
-    rewind(cache, len(draft) - verdict.accepted)  # drop rejected drafts' KV entries
-    return draft.tokens[: verdict.accepted], verdict.next_token, logits[verdict.accepted]
+        verdict = verify_sampled(target_logprobs(scored, params), draft.tokens, draft.probs)
+    kept = len(inputs) - len(draft) + verdict.accepted
+    if snapshot is None or kept == len(inputs):
+        rewind(cache, len(inputs) - kept)  # drop rejected drafts' KV entries
+        owed = []
+    else:
+        rewind(cache, len(inputs))
+        snapshot.restore(cache)
+        owed = inputs[:kept]
+    if hasattr(cache, "owed"):
+        cache.owed = owed
+    return draft.tokens[: verdict.accepted], verdict.next_token, logits[: verdict.accepted + 1]

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from akunu.cost_curve import widest_paying
-from akunu.drafter import Draft, Guess
+from akunu.drafters.base import Draft, Guess
 from akunu.errors import OptionsError
 
 

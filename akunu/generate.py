@@ -15,15 +15,17 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from akunu.cost_curve import CostCurves, costs_at
-from akunu.decode import plain_decode, prefill, speculative_decode
+from akunu.decode import constrained_decode, plain_decode, speculative_decode
 from akunu.draft_length import make_draft_length
-from akunu.drafter import Drafter
+from akunu.drafters.base import Drafter
 from akunu.errors import OptionsError, PromptError
 from akunu.exact import exact_model, flat_costs
-from akunu.kv_cache import PromptCache, why_not_trimmable
+from akunu.grammar import Constraint
+from akunu.kv_cache import PromptCache
+from akunu.logprobs import TokenLogprobs, token_logprobs
 from akunu.sampling import SamplingParams
 from akunu.stats import GenerationStats
-from akunu.tree import check_tree_support
+from akunu.drafters.tree import check_tree_support
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class GenerationConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     stop: tuple[str, ...] = ()
     prefill_step: int = 512
+    logprobs: int | None = None  # per-token log-probabilities with this many alternatives (None: off)
 
 
 @dataclass
@@ -53,6 +56,7 @@ class GenerationResponse:
     from_draft: bool
     stats: GenerationStats  # this generation's statistics as of this response (a copy of its own)
     finish_reason: str | None = None  # "stop" (EOS or stop string) or "length" on the last response
+    logprobs: TokenLogprobs | None = None  # this token's, when the config asks for them
 
 
 class _StopStrings:
@@ -102,12 +106,14 @@ def stream_generate(
     context_length: int | None = None,
     drafter: Drafter | None = None,
     costs: CostCurves | Sequence[float] | None = None,
+    constraint: Constraint | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate from token ids, yielding a response per token (and a final flush).
 
     `tokenizer` needs `eos_ids` and `detokenizer()`. `prompt_cache` carries the KV cache
     across calls (chat); `costs` holds the pass costs adaptive drafting weighs (measured curves,
-    read at this generation's context, or one relative curve).
+    read at this generation's context, or one relative curve). A `constraint` (akunu.grammar)
+    keeps the output inside its grammar, e.g. a JSON schema.
     """
     _check_prompt(prompt, config, context_length)
     params = config.sampling
@@ -118,6 +124,8 @@ def stream_generate(
         costs = flat_costs(model.width)
         config = replace(config, spec=replace(config.spec, draft_tokens=model.width - 1))  # no draft outgrows a pass
     prompt_cache = prompt_cache or PromptCache(model)
+    if constraint is not None:
+        constraint.reset()
     budget = config.max_tokens
     if context_length:
         budget = min(budget, context_length - len(prompt))
@@ -127,10 +135,12 @@ def stream_generate(
     start = time.perf_counter()
     to_feed = prompt_cache.reuse(prompt)
     stats.prefilled_tokens = len(to_feed)
-    logits = prefill(model, prompt_cache.cache, to_feed, config.prefill_step)
+    logits = prompt_cache.prefill(model, to_feed, config.prefill_step)
+    rows = [] if config.logprobs is not None else None  # each token's logits row, appended as it is yielded
     tokens = _decode_loop(
-        model, prompt_cache.cache, logits, prompt, config, stats=stats, drafter=drafter, costs=costs, budget=budget
-    )
+        model, prompt_cache.cache, logits, prompt, config, stats=stats, drafter=drafter, costs=costs, budget=budget,
+        rows=rows, constraint=constraint,
+    )  # fmt: skip
 
     detokenizer, stops = tokenizer.detokenizer(), _StopStrings(config.stop)
     decode_start, hit_stop_string = None, False
@@ -150,7 +160,8 @@ def stream_generate(
         elif stats.generated_tokens + 1 >= budget:
             stats.finish_reason = "length"
         stats.generated_tokens += 1  # counted as it is handed over, so an interrupt never over-counts
-        yield GenerationResponse(text, token, from_draft, stats.snapshot())
+        logprobs = token_logprobs(rows.pop(), token, config.logprobs) if rows is not None else None
+        yield GenerationResponse(text, token, from_draft, stats.snapshot(), logprobs=logprobs)
         if stats.finish_reason:
             break
     tail = ""
@@ -160,19 +171,21 @@ def stream_generate(
 
 
 def _decode_loop(
-    model, cache, logits, prompt, config: GenerationConfig, *, stats, drafter: Drafter | None, costs, budget: int
-):
+    model, cache, logits, prompt, config: GenerationConfig, *, stats, drafter: Drafter | None, costs, budget: int,
+    rows: list | None = None, constraint: Constraint | None = None,
+):  # fmt: skip
     speculation, params = config.spec, config.sampling
+    if not speculation.enabled and constraint is not None:
+        return constrained_decode(model, cache, logits, params=params, stats=stats, constraint=constraint, rows=rows)
     if not speculation.enabled:
-        return plain_decode(model, cache, logits, params=params, stats=stats)
-    reason = why_not_trimmable(cache)
-    if reason:
-        raise OptionsError(f"{reason}; run with --no-spec")
+        return plain_decode(model, cache, logits, params=params, stats=stats, rows=rows)
     if drafter is None:
         from akunu.drafters import DEFAULT_SPEC, make_drafter
 
         drafter = make_drafter(DEFAULT_SPEC, ngram_order=speculation.ngram_order, window=speculation.window)
     if drafter.tree_nodes:
+        if constraint is not None:
+            raise OptionsError("structured output verifies linear drafts; a token-tree drafter cannot be used with it")
         if speculation.exact:
             raise OptionsError("--exact verifies linear drafts; a token-tree drafter has its own pass shapes")
         check_tree_support(model)
@@ -183,8 +196,9 @@ def _decode_loop(
         adaptive=speculation.adaptive, draft_cost=drafter.cost_per_token,
     )  # fmt: skip
     return speculative_decode(
-        model, cache, logits, params=params, stats=stats, drafter=drafter, draft_length=draft_length, budget=budget
-    )
+        model, cache, logits, params=params, stats=stats, drafter=drafter, draft_length=draft_length, budget=budget,
+        rows=rows, constraint=constraint,
+    )  # fmt: skip
 
 
 def generate(model: nn.Module, tokenizer, prompt: Sequence[int], config: GenerationConfig = GenerationConfig(), **kwargs):

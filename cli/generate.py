@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,9 +13,9 @@ import typer
 from rich.text import Text
 
 from akunu.cli import display, options, runtime, text_input
-from akunu.cli.console import print_note, stderr_console, stdout_console
-from akunu.drafter_specs import DEFAULT_SPEC
-from akunu.errors import Interrupted, OptionsError, PromptError
+from akunu.cli.console import print_note, print_warning, stderr_console, stdout_console
+from akunu.drafters.specs import DEFAULT_SPEC
+from akunu.errors import AkunuError, Interrupted, OptionsError, PromptError
 
 EXAMPLES = """[bold]Examples[/]
   akunu generate "Write a Python function that returns the fibonacci numbers up to n."
@@ -133,6 +134,8 @@ def _save_ngram_cache(drafter, path: Path) -> None:
         drafter.save()
     except OSError as error:
         print_note(f"cannot save the n-gram cache to {path}: {error.strerror or error}")
+    except AkunuError as error:  # a device or a FIFO, never replaced by a file
+        print_note(str(error))
 
 
 def make_drafter_for(loaded, config, draft: str, draft_model: str | None, ngram_cache: Path | None, tree: int | None, load=None):
@@ -148,10 +151,15 @@ def make_drafter_for(loaded, config, draft: str, draft_model: str | None, ngram_
     if not config.spec.enabled:
         raise OptionsError("--draft, --draft-model, --ngram-cache and --tree need speculative decoding; drop --no-spec")
     spec = config.spec
-    return make_drafter(
-        draft, loaded, params=config.sampling, ngram_order=spec.ngram_order, window=spec.window,
-        ngram_cache=ngram_cache, tree=tree, load=load,
-    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:  # e.g. an unreadable n-gram cache: the run goes on
+        warnings.simplefilter("always")
+        drafter = make_drafter(
+            draft, loaded, params=config.sampling, ngram_order=spec.ngram_order, window=spec.window,
+            ngram_cache=ngram_cache, tree=tree, load=load,
+        )  # fmt: skip
+    for warning in caught:
+        print_warning(str(warning.message))
+    return drafter
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> tuple[str, str]:

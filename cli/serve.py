@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import socket
 import sys
 from typing import Annotated, Optional
 
@@ -11,7 +12,8 @@ import typer
 
 from akunu.cli import options, runtime
 from akunu.cli.console import print_note, stderr_console
-from akunu.drafter_specs import DEFAULT_SPEC
+from akunu.drafters.specs import DEFAULT_SPEC
+from akunu.errors import OptionsError
 
 EXAMPLES = """[bold]Examples[/]
   akunu serve                                   the default model on http://127.0.0.1:8080/v1
@@ -33,6 +35,9 @@ def serve(
         typer.Option(envvar="AKUNU_API_KEY", show_default=False, rich_help_panel=SERVER_PANEL, help="Require 'Authorization: Bearer KEY' on every request."),
     ] = None,
     queue_depth: Annotated[int, typer.Option(min=0, rich_help_panel=SERVER_PANEL, help="Requests that may wait behind the running one; more get 429 with Retry-After.")] = 32,
+    max_body: Annotated[
+        str, typer.Option(rich_help_panel=SERVER_PANEL, help="Largest request body, in bytes or with a K/M suffix; larger ones get 413.")
+    ] = "4M",
     cache_slots: Annotated[int, typer.Option(min=1, rich_help_panel=SERVER_PANEL, help="KV caches kept for recent conversations (LRU), each at most the context long.")] = 4,
     max_tokens: Annotated[int, typer.Option(min=1, rich_help_panel=options.SAMPLING_PANEL, help="Tokens per answer when a request gives no max_tokens.")] = 512,
     spec: options.Spec = True,
@@ -51,6 +56,10 @@ def serve(
 
     from akunu.cli.server import Worker, create_app
 
+    if api_key is not None and not api_key.strip():
+        raise OptionsError("--api-key is empty; give a key, or leave the option (and AKUNU_API_KEY) out to serve without one")
+    body_limit = parse_size(max_body)
+    check_port_free(host, port)  # before the model loads, which may take minutes
     if host not in LOOPBACK:
         print_note(f"listening on {host}: anyone who can reach this address can use the model" + ("" if api_key else " (no --api-key)"))
     base_config = options.generation_config(
@@ -68,9 +77,37 @@ def serve(
     configure_logging()
     stderr_console().print(f"[bold]akunu serve[/] · {loaded.describe()} · http://{host}:{port}/v1 · Ctrl-C stops")
     try:
-        uvicorn.run(create_app(worker, base_config, api_key=api_key), host=host, port=port, log_level="warning")
+        uvicorn.run(create_app(worker, base_config, api_key=api_key, max_body=body_limit), host=host, port=port, log_level="warning")
     finally:
         worker.stop()
+
+
+def parse_size(text: str) -> int:
+    """'4M', '512K' or a number of bytes."""
+    units = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
+    number, unit = text.strip().upper().removesuffix("B"), ""
+    if number[-1:] in units:
+        number, unit = number[:-1], number[-1]
+    if not number.isdigit() or int(number) * units[unit] < 1:
+        raise OptionsError(f"--max-body must be a size such as 4M, 512K or 100000 (got {text!r})")
+    return int(number) * units[unit]
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail in one line if another process already listens on the port."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        raise OptionsError(f"cannot listen on {host}: {error.strerror}") from None
+    family, kind, _, _, address = infos[0]
+    with socket.socket(family, kind) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds, so TIME_WAIT is no conflict
+        try:
+            probe.bind(address)
+        except OSError as error:
+            raise OptionsError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
 
 
 def load_for_serving(model, dtype, config, drafting: Drafting):

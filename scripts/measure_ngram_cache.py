@@ -18,7 +18,7 @@ from pathlib import Path
 from akunu.bench.workloads import select, shipped_workload
 from akunu.drafters import make_drafter
 from akunu.generate import GenerationConfig, SpecConfig, generate
-from akunu.ngram_cache import NGramCache
+from akunu.drafters.ngram_cache import NGramCache
 from shipped_runs import load_with_curves, options
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from akunu.cost_curve import widest_paying
 from akunu.draft_length import DraftLength, EntropyDraftLength, best_chain_length, best_length, make_draft_length
-from akunu.drafter import Draft, Guess, NGramDrafter
+from akunu.drafters.base import Draft, Guess, NGramDrafter
 from akunu.errors import OptionsError
 
 CPU_LIKE = [1.0, 1.17, 1.25, 1.35, 1.55]  # measured shape: a 5-token pass costs ~1.5 steps

@@ -8,8 +8,11 @@ import pytest
 from mlx.utils import tree_map
 
 from akunu.decode import prefill
-from akunu.drafter import Draft, Drafter, NGramDrafter
-from akunu.drafters import DEFAULT_SPEC, HybridDrafter, LookupDrafter, SuffixDrafter, make_drafter
+from akunu.drafters.base import Draft, Drafter, NGramDrafter
+from akunu.drafters import DEFAULT_SPEC, make_drafter
+from akunu.drafters.hybrid import HybridDrafter
+from akunu.drafters.lookup import LookupDrafter
+from akunu.drafters.suffix import SuffixDrafter
 from akunu.drafters.draft_model import check_same_vocabulary, model_drafter
 from akunu.drafters.layer_skip import layer_skip_drafter
 from akunu.errors import OptionsError

@@ -2,10 +2,13 @@
 
 import pytest
 
-from akunu.drafter import NGramDrafter
-from akunu.drafters import DEFAULT_SPEC, HybridDrafter, LookupDrafter, ModelDrafter
-from akunu.ngram_cache import CachedNGramDrafter
-from akunu.tree import NGramTreeDrafter
+from akunu.drafters.base import NGramDrafter
+from akunu.drafters import DEFAULT_SPEC
+from akunu.drafters.draft_model import ModelDrafter
+from akunu.drafters.hybrid import HybridDrafter
+from akunu.drafters.lookup import LookupDrafter
+from akunu.drafters.ngram_cache import CachedNGramDrafter
+from akunu.drafters.tree import NGramTreeDrafter
 from tests.fakes import invoke
 
 PROMPT = "abcabcabcabc"

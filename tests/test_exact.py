@@ -94,7 +94,7 @@ def test_exact_mode_caps_the_draft_so_every_decode_pass_has_the_one_width(monkey
 
 def test_a_token_tree_drafter_is_refused_in_exact_mode():
     from akunu.errors import OptionsError
-    from akunu.tree import NGramTreeDrafter
+    from akunu.drafters.tree import NGramTreeDrafter
 
     config = GenerationConfig(max_tokens=4, spec=SpecConfig(exact=True))
     with pytest.raises(OptionsError, match="--exact"):

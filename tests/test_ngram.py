@@ -1,6 +1,6 @@
 import pytest
 
-from akunu.ngram import FNV_OFFSET_BASIS, NGramPredictor, fnv1a
+from akunu.drafters.ngram import FNV_OFFSET_BASIS, NGramPredictor, fnv1a
 
 
 def test_fnv1a_matches_the_published_64bit_vectors():

@@ -2,9 +2,9 @@
 
 import pytest
 
-from akunu.errors import OptionsError
 from akunu.generate import GenerationConfig, SpecConfig, generate
-from akunu.ngram_cache import CachedNGramDrafter, NGramCache
+from akunu.drafters.ngram import fnv1a
+from akunu.drafters.ngram_cache import CachedNGramDrafter, NGramCache, UnreadableCache
 from tests.fakes import FakeTokenizer
 from tests.greedy_checks import assert_same_or_near_tie
 from tests.tiny import tiny_llama
@@ -29,12 +29,13 @@ def test_save_and_load_round_trip_and_the_cap_keeps_the_commonest_contexts(tmp_p
     assert loaded.predict([2, 1, 2]) == 1 and loaded.predict([8, 9]) is None  # "1 2" kept, "8 9" dropped
 
 
-def test_a_missing_file_is_an_empty_cache_and_a_broken_one_is_a_clear_error(tmp_path):
+@pytest.mark.parametrize("content", [b"", b"not numpy", b"PK\x03\x04 truncated zip"], ids=["empty", "text", "zip"])
+def test_a_missing_file_is_an_empty_cache_and_a_broken_one_a_warning(tmp_path, content):
     assert len(NGramCache.load(tmp_path / "absent")) == 0
     broken = tmp_path / "broken"
-    broken.write_bytes(b"not numpy")
-    with pytest.raises(OptionsError, match="delete it to start afresh"):
-        NGramCache.load(broken)
+    broken.write_bytes(content)
+    with pytest.warns(UnreadableCache, match="cannot read it .*; this run starts with an empty cache"):
+        assert len(NGramCache.load(broken)) == 0
 
 
 def test_a_second_run_drafts_what_the_first_one_generated_and_output_is_unchanged(tmp_path):
@@ -60,4 +61,4 @@ def test_a_continued_conversation_is_learned_once(tmp_path):
     drafter.update([4, 5])
     drafter.start([1, 2, 3, 4, 5, 6])  # the next chat turn repeats the conversation so far
     drafter.save()
-    assert NGramCache.load(tmp_path / "c").tables[1][__import__("akunu.ngram").ngram.fnv1a([1, 2])] == {3: 1}
+    assert NGramCache.load(tmp_path / "c").tables[1][fnv1a([1, 2])] == {3: 1}

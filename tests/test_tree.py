@@ -5,13 +5,13 @@ import random
 import mlx.core as mx
 import pytest
 
-import akunu.tree
+import akunu.drafters.tree
 from akunu.decode import plain_decode, prefill, speculative_decode
 from akunu.draft_length import DraftLength
 from akunu.kv_cache import make_cache
 from akunu.sampling import SamplingParams
 from akunu.stats import GenerationStats
-from akunu.tree import NGramTreeDrafter, TokenTree, keep_path, tree_forward
+from akunu.drafters.tree import NGramTreeDrafter, TokenTree, keep_path, tree_forward
 from tests.greedy_checks import assert_same_or_near_tie
 from tests.tiny import tiny_gemma3, tiny_llama
 
@@ -97,9 +97,9 @@ def run_plain(model, prompt, max_tokens):
 @pytest.mark.parametrize("name", MODELS)
 def test_tree_decoding_equals_plain_greedy_decoding(name, monkeypatch):
     compactions = []
-    original = akunu.tree.keep_path
+    original = akunu.drafters.tree.keep_path
     monkeypatch.setattr(
-        akunu.tree, "keep_path", lambda c, p, w, path: (compactions.append(path != list(range(len(path)))), original(c, p, w, path))
+        akunu.drafters.tree, "keep_path", lambda c, p, w, path: (compactions.append(path != list(range(len(path)))), original(c, p, w, path))
     )
     model = MODELS[name]()
     rng = random.Random(0)

@@ -5,10 +5,10 @@ from collections import Counter
 import mlx.core as mx
 import pytest
 
-import akunu.tree
+import akunu.drafters.tree
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.sampling import SamplingParams
-from akunu.tree import NGramTreeDrafter, TokenTree, verify_tree_sampled
+from akunu.drafters.tree import NGramTreeDrafter, TokenTree, verify_tree_sampled
 from tests.fakes import FakeTokenizer
 from tests.stats_tools import exact_model_probs, fits
 from tests.tiny import tiny_llama
@@ -47,13 +47,13 @@ def test_tree_sampling_keeps_the_target_distribution(params):
 def test_a_rule_that_leaves_rejected_children_in_fails(monkeypatch):
     model = tiny_llama(vocab=8, seed=7, sharpness=1.5)
     params = SamplingParams(temp=1.0)
-    monkeypatch.setattr(akunu.tree, "verify_tree_sampled", fall_back_to_p_itself)
+    monkeypatch.setattr(akunu.drafters.tree, "verify_tree_sampled", fall_back_to_p_itself)
     ok, stat, critical = fits(tree_samples(model, params), exact_probs(model, params), RUNS)
     assert not ok, f"a broken rule passed: chi2 {stat:.1f} < {critical:.1f}"
 
 
 def test_the_trees_drawn_here_do_branch():
-    drafter = akunu.tree.NGramTreeDrafter()
+    drafter = akunu.drafters.tree.NGramTreeDrafter()
     drafter.start(PROMPT)
     tree = drafter.draft_tree(3, 6)
     assert max(len(k) for k in tree.children()) >= 2

@@ -1,4 +1,9 @@
-"""Drafters beyond the plain n-gram predictor, and `make_drafter` to build one from a spec.
+"""Every drafter, and `make_drafter` to build one from a spec.
+
+`base`: the Drafter protocol, drafts and token trees, and the plain n-gram drafter (over `ngram`'s
+predictor); `ngram_cache`: its tables kept on disk; `tree`: n-gram token trees and their verification;
+`lookup`, `suffix`, `draft_model`, `layer_skip`, `hybrid`: the other draft sources; `specs`: the spec
+strings, light enough for the CLI's help.
 
 Specs (the CLI's `--draft`): `ngram` (the FNV n-gram tables), `lookup` (prompt lookup: the
 continuation of the longest recurring run of 4-16 tokens), `suffix` (a suffix automaton: the
@@ -9,89 +14,14 @@ draft, otherwise B), `hybrid:SPEC` (short for `ngram+SPEC`, e.g. `hybrid:layer-s
 The default is `suffix+ngram`.
 """
 
-from __future__ import annotations
+from akunu.drafters.specs import DEFAULT_SPEC, SPEC_HELP
 
-from collections.abc import Callable
-from pathlib import Path
-
-from akunu.drafter import Drafter, NGramDrafter
-from akunu.drafter_specs import DEFAULT_SPEC, SPEC_HELP
-from akunu.drafters.draft_model import ModelDrafter, check_same_vocabulary, model_drafter
-from akunu.drafters.hybrid import HybridDrafter
-from akunu.drafters.layer_skip import layer_skip_drafter
-from akunu.drafters.lookup import LookupDrafter
-from akunu.drafters.suffix import SuffixDrafter
-from akunu.errors import OptionsError
-from akunu.sampling import SamplingParams
-
-__all__ = ["DEFAULT_SPEC", "HybridDrafter", "LookupDrafter", "ModelDrafter", "SPEC_HELP", "SuffixDrafter", "make_drafter"]
+__all__ = ["DEFAULT_SPEC", "SPEC_HELP", "make_drafter"]
 
 
-def make_drafter(
-    spec: str,
-    target=None,
-    *,
-    params: SamplingParams = SamplingParams(),
-    ngram_order: int = 4,
-    window: int = 512,
-    ngram_cache: Path | None = None,
-    tree: int | None = None,
-    load: Callable | None = None,
-) -> Drafter:
-    """The drafter a spec names. `target` is the loaded target model (`.model`, `.tokenizer`);
-    `tree` (nodes per tree) verifies n-gram drafts as token trees; `load(name)` loads a draft
-    model (default: akunu.models.load_model)."""
-    if tree is not None:
-        if spec not in (DEFAULT_SPEC, "ngram") or ngram_cache is not None:
-            raise OptionsError("--tree works with the plain n-gram drafter only (no --draft, no --ngram-cache)")
-        if tree < 1:
-            raise OptionsError(f"--tree needs at least 1 node (got {tree})")
-        from akunu.tree import NGramTreeDrafter
+def __getattr__(name: str):
+    if name == "make_drafter":  # loaded on first use: the drafters need MLX, and the CLI's help only the specs
+        from akunu.drafters.make import make_drafter
 
-        return NGramTreeDrafter(max_order=ngram_order, window=window, max_nodes=tree)
-    same = dict(params=params, ngram_order=ngram_order, window=window, ngram_cache=ngram_cache, load=load)
-    first, plus, rest = spec.partition("+")
-    if plus and first and rest:
-        return HybridDrafter(make_drafter(first, target, **same), make_drafter(rest, target, **same))
-    kind, _, argument = spec.partition(":")
-    if kind == "tree":  # `tree:N`, the bench's name for `ngram` with --tree N
-        try:
-            nodes = int(argument)
-        except ValueError:
-            raise OptionsError(f"tree:N needs a node count N, got {argument!r}") from None
-        return make_drafter("ngram", target, ngram_order=ngram_order, window=window, tree=nodes)
-    if kind == "ngram" and not argument:
-        return _ngram(ngram_order, window, ngram_cache)
-    if kind == "lookup" and not argument:
-        return LookupDrafter()
-    if kind == "suffix" and not argument:
-        return SuffixDrafter()
-    if kind == "hybrid" and argument:
-        return make_drafter(f"ngram+{argument}", target, **same)
-    if target is None:
-        raise OptionsError(f"--draft {spec} needs the target model")
-    if kind == "layer-skip":
-        try:
-            layers = int(argument)
-        except ValueError:
-            raise OptionsError(f"--draft layer-skip:N needs a layer count N, got {argument!r}") from None
-        return layer_skip_drafter(target.model, layers, params)
-    if kind == "model" and argument:
-        return _draft_model(argument, target, params, load)
-    raise OptionsError(f"unknown drafter {spec!r}; expected {SPEC_HELP}")
-
-
-def _ngram(order: int, window: int, cache_file: Path | None) -> Drafter:
-    if cache_file is None:
-        return NGramDrafter(max_order=order, window=window)
-    from akunu.ngram_cache import CachedNGramDrafter
-
-    return CachedNGramDrafter(cache_file, max_order=order, window=window)
-
-
-def _draft_model(name: str, target, params: SamplingParams, load: Callable | None) -> ModelDrafter:
-    if load is None:
-        from akunu.models import load_model as load
-    draft = load(name)
-    check_same_vocabulary(target, draft, name)
-    return model_drafter(draft.model, params, target=target.model)
+        return make_drafter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from akunu.decode import prefill
-from akunu.drafter import Draft, Drafter
+from akunu.drafters.base import Draft, Drafter
 from akunu.errors import OptionsError
 from akunu.kv_cache import common_prefix, make_cache, rewind
 from akunu.sampling import SamplingParams, target_logprobs

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from akunu.draft_length import DraftLength
-from akunu.drafter import Draft, Drafter
+from akunu.drafters.base import Draft, Drafter
 from akunu.kv_cache import common_prefix
 
 MAX_FALLBACK_DRAFT = 15  # the engine's own ceiling still applies; this only bounds the policy

@@ -18,7 +18,7 @@ from akunu.drafters.draft_model import ModelDrafter, weight_bytes
 from akunu.errors import OptionsError
 from akunu.kv_cache import make_cache
 from akunu.sampling import SamplingParams
-from akunu.tree import SUPPORTED, model_kind
+from akunu.drafters.tree import SUPPORTED, model_kind
 
 
 class _FirstLayersCache(list):

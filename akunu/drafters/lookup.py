@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from akunu.drafter import Draft, Drafter
+from akunu.drafters.base import Draft, Drafter
 
 
 class LookupDrafter(Drafter):

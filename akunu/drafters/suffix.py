@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from akunu.drafter import Draft, Drafter
+from akunu.drafters.base import Draft, Drafter
 
 # How many suffix-link ancestors learn of each new end position. Deeper ones are short strings
 # the n-gram tables cover anyway; a stale end there is still a real, older occurrence.

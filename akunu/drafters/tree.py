@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from akunu.drafter import Draft, NGramDrafter, TokenTree
+from akunu.drafters.base import Draft, NGramDrafter, TokenTree
 from akunu.errors import OptionsError
 from akunu.kv_cache import rewind
 from akunu.sampling import SamplingParams, target_logprobs
@@ -256,7 +256,7 @@ def verify_tree_sampled(logprobs: mx.array, tree: TokenTree) -> tuple[list[int],
 def verify_tree_round(model: nn.Module, cache: list, root: int, draft: Draft, params: SamplingParams):
     """Run a token-tree draft after `root`, keep the accepted path in the cache.
 
-    Returns the accepted tokens, the target's next token and the logits row it came from.
+    Returns the accepted tokens, the target's next token and the logits rows each of them came from.
     """
     tree = draft.tree
     prefix = cache[0].offset
@@ -266,4 +266,4 @@ def verify_tree_round(model: nn.Module, cache: list, root: int, draft: Draft, pa
     else:
         path, token = verify_tree_sampled(target_logprobs(logits, params), tree)
     keep_path(cache, prefix, len(tree) + 1, path)
-    return [tree.tokens[i - 1] for i in path[1:]], token, logits[path[-1]]
+    return [tree.tokens[i - 1] for i in path[1:]], token, logits[mx.array(path)]

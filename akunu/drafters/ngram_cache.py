@@ -9,17 +9,21 @@ smallest counts go, and each context keeps only its `max_continuations` likelies
 
 from __future__ import annotations
 
-import os
+import io
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from akunu.drafter import Draft, NGramDrafter
-from akunu.errors import OptionsError
-from akunu.ngram import fnv1a
+from akunu.drafters.base import Draft, NGramDrafter
+from akunu.drafters.ngram import fnv1a
 
 MAGIC = "akunu-ngram-cache-1"
+
+
+class UnreadableCache(UserWarning):
+    """The cache file exists but cannot be read; the run goes on without its counts."""
 
 
 class NGramCache:
@@ -51,26 +55,30 @@ class NGramCache:
 
     def save(self, path: Path) -> None:
         """Write the cache, capped, atomically (a crash never leaves half a file)."""
-        rows = self._capped_rows()
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        with open(tmp, "wb") as f:
-            np.savez(f, magic=np.array(MAGIC), max_order=np.array(self.max_order), rows=rows)
-        tmp.replace(path)
+        from akunu.files import write_atomically
+
+        buffer = io.BytesIO()
+        np.savez(buffer, magic=np.array(MAGIC), max_order=np.array(self.max_order), rows=self._capped_rows())
+        write_atomically(path, buffer.getvalue(), "the n-gram cache")
 
     @classmethod
     def load(cls, path: Path, **limits) -> NGramCache:
-        cache = cls(**limits)
+        """The counts saved at `path`; an empty cache if there is no file, or (with a warning) if it cannot be read."""
         try:
             with np.load(path, allow_pickle=False) as data:
                 if str(data["magic"]) != MAGIC:
                     raise ValueError("not an akunu n-gram cache")
-                rows = data["rows"]
+                rows = data["rows"].astype(np.uint64).reshape(-1, 4).tolist()
         except FileNotFoundError:
-            return cache
-        except (OSError, ValueError, KeyError) as error:
-            raise OptionsError(f"--ngram-cache {path}: cannot read it ({error}); delete it to start afresh") from None
-        for ctx_len, key, token, count in rows.tolist():
-            if ctx_len < cache.max_order:
+            return cls(**limits)
+        except Exception as error:  # noqa: BLE001 - counts are a hint: an unreadable file costs speed, never the run
+            reason = str(error) or type(error).__name__
+            warnings.warn(f"--ngram-cache {path}: cannot read it ({reason}); this run starts with an empty cache",
+                          UnreadableCache, stacklevel=2)  # fmt: skip
+            return cls(**limits)
+        cache = cls(**limits)
+        for ctx_len, key, token, count in rows:
+            if 0 < ctx_len < cache.max_order:
                 cache.tables[ctx_len - 1].setdefault(key, {})[token] = count
         return cache
 

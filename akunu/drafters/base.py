@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from akunu.ngram import NGramPredictor, Support
+from akunu.drafters.ngram import NGramPredictor, Support
 
 
 @dataclass
