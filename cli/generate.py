@@ -23,7 +23,8 @@ EXAMPLES = """[bold]Examples[/]
   akunu generate -f prompt.txt --temp 0.7 --top-p 0.9 --seed 1 --max-tokens 400
   akunu generate --raw "<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n"
   akunu generate --json --no-spec "Name three rivers." | jq .decode_tps
-  akunu generate --verbose "Repeat this list: apples, pears, plums"   (accepted drafts highlighted)"""
+  akunu generate --verbose "Repeat this list: apples, pears, plums"   (accepted drafts highlighted)
+  akunu generate --json-schema person.json "Invent a person."   (the output is JSON valid for the schema)"""
 
 OUTPUT_PANEL = "Input and output"
 CONVERT_HINT = "; convert it to UTF-8 first, e.g. with iconv -f latin1 -t utf-8"
@@ -75,6 +76,17 @@ def generate(
         ),
     ] = None,
     tree: options.Tree = None,
+    json_schema: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--json-schema",
+            rich_help_panel=OUTPUT_PANEL,
+            help="Constrain the output to JSON valid for the JSON schema in this file (drafting stays on).",
+        ),
+    ] = None,
+    json_object: Annotated[
+        bool, typer.Option("--json-object", rich_help_panel=OUTPUT_PANEL, help="Constrain the output to a JSON object.")
+    ] = False,
     json_output: Annotated[
         bool, typer.Option("--json", rich_help_panel=OUTPUT_PANEL, help="Print one JSON object: text, token ids and stats.")
     ] = False,
@@ -98,6 +110,7 @@ def generate(
         text_input.check_text(system, "--system")
     if ngram_cache is not None:
         options.check_writable_file(ngram_cache, "--ngram-cache")
+    schema = read_schema(json_schema, json_object)
     config = options.generation_config(
         max_tokens=max_tokens, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop, spec=spec,
         draft_tokens=draft_tokens, draft_length=draft_length, exact=exact,
@@ -108,10 +121,11 @@ def generate(
         check_fits(loaded, **{source: text, "--system": system})
         prompt_ids = runtime.encode_prompt(loaded.tokenizer, text, system=system, raw=raw, parse_special=parse_special)
         drafter = make_drafter_for(loaded, config, draft, draft_model, ngram_cache, tree)
+        constraint = make_constraint(loaded, schema)
     if verbose:
         describe_run(loaded, config)
     try:
-        run(loaded, prompt_ids, config, json_output=json_output, verbose=verbose, drafter=drafter)
+        run(loaded, prompt_ids, config, json_output=json_output, verbose=verbose, drafter=drafter, constraint=constraint)
     finally:
         if drafter is not None:  # the persistent n-gram cache learns from this run
             _save_ngram_cache(drafter, ngram_cache)
@@ -162,6 +176,29 @@ def make_drafter_for(loaded, config, draft: str, draft_model: str | None, ngram_
     return drafter
 
 
+def read_schema(path: Path | None, json_object: bool) -> dict | None:
+    """The JSON schema --json-schema or --json-object asks for (read before the model loads), or None."""
+    from akunu.grammar import parse_schema_file
+
+    if path is not None and json_object:
+        raise OptionsError("give either --json-schema or --json-object, not both")
+    if json_object:
+        return {"type": "object"}
+    if path is None:
+        return None
+    text = text_input.read_text_file(path, text_input.READ_LIMIT, "the JSON schema file", CONVERT_HINT)
+    return parse_schema_file(text, f"the JSON schema file {path}")
+
+
+def make_constraint(loaded, schema: dict | None):
+    """The grammar the output must follow, for the loaded model's vocabulary."""
+    if schema is None:
+        return None
+    from akunu.grammar import Constraint
+
+    return Constraint.json_schema(schema, loaded.tokenizer)
+
+
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> tuple[str, str]:
     """The prompt text from the argument, a file or stdin, and where it came from; a PromptError if there is none.
 
@@ -193,12 +230,13 @@ def check_fits(loaded, **texts: str | None) -> None:
             text_input.check_length(text, limit, source)
 
 
-def run(loaded, prompt_ids: list[int], config, *, json_output: bool, verbose: bool, drafter=None) -> None:
+def run(loaded, prompt_ids: list[int], config, *, json_output: bool, verbose: bool, drafter=None, constraint=None) -> None:
     """Stream one generation to stdout; Ctrl-C keeps what was generated and exits 130."""
     out = stdout_console()
     pieces, tokens, stats, finish = [], [], None, None
     try:
-        for response in runtime.stream(loaded, prompt_ids, config, costs=runtime.costs_for(loaded, config), drafter=drafter):
+        costs = runtime.costs_for(loaded, config)
+        for response in runtime.stream(loaded, prompt_ids, config, costs=costs, drafter=drafter, constraint=constraint):
             pieces.append(response.text)
             if response.token is not None:
                 tokens.append(response.token)

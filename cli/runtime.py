@@ -111,8 +111,9 @@ def costs_for(loaded, config):
     return None
 
 
-def stream(loaded, prompt_ids: list[int], config, *, prompt_cache=None, costs=None, drafter=None):
-    """The engine's response stream for one generation (`drafter`: None for the default drafter)."""
+def stream(loaded, prompt_ids: list[int], config, *, prompt_cache=None, costs=None, drafter=None, constraint=None):
+    """The engine's response stream for one generation (`drafter`: None for the default drafter;
+    `constraint`: the grammar the output follows, akunu.grammar)."""
     from akunu.generate import stream_generate
 
     return stream_generate(
@@ -124,6 +125,7 @@ def stream(loaded, prompt_ids: list[int], config, *, prompt_cache=None, costs=No
         context_length=loaded.context_length,
         costs=costs,
         drafter=drafter,
+        constraint=constraint,
     )
 
 
