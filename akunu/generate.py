@@ -47,6 +47,7 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     prefill_step: int = 512
     logprobs: int | None = None  # per-token log-probabilities with this many alternatives (None: off)
+    grammar: str | None = None  # an llguidance grammar the output must follow (akunu.grammar: JSON schemas, tool calls)
 
 
 @dataclass
@@ -113,7 +114,7 @@ def stream_generate(
     `tokenizer` needs `eos_ids` and `detokenizer()`. `prompt_cache` carries the KV cache
     across calls (chat); `costs` holds the pass costs adaptive drafting weighs (measured curves,
     read at this generation's context, or one relative curve). A `constraint` (akunu.grammar)
-    keeps the output inside its grammar, e.g. a JSON schema.
+    keeps the output inside its grammar, e.g. a JSON schema; without one, `config.grammar` makes one.
     """
     _check_prompt(prompt, config, context_length)
     params = config.sampling
@@ -124,6 +125,8 @@ def stream_generate(
         costs = flat_costs(model.width)
         config = replace(config, spec=replace(config.spec, draft_tokens=model.width - 1))  # no draft outgrows a pass
     prompt_cache = prompt_cache or PromptCache(model)
+    if constraint is None and config.grammar is not None:
+        constraint = Constraint(config.grammar, tokenizer)
     if constraint is not None:
         constraint.reset()
     budget = config.max_tokens

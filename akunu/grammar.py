@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -44,16 +45,77 @@ def _guidance_tokenizer(tokenizer):
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_VocabularyView(tokenizer)), eos_token=eos)
 
 
-def json_schema_grammar(schema: dict) -> str:
-    """The llguidance grammar of JSON documents valid for `schema`, written compactly (no free whitespace)."""
+# JSON as json.dumps writes it, the way models write it; no free whitespace, which a model could run on in.
+JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+
+
+def json_schema_grammar(schema: dict, *, lenient: bool = False) -> str:
+    """The llguidance grammar of JSON documents valid for `schema`; `lenient` ignores keywords it does not implement."""
     import llguidance
 
     if not isinstance(schema, dict):
         raise OptionsError("a JSON schema must be a JSON object")
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={**JSON_LAYOUT, "lenient": lenient})
     except ValueError as error:
         raise OptionsError(f"the JSON schema cannot be used: {error}") from None
+
+
+def response_format_grammar(response_format) -> str | None:
+    """The grammar an OpenAI `response_format` asks for (None for plain text); a bad one is an OptionsError.
+
+    `json_schema` with `strict: false` ignores schema keywords llguidance does not implement; with
+    `strict: true` they are an error. Either way the output is JSON valid for what is enforced."""
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_schema_grammar({"type": "object"})
+    if kind != "json_schema":
+        raise OptionsError("response_format.type must be text, json_object or json_schema")
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise OptionsError("response_format.json_schema must be an object with a 'schema' object")
+    return json_schema_grammar(spec.get("schema", {}), lenient=spec.get("strict") is not True)
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How a model family writes a tool call: `prefix` + {"name": ..., arguments_key: {...}} + `suffix`."""
+
+    prefix: str
+    suffix: str
+    separator: str = "\n"  # between calls, when several are allowed
+    arguments_key: str = "arguments"
+
+
+HERMES_TOOL_CALLS = ToolCallFormat("<tool_call>\n", "\n</tool_call>")  # Qwen 2.5/3, Hermes
+
+
+def tool_call_grammar(tools: list[dict], fmt: ToolCallFormat = HERMES_TOOL_CALLS, *, name: str | None = None) -> str:
+    """A Lark grammar of tool calls to OpenAI-style `tools` whose arguments are valid for their parameters
+    schema: one call to `name` (a named tool_choice), else one or more calls to any tool ("required")."""
+    calls = []
+    for tool in tools:
+        function = tool.get("function", {}) if isinstance(tool, dict) else {}
+        if name is None or function.get("name") == name:
+            calls.append(_call_schema(function, fmt.arguments_key))
+    if not calls:
+        raise OptionsError(f"tool_choice names {name!r}, which is not among the tools" if name else "no tools to call")
+    body = json.dumps({"anyOf": calls, "x-guidance": {**JSON_LAYOUT, "lenient": True}})
+    call = f"{json.dumps(fmt.prefix)} call_body {json.dumps(fmt.suffix)}"
+    start = "call" if name else f"call ({json.dumps(fmt.separator)} call)*"
+    return lark_grammar(f"start: {start}\ncall: {call}\ncall_body: %json {body}\n")
+
+
+def _call_schema(function: dict, arguments_key: str) -> dict:
+    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function.get("name")}, arguments_key: parameters},
+        "required": ["name", arguments_key],
+        "additionalProperties": False,
+    }
 
 
 def lark_grammar(text: str) -> str:
