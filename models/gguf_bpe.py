@@ -40,13 +40,11 @@ def byte_level_bpe_from_gguf(metadata: Mapping[str, Any], source: str) -> Tokeni
     types = _token_types(metadata, len(tokens))
     pre = str(metadata.get("tokenizer.ggml.pre", "default"))
     spec = _pre_tokenizer(pre)
+    if not spec.byte_level:
+        return raw_bpe_from_gguf(metadata, source, pre=pre)
     build = _hf_builder(tokens, types, _merges(metadata, source), spec, nfc=pre in _NFC_PRE, source=source)
     words = build(with_specials=False)
-    alphabet = byte_level_alphabet()
-    token_bytes = [
-        token.encode("utf-8") if kind in _WRITTEN_AS_TEXT else byte_level_token_bytes(token, alphabet)
-        for token, kind in zip(tokens, types, strict=True)
-    ]
+    token_bytes = _byte_level_token_bytes(tokens, types)
     return _tokenizer(
         metadata,
         tokens,
@@ -59,14 +57,15 @@ def byte_level_bpe_from_gguf(metadata: Mapping[str, Any], source: str) -> Tokeni
     )
 
 
-def raw_bpe_from_gguf(metadata: Mapping[str, Any], source: str) -> Tokenizer:
-    """Gemma 4's tokenizer: sentencepiece-style pieces, merged by rank like any BPE."""
+def raw_bpe_from_gguf(metadata: Mapping[str, Any], source: str, pre: str = "gemma4") -> Tokenizer:
+    """Gemma 4's tokenizer (and Sarvam's): sentencepiece-style pieces, merged by rank like any BPE."""
     tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
     types = _token_types(metadata, len(tokens))
-    spec = PRE_TOKENIZERS["gemma4"]
+    spec = PRE_TOKENIZERS[pre]
+    gemma4 = pre != "sarvam-moe"
     build = _hf_builder(tokens, types, _merges(metadata, source), spec, nfc=False, source=source)
     words = build(with_specials=False)
-    newline_tokens = {token: i for i, token in enumerate(tokens) if token and not token.strip("\n")}
+    newline_tokens = {token: i for i, token in enumerate(tokens) if gemma4 and token and not token.strip("\n")}
 
     def encode_words(text: str) -> list[int]:
         ids: list[int] = []
@@ -89,14 +88,33 @@ def raw_bpe_from_gguf(metadata: Mapping[str, Any], source: str) -> Tokenizer:
         types,
         encode_words=encode_words,
         token_bytes=token_bytes,
-        add_bos_default=True,
-        force_bos=True,  # llama.cpp turns BOS on for Gemma 4 whatever the file says
+        add_bos_default=gemma4,
+        force_bos=gemma4,  # llama.cpp turns BOS on for Gemma 4 whatever the file says
         decoding="sentencepiece",
         hf_tokenizer=lambda: build(with_specials=True),
     )
 
 
-_WRITTEN_AS_TEXT = (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)
+_WRITTEN_AS_TEXT = frozenset({int(TokenType.CONTROL), int(TokenType.USER_DEFINED), int(TokenType.UNKNOWN)})
+
+
+def _byte_level_token_bytes(tokens: Sequence[str], types: Sequence[int]) -> list[bytes]:
+    """Each token's bytes: GPT-2 symbols mapped back to bytes in one `translate`, as a vocabulary has 100k+ tokens."""
+    alphabet = byte_level_alphabet()
+    to_latin1 = {ord(symbol): byte for symbol, byte in alphabet.items()}
+    # Characters below U+0100 that are not symbols must not pass as bytes: send them out of Latin-1's range.
+    to_latin1.update({code: 0x110000 - 1 for code in range(256) if chr(code) not in alphabet})
+    table = str.maketrans(to_latin1)
+    token_bytes = []
+    for token, kind in zip(tokens, types, strict=True):
+        if kind in _WRITTEN_AS_TEXT:
+            token_bytes.append(token.encode("utf-8"))
+            continue
+        try:
+            token_bytes.append(token.translate(table).encode("latin-1"))
+        except UnicodeEncodeError:
+            token_bytes.append(byte_level_token_bytes(token, alphabet))  # mislabelled: plain text
+    return token_bytes
 
 
 def _tokenizer(
@@ -133,12 +151,9 @@ def special_token_encoders(
     tokens: Sequence[str], types: Sequence[int], encode_words: Callable[[str], list[int]]
 ) -> tuple[Callable[[str], list[int]], Callable[[str], list[int]]]:
     """Encoders of text with special-token strings parsed, and with only user-defined tokens parsed."""
-    user = {token: i for i, token in enumerate(tokens) if types[i] == TokenType.USER_DEFINED and token}
-    every = {
-        token: i
-        for i, token in enumerate(tokens)
-        if types[i] in (TokenType.CONTROL, TokenType.UNKNOWN) and token
-    }
+    user_defined, control = int(TokenType.USER_DEFINED), {int(TokenType.CONTROL), int(TokenType.UNKNOWN)}
+    user = {tokens[i]: i for i, kind in enumerate(types) if kind == user_defined and tokens[i]}
+    every = {tokens[i]: i for i, kind in enumerate(types) if kind in control and tokens[i]}
     every.update(user)
 
     def encoder(split: Callable[[str], list[tuple[str, int | None]]]) -> Callable[[str], list[int]]:

@@ -133,7 +133,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **_names("bailingmoe", "bailingmoe bailingmoe2 llada-moe"),
     **_names("exaone-moe", "exaone-moe"),
     **_names("laguna", "laguna"),
-    **_names("newlines", "gemma4 sarvam-moe", byte_level=False),
+    **_names("newlines", "gemma4 granite-embed-multi-311m sarvam-moe", byte_level=False),
 }  # fmt: skip
 
 

@@ -176,8 +176,15 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
-        """The model's prompt text for a conversation (check `has_chat_template` first)."""
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The model's prompt text for a conversation, offering `tools` (OpenAI-style function specs) to
+        templates that take them (check `has_chat_template` first)."""
         if self._template is None:
             raise ModelError("this model has no chat template")
         return self._template.render(
@@ -185,6 +192,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self._special_text(self.bos_id),
             eos_token=self._special_text(self.eos_id),
+            tools=tools,
         )
 
     def encode_chat(

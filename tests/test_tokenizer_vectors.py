@@ -1,0 +1,114 @@
+"""llama.cpp's tokenizer test vectors, one case per vocabulary family: akunu must give llama.cpp's ids.
+
+The fixtures (tests/fixtures/vocab/, from scripts/record_tokenizer_vectors.py) hold llama.cpp's inputs and
+ids and the part of each real vocabulary the inputs reach. llama.cpp encodes them without BOS and with
+special-token parsing off, so the same is asked of akunu here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from akunu.models.stop_tokens import end_of_generation_ids
+from akunu.models.tokenizer import Tokenizer
+from tests.vocab_fixtures import families, load, metadata_from_fixture
+
+FAMILIES = families()
+
+
+@functools.cache
+def _tokenizer(family: str) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(metadata_from_fixture(load(family)), source=family)
+
+
+def _id(tokenizer: Tokenizer, text: str) -> int:
+    ids = tokenizer.encode(text, add_bos=False)
+    assert len(ids) == 1, f"{text!r} is not one token"
+    return ids[0]
+
+
+def test_every_family_of_llama_cpp_vocab_tests_is_recorded():
+    expected = {"command-r", "deepseek-coder", "deepseek-llm", "falcon", "gemma-4", "gpt-2", "llama-bpe"}
+    expected |= {"llama-spm", "mpt", "phi-3", "qwen2", "qwen35", "refact", "starcoder"}
+    assert set(FAMILIES) == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ids_match_llama_cpp(family):
+    fixture = load(family)
+    tokenizer = _tokenizer(family)
+    failed = [
+        (text, expected, got)
+        for text, expected in fixture["cases"]
+        if (got := tokenizer.encode(text, add_bos=False, parse_special=False)) != expected
+    ]
+    total = len(fixture["cases"])
+    assert not failed, f"{family}: {total - len(failed)}/{total} as llama.cpp; first miss: {failed[0]}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decoding_gives_back_the_input(family):
+    tokenizer = _tokenizer(family)
+    for text, expected in load(family)["cases"]:
+        decoded = tokenizer.decode(expected)
+        # Sentencepiece vocabularies add a dummy-prefix space that decoding takes off again.
+        assert decoded == text or (decoded == text.removeprefix(" ") and tokenizer.vocab_size < 40000), text
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if "llama_cpp_eog_ids" in load(f)])
+def test_end_of_generation_ids_match_llama_cpp(family):
+    tokenizer = _tokenizer(family)
+    llama_cpp = set(load(family)["llama_cpp_eog_ids"])
+    # llama.cpp also stops on any "</s>"; akunu only where it is the declared EOS (it is HTML in Gemma's vocabulary).
+    llama_cpp -= {i for i in llama_cpp if tokenizer.decode([i]) == "</s>" and i != tokenizer.eos_id}
+    assert tokenizer.eos_ids == frozenset(llama_cpp)
+
+
+def test_control_tokens_are_text_without_parse_special_but_user_defined_ones_stay_tokens():
+    qwen = _tokenizer("qwen2")
+    im_end = _id(qwen, "<|im_end|>")
+    as_text = qwen.encode("<|im_end|>", add_bos=False, parse_special=False)
+    assert im_end not in as_text and len(as_text) > 1 and qwen.decode(as_text) == "<|im_end|>"
+    gemma = _tokenizer("gemma-4")
+    turn = _id(gemma, "<|turn>")
+    assert turn not in gemma.encode("<|turn>", add_bos=False, parse_special=False)
+    tool_call = _id(gemma, "<|tool_call>")  # user-defined: llama.cpp matches it even with parsing off
+    assert gemma.encode("a<|tool_call>b", add_bos=False, parse_special=False)[1] == tool_call
+    spm = _tokenizer("llama-spm")
+    assert spm.encode("</s>", add_bos=False) == [spm.eos_id]
+    assert spm.eos_id not in spm.encode("</s>", add_bos=False, parse_special=False)
+
+
+def test_gemma4_bos_and_newline_runs():
+    gemma = _tokenizer("gemma-4")
+    assert gemma.add_bos and gemma.encode("Hi")[0] == gemma.bos_id
+    # A run of newlines that is one token stays one token, however its merges would pair it up.
+    assert gemma.encode("\n\n\n", add_bos=False) == [_id(gemma, "\n\n\n")]
+
+
+STOPS = {
+    "qwen2": {"<|endoftext|>", "<|im_end|>"},
+    "qwen35": {"<|endoftext|>", "<|im_end|>"},
+    "llama-bpe": {"<|end_of_text|>", "<|eot_id|>"},
+    "phi-3": {"<|endoftext|>", "<|end|>"},  # not its user-defined "</s>", which llama.cpp also stops on
+    "gemma-4": {"<eos>", "<turn|>", "<|tool_response>"},
+    "llama-spm": {"</s>"},
+    "command-r": {"<|END_OF_TURN_TOKEN|>", "<PAD>"},  # llama.cpp takes "<PAD>" for a FIM pad
+}
+
+
+@pytest.mark.parametrize("family", sorted(STOPS))
+def test_generation_stops_on_the_family_end_of_turn_tokens(family):
+    tokenizer = _tokenizer(family)
+    stops = {tokenizer.decode([i]) for i in tokenizer.eos_ids}
+    assert stops == STOPS[family]
+
+
+def test_harmony_ends_a_turn_at_return_or_call_not_at_end():
+    tokens = ["a", "<|start|>", "<|end|>", "<|message|>", "<|return|>", "<|call|>", "<|endoftext|>"]
+    ids = end_of_generation_ids(tokens, declared=[6])
+    assert {tokens[i] for i in ids} == {"<|return|>", "<|call|>", "<|endoftext|>"}
+    # Without harmony's <|return|> and <|call|>, <|end|> is Phi-3's end of turn.
+    assert {tokens[i] for i in end_of_generation_ids(tokens[:4], declared=[])} == {"<|end|>"}
