@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,12 +24,21 @@ from akunu import backends
 from akunu.kv_cache import make_cache, rewind
 
 MAX_WIDTH = 33  # 32 drafts and the last committed token
+# A first run measures these widths only, with few sweeps, and reads the others off straight lines between
+# them: enough to pick draft lengths, in a fraction of the time; `akunu bench --cost-curve` measures every width.
+QUICK_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 11, 16, 24, 33)
+QUICK_SWEEPS = 2
+Progress = Callable[[int, int], None]  # (passes timed, passes in all)
 CONTEXT = 512  # a middling context: a prompt plus part of its answer
 CONTEXTS = (64, CONTEXT, 2048)  # tokens already in the cache while timing; generation reads between them
 
 
-def measure(model: nn.Module, max_width: int = MAX_WIDTH, sweeps: int = 7, context: int = CONTEXT) -> list[float]:
-    """Seconds of a k-token pass, k = 1..max_width, after `context` tokens.
+def measure(
+    model: nn.Module, max_width: int = MAX_WIDTH, sweeps: int = 7, context: int = CONTEXT,
+    widths: Sequence[int] | None = None, on_pass: Callable[[], None] | None = None,
+) -> list[float]:
+    """Seconds of a k-token pass, k = 1..max_width, after `context` tokens (only `widths` timed, if given;
+    the rest read off straight lines between them). `on_pass` is called after each timed pass.
 
     Each sweep times every width once, alternating direction, so a burst of load from another
     process lands on all widths alike; the fastest sample of each width is kept, since load
@@ -39,18 +48,40 @@ def measure(model: nn.Module, max_width: int = MAX_WIDTH, sweeps: int = 7, conte
     """
     cache = make_cache(model)
     mx.eval(model(mx.zeros((1, context), mx.uint32), cache=cache))
-    inputs = {width: mx.zeros((1, width), mx.uint32) for width in range(1, max_width + 1)}
+    timed = timed_widths(max_width, widths)
+    inputs = {width: mx.zeros((1, width), mx.uint32) for width in timed}
     samples: dict[int, list[float]] = {width: [] for width in inputs}
     for sweep in range(sweeps + 1):  # sweep 0 warms every width up
-        widths = list(inputs) if sweep % 2 == 0 else list(reversed(inputs))
-        for width in widths:
+        order = list(inputs) if sweep % 2 == 0 else list(reversed(inputs))
+        for width in order:
             start = time.perf_counter()
             mx.eval(model(inputs[width], cache=cache))
             if sweep:
                 samples[width].append(time.perf_counter() - start)
             rewind(cache, width)
-    fastest = [min(samples[width]) for width in inputs]
-    return non_decreasing(fastest)
+            if on_pass is not None:
+                on_pass()
+    fastest = non_decreasing([min(samples[width]) for width in inputs])
+    return _filled(dict(zip(inputs, fastest)), max_width)
+
+
+def timed_widths(max_width: int, widths: Sequence[int] | None = None) -> list[int]:
+    """The widths a measurement times: all of 1..max_width, or those of `widths` within it, ends included."""
+    if widths is None:
+        return list(range(1, max_width + 1))
+    return sorted({1, max_width, *(w for w in widths if 1 <= w <= max_width)})
+
+
+def _filled(seconds: dict[int, float], max_width: int) -> list[float]:
+    """Every width's seconds, those not timed on the straight line between their timed neighbours."""
+    timed = sorted(seconds)
+    filled = []
+    for width in range(1, max_width + 1):
+        hi = next(w for w in timed if w >= width)
+        lo = max((w for w in timed if w <= width), default=hi)
+        t = (width - lo) / (hi - lo) if hi != lo else 0.0
+        filled.append(seconds[lo] + t * (seconds[hi] - seconds[lo]))
+    return filled
 
 
 def non_decreasing(seconds: Sequence[float]) -> list[float]:
@@ -130,9 +161,22 @@ def contexts_within(context_length: int | None) -> tuple[int, ...]:
 
 
 def measure_curves(
-    model: nn.Module, max_width: int = MAX_WIDTH, sweeps: int = 7, contexts: Sequence[int] = CONTEXTS
+    model: nn.Module, max_width: int = MAX_WIDTH, sweeps: int = 7, contexts: Sequence[int] = CONTEXTS,
+    widths: Sequence[int] | None = None, progress: Progress | None = None,
 ) -> CostCurves:
-    return CostCurves({context: measure(model, max_width, sweeps, context) for context in contexts})
+    """`measure` after each of `contexts`; `progress(done, total)` hears of every timed pass."""
+    total = len(contexts) * (sweeps + 1) * len(timed_widths(max_width, widths))
+    done = 0
+
+    def on_pass() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    if progress is not None:
+        progress(0, total)
+    return CostCurves({context: measure(model, max_width, sweeps, context, widths, on_pass) for context in contexts})
 
 
 def save(key: str, curves: CostCurves, directory: Path) -> Path:
@@ -153,13 +197,14 @@ def read_curves(path: Path) -> CostCurves:
 
 
 def cached(
-    model: nn.Module, key: str, directory: Path, max_width: int = MAX_WIDTH, contexts: Sequence[int] = CONTEXTS
+    model: nn.Module, key: str, directory: Path, max_width: int = MAX_WIDTH, contexts: Sequence[int] = CONTEXTS,
+    progress: Progress | None = None,
 ) -> CostCurves:
     """Pass costs for k = 1..max_width (or more) after each of `contexts`, measured once and then
     read from disk.
 
-    A first measurement uses few sweeps, so it takes seconds; a saved record that lacks a
-    context or is too short for `max_width` (or was saved in an older format) is measured again.
+    A first measurement is the quick one (QUICK_WIDTHS, few sweeps), so it takes seconds; a saved record
+    that lacks a context or is too short for `max_width` (or was saved in an older format) is measured again.
     """
     try:
         saved = read_curves(curve_path(key, directory)).seconds
@@ -169,7 +214,7 @@ def cached(
             return CostCurves(chosen)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
-    curves = measure_curves(model, max_width, sweeps=3, contexts=contexts)
+    curves = measure_curves(model, max_width, QUICK_SWEEPS, contexts, widths=QUICK_WIDTHS, progress=progress)
     save(key, curves, directory)
     return curves
 

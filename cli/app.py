@@ -7,6 +7,7 @@ and the model loader when it runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
 import sys
@@ -19,7 +20,7 @@ from typer.core import TyperCommand, TyperGroup
 from akunu import __version__
 from akunu.cli import chat, generate, models_command, serve
 from akunu.cli.console import debug_enabled, print_error
-from akunu.errors import AkunuError
+from akunu.errors import AkunuError, OptionsError
 
 # Every usage error. typer >= 0.20 raises those of its private copy of click, so the class is
 # found through a public subclass rather than imported.
@@ -36,6 +37,8 @@ class AkunuGroup(TyperGroup):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        for command in self.commands.values():
+            check_text_options(command)
         for name, (_, short_help) in LAZY_COMMANDS.items():
             self.commands.setdefault(name, _Placeholder(name, help=short_help))
 
@@ -61,6 +64,10 @@ class AkunuGroup(TyperGroup):
                 _fail(f"{error.format_message()}{hint}", "usage", json_target, code)
         except typer.Abort:
             code = 130
+        except UnicodeEncodeError as error:  # text that slipped past the checks above: still one line
+            if debug_enabled():
+                raise
+            code = _fail(f"text that is not valid UTF-8 (byte {ord(error.object[error.start]) & 0xFF:#04x})", "usage", json_target, 2)
         except OSError as error:  # the machine's refusal (a full disk, a file where a folder should be), not a bug
             if debug_enabled():
                 raise
@@ -103,6 +110,42 @@ def _kind(error: AkunuError) -> str:
     return "error" if name == "akunu" else name
 
 
+def check_text_options(command) -> None:
+    """Every text option and argument of `command` (and its subcommands) arrives as valid UTF-8, or the run
+    ends with one line naming it.
+
+    Python hands stray bytes of argv over as lone surrogates, which fail wherever the text is encoded
+    later. Paths are left alone (a file name may be any bytes), and so is the prompt (generate names it itself).
+    """
+    for sub in getattr(command, "commands", {}).values():
+        check_text_options(sub)
+    callback = command.callback
+    if callback is None or getattr(callback, "_texts_checked", False):
+        return
+    params = [param for param in command.params if param.name != "prompt"]
+
+    @functools.wraps(callback)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        for param in params:
+            _check_text(param, kwargs.get(param.name))
+        return callback(*args, **kwargs)
+
+    checked._texts_checked = True
+    command.callback = checked
+
+
+def _check_text(param, value: Any) -> None:
+    from akunu.cli.text_input import check_text
+
+    where = param.opts[0] if param.param_type_name == "option" else (param.name or "an argument").upper()
+    for item in value if isinstance(value, (list, tuple)) else (value,):
+        if isinstance(item, str):
+            try:
+                check_text(item, where)
+            except AkunuError as error:
+                raise OptionsError(str(error)) from None
+
+
 class _Placeholder(TyperCommand):
     """Stands in for a lazy command in `akunu --help` without importing it."""
 
@@ -122,6 +165,7 @@ def _import_command(name: str) -> TyperCommand | TyperGroup:
         single.command(name=name)(getattr(module, name))
         command = typer.main.get_command(single)
     command.name = name
+    check_text_options(command)
     return command
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Optional
@@ -10,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from akunu.cli import display, options, runtime
+from akunu.cli import display, options, runtime, text_input
 from akunu.cli.chat_view import ChatView
 from akunu.cli.conversation import PLAIN_USER_PREFIX, Conversation
 from akunu.errors import AkunuError
@@ -68,13 +69,15 @@ def chat(
         options.check_writable_file(save, "--save")
     conversation = Conversation.load(load) if load else Conversation()
     if system is not None:
-        conversation.system = system
+        conversation.system = text_input.check_text(system, "--system")
     config = options.generation_config(
         max_tokens=max_tokens, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop, spec=spec,
         draft_tokens=draft_tokens, exact=exact,
     )  # fmt: skip
     loaded = runtime.load(model, dtype)
     config.sampling.validate(loaded.tokenizer.vocab_size)
+    if system is not None:
+        text_input.check_length(system, text_input.text_limit(loaded.context_length), "--system")
     if load:
         conversation.check_continues(loaded.tokenizer, load)
     session = ChatSession(loaded, config, conversation, ChatView(), save_path=save)
@@ -104,13 +107,19 @@ class ChatSession:
             self.view.say("[yellow]note:[/] this model has no chat template; the conversation is sent as a plain transcript")
         if loaded_from:
             self.view.dim(f"resumed {len(self.conversation.turns)} messages from {loaded_from}")
+            saved_with = self.conversation.model
+            if saved_with and saved_with != self.loaded.name:
+                self.view.warn(f"{loaded_from} was saved with the model {saved_with}; it goes on with {self.loaded.name}")
         self.view.dim("/help for commands · Ctrl-C stops an answer · Ctrl-D or /exit quits")
 
-    def run(self, read: Callable[[str], str] = input) -> None:
-        """Read lines until Ctrl-D or /exit."""
+    def run(self, read: Callable[[str], str] | None = None) -> None:
+        """Read lines until Ctrl-D or /exit; a line from a pipe or a file is read with the context's bound."""
         if runtime.stdin_is_terminal():
             import readline  # noqa: F401  (line editing and history for input())
         runtime.tolerant_stdin()
+        if read is None:
+            limit = text_input.text_limit(self.loaded.context_length)
+            read = input if runtime.stdin_is_terminal() else functools.partial(text_input.read_line, limit=limit)
         while True:
             try:
                 line = read(">>> ")

@@ -66,7 +66,8 @@ class ChatView:
         if answer.finish_reason == "interrupted":
             self.console.print("[yellow]⏹ interrupted[/]")
         if answer.stats is not None:
-            self.dim(display.summary_line(answer.stats, answer.finish_reason))
+            width = self.console.width if self.live else None  # on a terminal: one line, never a wrapped word
+            self.dim(display.summary_line(answer.stats, answer.finish_reason, width))
         return answer
 
     def _stream_plain(self, responses, pieces: list[str], answer: Answer) -> None:

@@ -22,10 +22,19 @@ def debug_enabled() -> bool:
     return os.environ.get("AKUNU_DEBUG", "") not in ("", "0")
 
 
+def printable(text: str) -> str:
+    """`text` with stray bytes (lone surrogates, e.g. from a file name) shown as U+FFFD instead of failing to print."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 def print_error(message: str) -> None:
     """One line on stderr: `error: ...`."""
-    stderr_console().print(f"[bold red]error:[/] {escape(message)}")
+    stderr_console().print(f"[bold red]error:[/] {escape(printable(message))}")
 
 
 def print_note(message: str) -> None:
-    stderr_console().print(f"[yellow]note:[/] {escape(message)}")
+    stderr_console().print(f"[yellow]note:[/] {escape(printable(message))}")
+
+
+def print_warning(message: str) -> None:
+    stderr_console().print(f"[yellow]warning:[/] {escape(printable(message))}")

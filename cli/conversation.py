@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +18,7 @@ class Conversation:
     system: str | None = None
     turns: list[dict[str, str]] = field(default_factory=list)  # {"role": "user"|"assistant", "content": ...}
     first: int = 0  # turns before this one outgrew the context: kept and saved, no longer in the prompt
+    model: str | None = None  # the model a loaded file was saved with
 
     def messages(self) -> list[dict[str, str]]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.turns[self.first :]
@@ -59,14 +59,12 @@ class Conversation:
         return tokenizer.encode("\n".join(lines) + "\nAssistant:")
 
     def save(self, path: Path, model: str) -> None:
-        """Write atomically, so an interrupt never leaves half a file."""
+        """Write atomically, so an interrupt never leaves half a file (a device or a FIFO is refused)."""
+        from akunu.files import write_atomically
+
         document = {"format": FORMAT, "version": 1, "model": model, "system": self.system, "messages": self.turns}
-        temporary = path.with_name(f".{path.name}.tmp")
-        try:
-            temporary.write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-            os.replace(temporary, path)
-        except OSError as error:
-            raise AkunuError(f"cannot save the conversation to {path}: {error.strerror or error}") from None
+        text = json.dumps(document, indent=2, ensure_ascii=False) + "\n"
+        write_atomically(path, text.encode("utf-8"), "the conversation")
 
     def check_continues(self, tokenizer, path: Path) -> None:
         """Fail once at load, not at every turn, if the model's template refuses this history and a next question."""
@@ -79,11 +77,12 @@ class Conversation:
     @classmethod
     def load(cls, path: Path) -> Conversation:
         """Read a file written by `save`, or a bare list of {"role", "content"} messages."""
+        from akunu.cli import text_input
+
+        text = text_input.read_text_file(path, text_input.READ_LIMIT, "the conversation")
         try:
-            document = json.loads(path.read_text(encoding="utf-8"))
-        except OSError as error:
-            raise AkunuError(f"cannot read the conversation {path}: {error.strerror or error}") from None
-        except (ValueError, UnicodeDecodeError) as error:
+            document = json.loads(text)
+        except (ValueError, RecursionError) as error:
             raise AkunuError(f"{path} is not JSON ({error})") from None
         messages = document.get("messages") if isinstance(document, dict) else document
         system = document.get("system") if isinstance(document, dict) else None
@@ -97,7 +96,8 @@ class Conversation:
                 system = message["content"]
             else:
                 turns.append({"role": message["role"], "content": message["content"]})
-        return cls(system=system, turns=turns)
+        model = document.get("model") if isinstance(document, dict) else None
+        return cls(system=system, turns=turns, model=model if isinstance(model, str) else None)
 
 
 def _is_message(message) -> bool:

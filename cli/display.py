@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.cells import cell_len
 from rich.table import Table
 from rich.text import Text
 
@@ -21,20 +22,52 @@ def status_line(stats) -> Text:
     return Text("● " + " · ".join(parts), style="dim")
 
 
-def summary_line(stats, finish_reason: str | None) -> str:
-    """One line after an answer; `prefill N tok (M cached` shows how much of the prompt was reused."""
+# The summary's fields shortened, then dropped, in this order until the line fits: least useful first.
+SUMMARY_CUTS = ("prefill", "prefill", "memory", "drafts", "passes", "drafts")
+
+
+def summary_line(stats, finish_reason: str | None, width: int | None = None) -> str:
+    """One line after an answer; `prefill N tok (M cached` shows how much of the prompt was reused.
+
+    Within `width` columns the least useful fields are shortened or left out first, so the line never wraps
+    inside a field; the tokens, the speed and how the answer ended always stay.
+    """
+    fields = _summary_fields(stats, finish_reason)
+    chosen = dict.fromkeys(fields, 0)
+
+    def render() -> str:
+        return " · ".join(fields[name][at] for name, at in chosen.items() if fields[name][at] is not None)
+
+    for name in SUMMARY_CUTS:
+        if width is None or cell_len(render()) <= width:
+            break
+        if name in chosen:
+            chosen[name] += 1
+    return render()
+
+
+def _summary_fields(stats, finish_reason: str | None) -> dict[str, list[str | None]]:
+    """Each field's forms, longest first; None leaves it out."""
     cached = stats.prompt_tokens - stats.prefilled_tokens
-    parts = [
-        f"{stats.generated_tokens} tok",
-        f"{stats.decode_tps:.1f} tok/s",
-        f"prefill {stats.prefilled_tokens} tok ({cached} cached, {stats.prefill_tps:.0f} tok/s)",
-    ]
+    fields: dict[str, list[str | None]] = {
+        "tokens": [f"{stats.generated_tokens} tok"],
+        "speed": [f"{stats.decode_tps:.1f} tok/s"],
+        "prefill": [
+            f"prefill {stats.prefilled_tokens} tok ({cached} cached, {stats.prefill_tps:.0f} tok/s)",
+            f"prefill {stats.prefilled_tokens} tok",
+            None,
+        ],
+    }
     if stats.drafted:
-        parts.append(f"{stats.tokens_per_pass:.2f} tok/pass")
-        parts.append(f"accepted {stats.accepted}/{stats.drafted} drafts ({stats.acceptance_rate:.0%})")
-    parts.append(f"{stats.peak_memory_mb:.0f} MB")
-    parts.append(finish_reason or "?")
-    return " · ".join(parts)
+        fields["passes"] = [f"{stats.tokens_per_pass:.2f} tok/pass", None]
+        fields["drafts"] = [
+            f"accepted {stats.accepted}/{stats.drafted} drafts ({stats.acceptance_rate:.0%})",
+            f"accepted {stats.acceptance_rate:.0%}",
+            None,
+        ]
+    fields["memory"] = [f"{stats.peak_memory_mb:.0f} MB", None]
+    fields["finish"] = [finish_reason or "?"]
+    return fields
 
 
 def stats_table(stats, title: str, finish_reason: str | None = None) -> Table:

@@ -139,9 +139,10 @@ def check_writable_file(path: Path, option: str) -> None:
     """Fail before the model loads (and before an answer is lost) if `path` cannot be written."""
     from akunu.errors import OptionsError
 
+    from akunu.cli.text_input import check_save_target
+
+    check_save_target(path, option)  # a device, a FIFO or a folder
     folder = path.parent
-    if path.is_dir():
-        raise OptionsError(f"{option} {path}: is a folder, not a file")
     if not folder.is_dir():
         raise OptionsError(f"{option} {path}: the folder {folder} does not exist")
     if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):

@@ -90,18 +90,50 @@ def cost_curve(loaded, max_draft: int):
 
     key, directory = cost_curve.curve_key(loaded.name, loaded.dtype), cost_curve.default_dir()
     contexts = cost_curve.contexts_within(loaded.context_length)
-    if not cost_curve.curve_path(key, directory).exists() and stderr_console().is_terminal:
-        stderr_console().print("[dim]measuring forward-pass costs for adaptive drafting (once per model and backend)…[/]")
     try:  # an unwritable AKUNU_HOME costs a measurement per run, never the run
         directory.mkdir(parents=True, exist_ok=True)
         if os.access(directory, os.W_OK):
-            return cost_curve.cached(loaded.model, key, directory, max_width=max_draft + 1, contexts=contexts)
+            with pass_cost_progress("once") as progress:
+                return cost_curve.cached(
+                    loaded.model, key, directory, max_width=max_draft + 1, contexts=contexts, progress=progress
+                )
         reason = "not writable"
     except OSError as error:
         reason = error.strerror or str(error)
     print_note(f"cannot save the cost curve in {directory} ({reason}); measuring it for this run only")
     middling = min(contexts, key=lambda c: abs(c - cost_curve.CONTEXT))  # one context: a few seconds per run
-    return cost_curve.measure_curves(loaded.model, max_draft + 1, sweeps=3, contexts=(middling,))
+    with pass_cost_progress("for this run") as progress:
+        return cost_curve.measure_curves(
+            loaded.model, max_draft + 1, cost_curve.QUICK_SWEEPS, (middling,), widths=cost_curve.QUICK_WIDTHS,
+            progress=progress,
+        )
+
+
+@contextlib.contextmanager
+def pass_cost_progress(how: str) -> Iterator:
+    """A `progress(done, total)` callback for a cost-curve measurement: a live `k/N` line on a terminal,
+    the first and the last line otherwise. Nothing is shown when the curve is read from disk."""
+    label = f"measuring pass costs for this machine, {how}"
+    console = stderr_console()
+    if not console.is_terminal:
+
+        def say(done: int, total: int) -> None:
+            if done in (0, total):
+                console.print(f"[dim]{label}: {done}/{total}[/]")
+
+        yield say
+        return
+    columns = (TextColumn(f"[dim]{label}:[/]"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = None
+
+        def report(done: int, total: int) -> None:
+            nonlocal task
+            if task is None:
+                task = bar.add_task(label, total=total)
+            bar.update(task, completed=done)
+
+        yield report
 
 
 def costs_for(loaded, config):

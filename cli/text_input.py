@@ -6,9 +6,6 @@ so reading stops one byte past that and the run ends with one line.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import stat
 import sys
 from pathlib import Path
 from typing import BinaryIO
@@ -117,42 +114,11 @@ def read_line(prompt: str, limit: int) -> str:
 # Writing user files ----------------------------------------------------------------------------
 
 
-def write_atomically(path: Path, text: str, source: str) -> None:
-    """Replace a regular file (or create one) in one step, so an interrupt never leaves half a file.
-
-    A symlink is followed to the file it names, and the link stays; a device, a FIFO or a folder is
-    refused with one line, never replaced by a file.
-    """
-    target = Path(os.path.realpath(path))
-    with contextlib.suppress(FileNotFoundError):
-        mode = os.stat(target).st_mode
-        if not stat.S_ISREG(mode):
-            raise AkunuError(f"cannot save {source} to {path}: it is {_kind(mode)}, not a regular file")
-    temporary = target.with_name(f".{target.name}.tmp")
-    try:
-        temporary.write_text(text, encoding="utf-8")
-        os.replace(temporary, target)
-    except OSError as error:
-        with contextlib.suppress(OSError):
-            temporary.unlink()
-        raise AkunuError(f"cannot save {source} to {path}: {error.strerror or error}") from None
-
-
 def check_save_target(path: Path, option: str) -> None:
-    """`write_atomically`'s refusal, before the model loads."""
-    with contextlib.suppress(OSError):
-        mode = os.stat(path).st_mode
-        if not stat.S_ISREG(mode):
-            raise OptionsError(f"{option} {path}: it is {_kind(mode)}, not a regular file")
+    """Refuse a device, a FIFO or a folder before the model loads (akunu.files would refuse it at the save)."""
+    from akunu import files
 
-
-def _kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "neither a file nor a folder"
+    try:
+        files.refuse_special(path, option)
+    except AkunuError as error:
+        raise OptionsError(str(error)) from None

@@ -130,6 +130,8 @@ def _pip_failure(log: str) -> str:
     lines = [line.strip() for line in log.splitlines() if line.strip()]
     if "No module named pip" in log:
         return f"pip is not installed for {sys.executable}"
+    if "[Errno 28]" in log or "No space left on device" in log:  # pip says only "ERROR: Exception:" first
+        return "no space left on device (the model cache and pip's download folder need room for the model)"
     errors = [line for line in lines if line.startswith("ERROR:")]
     not_found = any("No matching distribution" in line or "Could not find a version" in line for line in errors)
     unreachable = _UNREACHABLE_INDEX.findall(log)

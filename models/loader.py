@@ -111,9 +111,9 @@ def _load_mlx_folder(path: Path, name: str, dtype: str) -> LoadedModel:
 
     try:
         model, config = mlx_lm_load_model(path)
-    except (FileNotFoundError, ValueError, KeyError) as error:
-        reason = str(error).splitlines()[0] if str(error) else repr(error)
-        raise ModelError(f"cannot load the MLX model in {path}: {reason}") from None
+        context_length = int(_context_length(config))
+    except Exception as error:  # noqa: BLE001 - a model folder is untrusted input: whatever breaks, one line
+        raise ModelError(f"cannot load the MLX model in {path}: {_folder_failure(error)}") from None
     choice = _folder_dtype(model, config, dtype)
     return LoadedModel(
         model=model,
@@ -122,9 +122,19 @@ def _load_mlx_folder(path: Path, name: str, dtype: str) -> LoadedModel:
         path=path,
         architecture=str(config.get("model_type", "unknown")),
         dtype=choice.dtype,
-        context_length=int(_context_length(config)),
+        context_length=context_length,
         dtype_reason=choice.reason,
     )
+
+
+def _folder_failure(error: Exception) -> str:
+    """What mlx-lm's failure says about the folder, in one line."""
+    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if isinstance(error, TypeError) and "argument" in reason:  # ModelArgs(**config) without required fields
+        return f"config.json lacks what the architecture needs ({reason})"
+    if isinstance(error, RuntimeError) and "safetensors" in reason:
+        return f"a weights file is not valid safetensors ({reason})"
+    return reason
 
 
 def _folder_dtype(model: nn.Module, config: dict[str, Any], requested: str) -> DtypeChoice:

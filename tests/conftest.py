@@ -55,7 +55,7 @@ def fake_engine(monkeypatch, isolated_home):
                 tokens.append(response.token)
             yield response
 
-    def cached_cost_curve(model, key, directory, max_width=9, contexts=None):
+    def cached_cost_curve(model, key, directory, max_width=9, contexts=None, progress=None):
         calls.cost_curves.append({"model": model, "key": key, "directory": directory, "max_width": max_width, "contexts": contexts})
         return list(FAKE_COSTS)
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import akunu.cost_curve
+import akunu.files as files_module
 from akunu.cli import conversation as conversation_module
 from akunu.models.chat_template import ChatTemplate
 from tests.fakes import FakeTokenizer, invoke, make_loaded
@@ -80,7 +81,7 @@ def test_no_failure_loses_the_chat_history(fake_engine, tmp_path, monkeypatch):
     """A failed autosave, a markup message, a bad /save path and a template error: the last turn has it all."""
     fake_engine.loaded = make_loaded()
     fake_engine.loaded.tokenizer = TemplateTokenizer(BOOBY_TRAPPED_TEMPLATE)
-    real_replace, failures = conversation_module.os.replace, []
+    real_replace, failures = files_module.os.replace, []
 
     def disk_full_once(source, target):
         if not failures:
@@ -88,7 +89,7 @@ def test_no_failure_loses_the_chat_history(fake_engine, tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         real_replace(source, target)
 
-    monkeypatch.setattr(conversation_module.os, "replace", disk_full_once)
+    monkeypatch.setattr(files_module.os, "replace", disk_full_once)
     saved = tmp_path / "talk.json"
     lines = ["What does [/] mean?", "/save /nonexistent/x.json", "boom", "[bold]last[/bold]"]
     result = invoke("chat", "--max-tokens", "3", "--save", str(saved), input="\n".join(lines) + "\n")

