@@ -112,8 +112,22 @@ def _parsed(kind: str, body: dict, loaded, base_config, prompt_ids: list[int], e
     stream = _field(body, "stream", False, bool)
     options = body.get("stream_options") or {}
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
-    config = dataclasses.replace(base_config, max_tokens=max_tokens, sampling=sampling, stop=(*_stops(body.get("stop")), *extra_stop))
+    config = dataclasses.replace(base_config, max_tokens=max_tokens, sampling=sampling, stop=(*_stops(body.get("stop")), *extra_stop),
+                                 grammar=_response_format(body.get("response_format")))  # fmt: skip
     return ParsedRequest(kind, prompt_ids, config, stream, include_usage)
+
+
+def _response_format(response_format) -> str | None:
+    """The grammar `response_format` asks for (akunu.grammar), None for text; a bad one is a 400."""
+    from akunu.errors import OptionsError
+    from akunu.grammar import response_format_grammar
+
+    if response_format is None:
+        return None
+    try:
+        return response_format_grammar(response_format)
+    except OptionsError as error:
+        raise ApiError(400, str(error), param="response_format") from None
 
 
 def _field(body: dict, name: str, default, kind: type, *, low=None, high=None, low_open: bool = False):
