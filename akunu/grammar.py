@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -79,43 +78,15 @@ def response_format_grammar(response_format) -> str | None:
     return json_schema_grammar(spec.get("schema", {}), lenient=spec.get("strict") is not True)
 
 
-@dataclass(frozen=True)
-class ToolCallFormat:
-    """How a model family writes a tool call: `prefix` + {"name": ..., arguments_key: {...}} + `suffix`."""
-
-    prefix: str
-    suffix: str
-    separator: str = "\n"  # between calls, when several are allowed
-    arguments_key: str = "arguments"
-
-
-HERMES_TOOL_CALLS = ToolCallFormat("<tool_call>\n", "\n</tool_call>")  # Qwen 2.5/3, Hermes
-
-
-def tool_call_grammar(tools: list[dict], fmt: ToolCallFormat = HERMES_TOOL_CALLS, *, name: str | None = None) -> str:
-    """A Lark grammar of tool calls to OpenAI-style `tools` whose arguments are valid for their parameters
-    schema: one call to `name` (a named tool_choice), else one or more calls to any tool ("required")."""
-    calls = []
-    for tool in tools:
-        function = tool.get("function", {}) if isinstance(tool, dict) else {}
-        if name is None or function.get("name") == name:
-            calls.append(_call_schema(function, fmt.arguments_key))
-    if not calls:
-        raise OptionsError(f"tool_choice names {name!r}, which is not among the tools" if name else "no tools to call")
-    body = json.dumps({"anyOf": calls, "x-guidance": {**JSON_LAYOUT, "lenient": True}})
-    call = f"{json.dumps(fmt.prefix)} call_body {json.dumps(fmt.suffix)}"
-    start = "call" if name else f"call ({json.dumps(fmt.separator)} call)*"
-    return lark_grammar(f"start: {start}\ncall: {call}\ncall_body: %json {body}\n")
-
-
-def _call_schema(function: dict, arguments_key: str) -> dict:
-    parameters = function.get("parameters") or {"type": "object", "properties": {}}
-    return {
-        "type": "object",
-        "properties": {"name": {"const": function.get("name")}, arguments_key: parameters},
-        "required": ["name", arguments_key],
-        "additionalProperties": False,
-    }
+def wrapped_json_grammar(prefix: str, schema: dict, suffix: str, *, separator: str | None = None) -> str:
+    """A Lark grammar of `prefix` + JSON valid for `schema` + `suffix` (a forced tool call, e.g. Hermes'
+    "<tool_call>\\n" ... "\\n</tool_call>"); with a `separator`, one or more of them separated by it.
+    Schema keywords llguidance does not implement are ignored, as tool parameters often carry some."""
+    if not isinstance(schema, dict):
+        raise OptionsError("a JSON schema must be a JSON object")
+    body = json.dumps({**schema, "x-guidance": {**JSON_LAYOUT, "lenient": True}})
+    start = "item" if separator is None else f"item ({json.dumps(separator)} item)*"
+    return lark_grammar(f"start: {start}\nitem: {json.dumps(prefix)} body {json.dumps(suffix)}\nbody: %json {body}\n")
 
 
 def lark_grammar(text: str) -> str:

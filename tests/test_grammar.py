@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from akunu.errors import OptionsError
 from akunu.generate import GenerationConfig, SpecConfig, generate
-from akunu.grammar import Constraint, apply_mask, grammar_draft
+from akunu.grammar import Constraint, apply_mask, grammar_draft, response_format_grammar, wrapped_json_grammar
 from akunu.drafters.base import Draft
 from akunu.models.tokenizer import Tokenizer
 from akunu.sampling import SamplingParams, target_logprobs
@@ -76,6 +76,32 @@ def test_json_object_gives_an_object(model, tokenizer):
         text, _, stats = run(model, tokenizer, Constraint.json_object(tokenizer), temp=1.0, seed=seed, max_tokens=200)
         if stats.finish_reason == "stop":
             assert isinstance(json.loads(text), dict)
+
+
+def test_a_forced_tool_call_is_prefix_json_suffix(model, tokenizer):
+    call = {
+        "type": "object",
+        "properties": {"name": {"const": "get_weather"}, "arguments": PERSON},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+    for separator in (None, "\n"):
+        grammar = wrapped_json_grammar("<call>", {"anyOf": [call]}, "</call>", separator=separator)
+        config = GenerationConfig(max_tokens=200, sampling=SamplingParams(temp=1.0, seed=4), grammar=grammar)
+        text, _, stats = generate(model, tokenizer, tokenizer.encode("call:"), config)
+        assert stats.finish_reason == "stop", text
+        for piece in text.split("\n"):
+            assert piece.startswith("<call>") and piece.endswith("</call>")
+            assert_valid(piece[len("<call>") : -len("</call>")], call)
+
+
+def test_response_format_strict_refuses_what_lenient_ignores(tokenizer):
+    schema = {"type": "object", "properties": {"a": {"type": "string", "format": "no-such-format"}}}
+    loose = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    Constraint(response_format_grammar(loose), tokenizer)
+    with pytest.raises(OptionsError):
+        Constraint(response_format_grammar({**loose, "json_schema": {**loose["json_schema"], "strict": True}}), tokenizer)
+    assert response_format_grammar({"type": "text"}) is None
 
 
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "default"])
@@ -206,7 +232,7 @@ def exact_constrained_probs(model, tokenizer, params, length: int) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("params", [SamplingParams(temp=1.0), SamplingParams(temp=0.8, top_p=0.9)], ids=["temp1", "topp"])
 def test_speculation_keeps_the_constrained_distribution(params):
-    model, tokenizer, runs, length = tiny_llama(vocab=8, seed=5, sharpness=1.5), eight_token_tokenizer(), 1500, 3
+    model, tokenizer, runs, length = tiny_llama(vocab=8, seed=5, sharpness=1.5), eight_token_tokenizer(), 1000, 3
     exact = exact_constrained_probs(model, tokenizer, params, length)
     constraint = Constraint.lark(GRAMMAR, tokenizer)
     for spec in (False, True):
