@@ -3,7 +3,8 @@
 - `blas`: OpenBLAS loaded ahead of MLX, with akunu's decode-shaped matmuls (`_matvec.c`) in front of it;
 - `kernels` (`kernels.cpp`): fused attention, SwiGLU, RMSNorm and q|k|v split, built on first use;
 - `fast_step`: the model's attention, RoPE, RMSNorm and SwiGLU routed through them (`rope`, `elementwise`);
-- `fused_layers`: llama layers with stacked products; `compiled_pass`: whole llama passes as compiled traces.
+- `fused_layers`: llama layers with stacked products; `compiled_pass`: whole llama passes as compiled traces;
+- `quantized` (`quantized.cpp`): products over MLX affine-quantized weights for decode steps, built on first use.
 
 The rest of akunu sees only `apply`, `unpatched`, `describe` and `REVISION`, through `akunu.backends`.
 This module must not import MLX at the top: `blas.preload()` runs before MLX is first imported.
@@ -12,7 +13,8 @@ This module must not import MLX at the top: `blas.preload()` runs before MLX is 
 from __future__ import annotations
 
 import os
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 # Bumped whenever the decode step changes what a pass of each width costs, so cost curves saved before
@@ -25,31 +27,44 @@ def apply(model: Any) -> None:
     """Patch a loaded model's decode step for the CPU (mlx-lm's model is left as it is with AKUNU_FAST_STEP=0)."""
     if os.environ.get(FAST_STEP_SWITCH, "1") == "0":
         return
-    from akunu.backends.cpu import fast_step
+    from akunu.backends.cpu import fast_step, quantized
 
     fast_step.enable(model)
+    quantized.enable(model)
 
 
-def unpatched(model: Any) -> AbstractContextManager[None]:
+@contextmanager
+def unpatched(model: Any) -> Iterator[None]:
     """A context running `model` as mlx-lm ships it."""
-    from akunu.backends.cpu import fast_step
+    from akunu.backends.cpu import fast_step, quantized
 
-    return fast_step.unpatched(model)
+    swapped = quantized.disable(model)
+    try:
+        with fast_step.unpatched(model):
+            yield
+    finally:
+        if swapped:
+            quantized.enable(model)
 
 
 def describe() -> dict[str, str]:
     """For run headers: the BLAS MLX's matmuls use, and whether the fused kernels run (if not, why)."""
     from akunu.backends.cpu import blas, kernels
 
-    return {"blas": blas.describe(), "cpu_kernels": kernels.describe()}
+    from akunu.backends.cpu import quantized
+
+    return {"blas": blas.describe(), "cpu_kernels": kernels.describe(), "quantized_kernel": quantized.describe()}
 
 
 def _revision() -> str:
     """e.g. "openblas-matvec4-kernels-step8": the BLAS, matmul routing, kernels and decode step passes run on."""
     from akunu.backends.cpu import blas, kernels
 
+    from akunu.backends.cpu import quantized
+
     routing = f"-matvec{blas.MATVEC_REVISION}" if blas.matvec_path else ""
-    return f"{blas.describe().split()[0].lower()}{routing}{'-kernels' if kernels.load() else ''}-step{STEP_REVISION}"
+    quant = f"-quant{quantized.REVISION}" if quantized.load() else ""
+    return f"{blas.describe().split()[0].lower()}{routing}{'-kernels' if kernels.load() else ''}{quant}-step{STEP_REVISION}"
 
 
 def __getattr__(name: str) -> str:

@@ -58,22 +58,38 @@ def load() -> ModuleType | None:
         import nanobind
     except ImportError:
         return _give_up("nanobind is not installed")
-    target = cache_dir() / _build_key(nanobind.__version__) / (MODULE_NAME + sysconfig.get_config_var("EXT_SUFFIX"))
-    if not target.exists():
-        try:
-            _build(target, nanobind)
-        except (OSError, subprocess.SubprocessError) as error:
-            lines = str(error).strip().splitlines() or [type(error).__name__]
-            first_error = next((line for line in lines if "error" in line), lines[-1])  # g++ ends on context lines
-            return _give_up(f"building {SOURCE.name} failed: {first_error.strip()[:200]}")
     try:
-        spec = importlib.util.spec_from_file_location(MODULE_NAME, target)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = build_and_import(SOURCE, MODULE_NAME, nanobind)
+    except BuildError as error:
+        return _give_up(str(error))
+    try:
         _check(module)
     except Exception as error:  # noqa: BLE001 - a module that does not load or check out is not used
         return _give_up(f"the built kernels do not work here: {error}")
     _why_not.clear()
+    return module
+
+
+class BuildError(Exception):
+    """A kernel source that could not be built or imported here (one line saying why)."""
+
+
+def build_and_import(source: Path, module_name: str, nanobind: ModuleType) -> ModuleType:
+    """The nanobind module `module_name` built from `source`, from the cache or compiled now."""
+    target = cache_dir() / _build_key(nanobind.__version__, source) / (module_name + sysconfig.get_config_var("EXT_SUFFIX"))
+    if not target.exists():
+        try:
+            _build(target, nanobind, source)
+        except (OSError, subprocess.SubprocessError) as error:
+            lines = str(error).strip().splitlines() or [type(error).__name__]
+            first_error = next((line for line in lines if "error" in line), lines[-1])  # g++ ends on context lines
+            raise BuildError(f"building {source.name} failed: {first_error.strip()[:200]}") from None
+    try:
+        spec = importlib.util.spec_from_file_location(module_name, target)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except Exception as error:  # noqa: BLE001 - a module that does not load is not used
+        raise BuildError(f"the built {source.name} does not load here: {error}") from None
     return module
 
 
@@ -82,9 +98,9 @@ def _give_up(reason: str) -> None:
     return None
 
 
-def _build_key(nanobind_version: str) -> str:
+def _build_key(nanobind_version: str, source: Path = SOURCE) -> str:
     """What the binary depends on: the source, MLX, nanobind, Python and this CPU's features."""
-    parts = [SOURCE.read_bytes(), mx.__version__.encode(), nanobind_version.encode(), sys.version.encode(), _cpu_flags()]
+    parts = [source.read_bytes(), mx.__version__.encode(), nanobind_version.encode(), sys.version.encode(), _cpu_flags()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -98,7 +114,7 @@ def _cpu_flags() -> bytes:
     return platform.processor().encode()
 
 
-def _build(target: Path, nanobind: ModuleType) -> None:
+def _build(target: Path, nanobind: ModuleType, source: Path = SOURCE) -> None:
     """Compile into `target` (atomically; another process building the same key waits for it)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / ".lock", "w") as lock:
@@ -112,7 +128,7 @@ def _build(target: Path, nanobind: ModuleType) -> None:
             "-fvisibility=hidden", "-fno-strict-aliasing", "-fopenmp", "-DNDEBUG", "-DNB_DOMAIN=mlx",
             f"-I{sysconfig.get_paths()['include']}", f"-I{nanobind.include_dir()}",
             f"-I{Path(nanobind.source_dir()).parent / 'ext' / 'robin_map' / 'include'}", f"-I{mlx_dir / 'include'}",
-            str(Path(nanobind.source_dir()) / "nb_combined.cpp"), str(SOURCE),
+            str(Path(nanobind.source_dir()) / "nb_combined.cpp"), str(source),
             f"-L{mlx_dir / 'lib'}", "-lmlx", "-ldl", f"-Wl,-rpath,{mlx_dir / 'lib'}", "-o", str(partial),
         ]  # fmt: skip
         result = subprocess.run(command, capture_output=True, text=True)
