@@ -4,8 +4,9 @@ A `Constraint` wraps an llguidance matcher whose state follows the committed tok
 decode loops ask it three things: the allowed tokens at each verified position (`masks`: the
 logits are masked before the greedy or speculative accept test, so sampling stays exact for the
 constrained distribution), a draft cut to what the grammar allows with the tokens it forces
-added for free (`draft`), and to commit what was accepted. Drafted tokens are consumed only to
-compute their masks and rolled back at once, so the matcher never holds a rejected token.
+added for free (`grammar_draft`: jump-forward riding in the same verification pass), and to
+commit what was accepted. Drafted tokens are consumed only to compute their masks and rolled
+back at once, so the matcher never holds a rejected token.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class _VocabularyView:
 
     def __init__(self, tokenizer) -> None:
         self.tokens = list(tokenizer.token_bytes)
-        self.eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else min(tokenizer.eos_ids)
+        self.eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else min(tokenizer.eos_ids, default=None)
         self.bos_token_id = tokenizer.bos_id
         self.special_token_ids = sorted(tokenizer.special_ids)
         self._encode = tokenizer.encode
@@ -99,9 +100,10 @@ def lark_grammar(text: str) -> str:
 class Constraint:
     """The grammar state of one generation; build with `json_schema`, `json_object` or `lark`."""
 
-    def __init__(self, grammar: str, tokenizer) -> None:
+    def __init__(self, grammar: str, tokenizer, *, jump_forward: bool = True) -> None:
         import llguidance
 
+        self.jump_forward = jump_forward  # draft the tokens the grammar forces (off: only check the drafter's)
         self.matcher = llguidance.LLMatcher(_guidance_tokenizer(tokenizer), grammar, log_level=0)
         if self.matcher.is_error():
             raise OptionsError(f"the grammar cannot be used: {self.matcher.get_error()}")
@@ -164,7 +166,7 @@ class Constraint:
         Returns the tokens and, for each, whether the grammar forced it."""
         tokens, forced_at, aligned = [], [], True
         while len(tokens) < limit:
-            forced = self.matcher.compute_ff_tokens()[: limit - len(tokens)]
+            forced = self.matcher.compute_ff_tokens()[: limit - len(tokens)] if self.jump_forward else []
             here = proposal[len(tokens) : len(tokens) + len(forced)]
             if forced:
                 aligned = aligned and list(here) == forced
