@@ -12,7 +12,8 @@ as unused placeholders, so ids are the original ones. The script checks that aku
 the fixture as from the whole vocabulary.
 
 With --llama-python (an interpreter that has llama-cpp-python), the ids llama.cpp ends generation on
-(`llama_vocab_is_eog`) are recorded too.
+(`llama_vocab_is_eog`) are recorded too, and the ids it gives texts holding special tokens, encoded as a
+prompt is (BOS as the model asks, special-token strings parsed).
 
     python scripts/record_tokenizer_vectors.py [--models DIR] [--llama-python PATH]
 """
@@ -32,6 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from akunu.models.chat_template import ChatTemplate
 from akunu.models.detokenizer import byte_level_alphabet
 from akunu.models.gguf_file import read_gguf
 from akunu.models.tokenizer import Tokenizer, TokenType
@@ -58,20 +60,50 @@ SKIPPED = ("bert-",)  # WordPiece embedding vocabularies: not a generation token
 EXTRA_TEXTS = ["<|im_end|>", "<|turn>", "a<|tool_call>b", "</s>", "<s>", "\n\n\n", "Hi"]
 KEPT_TYPES = (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN, TokenType.BYTE)
 
-_EOG_SNIPPET = """
-import json, sys, llama_cpp
+# Run by the llama-cpp-python interpreter: per GGUF, its end-of-generation ids and the ids of texts encoded
+# as a prompt is (BOS as the model asks, special-token strings parsed).
+_LLAMA_CPP_SNIPPET = """
+import ctypes, json, sys, llama_cpp
 llama_cpp.llama_backend_init()
 out = {}
-for path in sys.argv[1:]:
+for path, texts in json.load(sys.stdin).items():
     params = llama_cpp.llama_model_default_params()
     params.vocab_only = True
     model = llama_cpp.llama_model_load_from_file(path.encode(), params)
     vocab = llama_cpp.llama_model_get_vocab(model)
-    n = llama_cpp.llama_vocab_n_tokens(vocab)
-    out[path] = [i for i in range(n) if llama_cpp.llama_vocab_is_eog(vocab, i)]
+    eog = [i for i in range(llama_cpp.llama_vocab_n_tokens(vocab)) if llama_cpp.llama_vocab_is_eog(vocab, i)]
+    prompts = []
+    for text in texts:
+        data = text.encode()
+        buffer = (llama_cpp.llama_token * (len(data) + 8))()
+        n = llama_cpp.llama_tokenize(vocab, data, len(data), buffer, len(buffer), True, True)
+        prompts.append([text, list(buffer[:n])])
+    out[path] = {"eog": eog, "prompts": prompts}
     llama_cpp.llama_model_free(model)
 print(json.dumps(out))
 """
+# A conversation rendered by each vocabulary's own chat template, for the prompt texts above.
+SAMPLE_CHAT = [
+    {"role": "system", "content": "Be terse."},
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "Bye now"},
+]
+
+
+def prompt_texts(metadata: dict[str, Any]) -> list[str]:
+    """Texts holding the vocabulary's special tokens: its chat template's rendering (without BOS, which
+    encoding adds), and its first control tokens between words."""
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    types = list(metadata.get("tokenizer.ggml.token_type", []))
+    controls = [t for t, kind in zip(tokens, types) if kind == TokenType.CONTROL and t][:4]
+    texts = ["Hello " + " Hello ".join(controls) + " world\n\n"]  # not BOS first: llama.cpp would double it
+    template = metadata.get("tokenizer.chat_template")
+    if template:
+        eos = metadata.get("tokenizer.ggml.eos_token_id")
+        eos_text = tokens[eos] if eos is not None else ""
+        texts.append(ChatTemplate(template).render(SAMPLE_CHAT[1:], bos_token="", eos_token=eos_text))
+    return texts
 
 
 def read_cases(gguf: Path) -> list[tuple[str, list[int]]]:
@@ -136,21 +168,22 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def record(gguf: Path, eog: list[int] | None) -> dict[str, Any]:
+def record(gguf: Path, metadata: dict[str, Any], llama_cpp: dict[str, Any] | None) -> dict[str, Any]:
     family = gguf.name.removeprefix("ggml-vocab-").removesuffix(".gguf")
-    metadata = dict(read_gguf(gguf).metadata)
     cases = read_cases(gguf)
+    texts = [text for text, _ in cases] + EXTRA_TEXTS + prompt_texts(metadata)
     fixture = {
         "family": family,
         "source": f"llama.cpp models/{gguf.name} with .inp/.out (llama-cpp-python 0.3.36 sdist)",
-        "metadata": trimmed_metadata(metadata, [text for text, _ in cases] + EXTRA_TEXTS),
+        "metadata": trimmed_metadata(metadata, texts),
         "cases": cases,
     }
-    if eog is not None:
-        fixture["llama_cpp_eog_ids"] = eog
+    if llama_cpp is not None:
+        fixture["llama_cpp_eog_ids"] = llama_cpp["eog"]
+        fixture["llama_cpp_prompts"] = llama_cpp["prompts"]
     full = Tokenizer.from_gguf_metadata(metadata)
     small = Tokenizer.from_gguf_metadata(metadata_from_fixture(fixture))
-    for text in [text for text, _ in cases] + EXTRA_TEXTS:
+    for text in texts:
         for parse_special in (False, True):
             if small.encode(text, parse_special=parse_special) != full.encode(text, parse_special=parse_special):
                 raise SystemExit(f"{family}: the trimmed vocabulary encodes {text[:40]!r} differently")
@@ -159,9 +192,9 @@ def record(gguf: Path, eog: list[int] | None) -> dict[str, Any]:
     return fixture
 
 
-def llama_cpp_eog(python: str, ggufs: list[Path]) -> dict[str, list[int]]:
+def llama_cpp_results(python: str, texts_by_gguf: dict[str, list[str]]) -> dict[str, Any]:
     result = subprocess.run(
-        [python, "-c", _EOG_SNIPPET, *map(str, ggufs)], check=True, capture_output=True, text=True
+        [python, "-c", _LLAMA_CPP_SNIPPET], input=json.dumps(texts_by_gguf), check=True, capture_output=True, text=True
     )
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -181,10 +214,12 @@ def main() -> None:
     for name in CHAT_TEMPLATES:
         source = args.models / "templates" / f"{name}.jinja"
         (TEMPLATE_FIXTURES / source.name).write_bytes(source.read_bytes())
-    eog = llama_cpp_eog(args.llama_python, ggufs) if args.llama_python else {}
+    metadata = {gguf: dict(read_gguf(gguf).metadata) for gguf in ggufs}
+    texts = {str(gguf): prompt_texts(metadata[gguf]) for gguf in ggufs}
+    llama_cpp = llama_cpp_results(args.llama_python, texts) if args.llama_python else {}
     args.out.mkdir(parents=True, exist_ok=True)
     for gguf in ggufs:
-        fixture = record(gguf, eog.get(str(gguf)))
+        fixture = record(gguf, metadata[gguf], llama_cpp.get(str(gguf)))
         target = args.out / f"{fixture['family']}.json.gz"
         data = json.dumps(fixture, ensure_ascii=False, sort_keys=True).encode("utf-8")
         target.write_bytes(gzip.compress(data, compresslevel=9, mtime=0))
