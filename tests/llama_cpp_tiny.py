@@ -1,0 +1,138 @@
+"""Tiny random-weight GGUF files, one per architecture, in llama.cpp's own layout (names, shapes, keys).
+
+The same seed writes the same bytes, so `scripts/record_llama_cpp_fixtures.py` (which runs llama.cpp on
+them) and tests/test_llama_cpp_parity.py (which runs akunu on them) see one file without committing it.
+Shapes follow llama.cpp's `load_arch_tensors` for each family; weights are float32 so the comparison
+measures the mapping, not quantization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFWriter
+
+from akunu.models.architectures.metadata import llama3_rope_divisors
+from tests.tiny_gguf import gpt2_byte_alphabet
+
+VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 272, 64, 4, 2, 16, 128
+EXPERTS, EXPERTS_USED, EXPERT_FFN = 4, 2, 32
+PROMPT = [17, 200, 33, 5, 91, 17, 200, 33, 64, 250, 7, 17]  # token ids: no tokenizer between us and llama.cpp
+GREEDY_TOKENS = 12
+ROPE_BASE = 10000.0
+LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+Q, K, V = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+ATTENTION = {"attn_q": (Q, HIDDEN), "attn_k": (K, HIDDEN), "attn_v": (V, HIDDEN), "attn_output": (HIDDEN, Q)}
+MLP = {"ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+NORMS = {"attn_norm": (HIDDEN,), "ffn_norm": (HIDDEN,)}
+QK_NORMS = {"attn_q_norm": (HEAD_DIM,), "attn_k_norm": (HEAD_DIM,)}
+GEMMA_NORMS = {"attn_norm": (HIDDEN,), "post_attention_norm": (HIDDEN,), "ffn_norm": (HIDDEN,), "post_ffw_norm": (HIDDEN,)}
+
+
+@dataclass(frozen=True)
+class TinyArch:
+    name: str  # the fixture's name
+    gguf_arch: str
+    layer: dict[str, tuple[int, ...]]
+    layers: int = 2
+    tied: bool = True
+    keys: dict[str, float | int] = field(default_factory=dict)  # extra `<arch>.<key>` values
+    rope_freqs: bool = False  # llama 3.x: per-frequency rope divisors as a tensor
+
+    def seed(self) -> int:
+        return sum(map(ord, self.name))
+
+
+ARCHS = {
+    arch.name: arch
+    for arch in (
+        TinyArch("llama", "llama", {**ATTENTION, **MLP, **NORMS}, tied=False),
+        TinyArch("llama3", "llama", {**ATTENTION, **MLP, **NORMS}, tied=False, rope_freqs=True,
+                 keys={"rope.scaling.original_context_length": LLAMA3_ROPE["original_max_position_embeddings"]}),
+        TinyArch("qwen2", "qwen2", {**ATTENTION, **MLP, **NORMS,
+                                     "attn_q.bias": (Q,), "attn_k.bias": (K,), "attn_v.bias": (V,)}),
+        TinyArch("qwen3", "qwen3", {**ATTENTION, **MLP, **NORMS, **QK_NORMS}),
+        TinyArch("qwen3moe", "qwen3moe", {
+            **ATTENTION, **NORMS, **QK_NORMS, "ffn_gate_inp": (EXPERTS, HIDDEN),
+            "ffn_gate_exps": (EXPERTS, EXPERT_FFN, HIDDEN), "ffn_up_exps": (EXPERTS, EXPERT_FFN, HIDDEN),
+            "ffn_down_exps": (EXPERTS, HIDDEN, EXPERT_FFN)},
+            keys={"expert_count": EXPERTS, "expert_used_count": EXPERTS_USED, "expert_feed_forward_length": EXPERT_FFN}),
+        TinyArch("phi3", "phi3", {"attn_qkv": (Q + K + V, HIDDEN), "attn_output": (HIDDEN, Q),
+                                   "ffn_up": (2 * FFN, HIDDEN), "ffn_down": (HIDDEN, FFN), **NORMS},
+                 tied=False, keys={"rope.dimension_count": HEAD_DIM}),
+        TinyArch("gemma2", "gemma2", {**ATTENTION, **MLP, **GEMMA_NORMS},
+                 keys={"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "attention.sliding_window": 4096}),
+        TinyArch("gemma3", "gemma3", {**ATTENTION, **MLP, **GEMMA_NORMS, **QK_NORMS}, layers=6,
+                 keys={"attention.sliding_window": 512}),
+        TinyArch("olmo2", "olmo2", {**ATTENTION, **MLP, "attn_q_norm": (Q,), "attn_k_norm": (K,),
+                                     "post_attention_norm": (HIDDEN,), "post_ffw_norm": (HIDDEN,)}, tied=False),
+        TinyArch("smollm3", "smollm3", {**ATTENTION, **MLP, **NORMS}, layers=4),  # layer 3 skips rope
+        TinyArch("granite", "granite", {**ATTENTION, **MLP, **NORMS},
+                 keys={"logit_scale": 4.0, "residual_scale": 0.5, "embedding_scale": 6.0, "attention.scale": 0.125}),
+    )
+}
+
+
+def write(arch: TinyArch, path: Path) -> Path:
+    """Write `arch`'s tiny GGUF to `path` (the same bytes for the same arch, every time)."""
+    rng = np.random.default_rng(arch.seed())
+    writer = GGUFWriter(str(path), arch.gguf_arch)
+    _add_hyperparameters(writer, arch)
+    _add_tokenizer(writer)
+    for name, values in _tensors(arch, rng).items():
+        writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add_hyperparameters(writer: GGUFWriter, arch: TinyArch) -> None:
+    writer.add_block_count(arch.layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_key_length(HEAD_DIM)
+    writer.add_value_length(HEAD_DIM)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(ROPE_BASE)
+    for key, value in arch.keys.items():
+        full = f"{arch.gguf_arch}.{key}"
+        writer.add_float32(full, value) if isinstance(value, float) else writer.add_uint32(full, value)
+
+
+def _tensors(arch: TinyArch, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    shapes = {"token_embd.weight": (VOCAB, HIDDEN), "output_norm.weight": (HIDDEN,)}
+    if not arch.tied:
+        shapes["output.weight"] = (VOCAB, HIDDEN)
+    for layer in range(arch.layers):
+        for stem, shape in arch.layer.items():
+            shapes[f"blk.{layer}.{stem}" + ("" if stem.endswith(".bias") else ".weight")] = shape
+    tensors = {name: _random(shape, rng, bias=name.endswith(".bias")) for name, shape in shapes.items()}
+    if arch.rope_freqs:
+        tensors["rope_freqs.weight"] = llama3_rope_divisors(HEAD_DIM, ROPE_BASE, LLAMA3_ROPE)
+    return tensors
+
+
+def _random(shape: tuple[int, ...], rng: np.random.Generator, *, bias: bool) -> np.ndarray:
+    if len(shape) == 1 and not bias:  # norm weights near 1
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    scale = 0.5 if bias else 1.0 / np.sqrt(shape[-1])
+    return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+
+def _add_tokenizer(writer: GGUFWriter) -> None:
+    extra = ["<|im_start|>", "<|im_end|>"] + [f"<|unused{i}|>" for i in range(VOCAB - 258)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(gpt2_byte_alphabet() + extra)
+    writer.add_token_types([1] * 256 + [3] * len(extra))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(257)
