@@ -9,6 +9,7 @@ special-token string is tokenized exactly as before, in one piece.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,13 +17,16 @@ from typing import Any
 _MARKS = [(chr(0xF0000 + 2 * i), chr(0xF0001 + 2 * i)) for i in range(16)]
 
 
-def encode_conversation(tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+def encode_conversation(
+    tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, tools: list[dict] | None = None
+) -> list[int]:
+    render = functools.partial(tokenizer.apply_chat_template, add_generation_prompt=add_generation_prompt, tools=tools)
+    rendered = render(messages)
     specials = special_texts(tokenizer)
     texts = list(message_texts(messages))
     if not any(special in text for text in texts for special in specials):
         return tokenizer.encode(rendered)
-    spans = _marked_spans(tokenizer, messages, rendered, texts, add_generation_prompt)
+    spans = _marked_spans(render, messages, rendered, texts)
     if spans is None:
         spans = _found_spans(rendered, texts)
     spans = [(start, end) for start, end in spans if any(s in rendered[start:end] for s in specials)]
@@ -54,7 +58,7 @@ def _texts_of(value: Any) -> Iterator[str]:
             yield from _texts_of(item)
 
 
-def _marked_spans(tokenizer, messages, rendered: str, texts: list[str], add_generation_prompt: bool):
+def _marked_spans(render, messages, rendered: str, texts: list[str]):
     """Where the messages' text lies in `rendered`, found by rendering it between marks; None if the
     template changed the text (trimmed or cut it) so that the marks no longer tell."""
     everything = rendered + "".join(texts)
@@ -64,7 +68,7 @@ def _marked_spans(tokenizer, messages, rendered: str, texts: list[str], add_gene
     opening, closing = marks
     marked_messages = [_marked(message, opening, closing) for message in messages]
     try:
-        marked = tokenizer.apply_chat_template(marked_messages, add_generation_prompt=add_generation_prompt)
+        marked = render(marked_messages)
     except Exception:  # noqa: BLE001 - a template that inspects the text may refuse the marks; search instead
         return None
     spans, plain, start = [], [], None

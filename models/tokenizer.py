@@ -196,17 +196,18 @@ class Tokenizer:
         )
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, parse_special: bool = False
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, parse_special: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The prompt ids of a conversation inside the chat template (check `has_chat_template` first).
 
         Control tokens come from the template's markup only, unless `parse_special` reads them in messages too.
-        """
+        """  # fmt: skip
         if parse_special:
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools))
         from akunu.models.chat_encoding import encode_conversation
 
-        return encode_conversation(self, messages, add_generation_prompt=add_generation_prompt)
+        return encode_conversation(self, messages, add_generation_prompt=add_generation_prompt, tools=tools)
 
     def _special_text(self, token_id: int | None) -> str:
         return self._pieces[token_id] if token_id is not None and 0 <= token_id < self.vocab_size else ""

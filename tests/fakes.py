@@ -62,12 +62,13 @@ class FakeTokenizer:
     def token_text(self, token: int) -> str:
         return ALPHABET[token] if token < len(ALPHABET) else f"<{token}>"
 
-    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True) -> str:
-        text = "".join(f"Q{m['role']}Q{m['content']}\n" for m in messages)
+    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, tools=None) -> str:
+        text = f"QtoolsQ{' '.join(t['function']['name'] for t in tools)}\n" if tools else ""
+        text += "".join(f"Q{m['role']}Q{m['content']}\n" for m in messages)
         return text + ("QassistantQ" if add_generation_prompt else "")
 
-    def encode_chat(self, messages, *, add_generation_prompt: bool = True, parse_special: bool = False) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+    def encode_chat(self, messages, *, add_generation_prompt: bool = True, parse_special: bool = False, tools=None) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools))
 
 
 # The CLI -----------------------------------------------------------------------------------

@@ -126,7 +126,14 @@ def test_a_seed_makes_sampling_repeatable(fake_engine, serve):
     "body, param, words",
     [
         ({"messages": USER, "temperature": -1}, "temperature", "[0.0"),
-        ({"messages": USER, "top_p": 0}, "top_p", "(0.0, 1.0]"),
+        ({"messages": USER, "top_p": -0.1}, "top_p", "[0.0, 1.0]"),
+        ({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+        ({"messages": USER, "logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+        ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+        ({"messages": USER, "top_logprobs": 2}, "top_logprobs", "logprobs: true"),
+        ({"messages": USER, "tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", "id"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content", "text parts"),
         ({"messages": USER, "max_tokens": "9"}, "max_tokens", "integer"),
         ({"messages": USER, "stop": [1]}, "stop", "strings"),
         ({"messages": []}, "messages", "non-empty"),
@@ -168,7 +175,7 @@ def test_an_api_key_is_required_on_every_request(fake_engine, serve):
         with pytest.raises(openai.AuthenticationError) as caught:
             server.client(api_key=key).models.list()
         assert caught.value.status_code == 401 and caught.value.body["code"] == "invalid_api_key"
-    assert raw_request(server.base_url, "GET", "/health")[0] == 401
+    assert raw_request(server.base_url, "GET", "/health")[0] == 200  # load balancers probe without a key
     assert [m.id for m in server.client(api_key="sekret").models.list().data] == ["tiny"]
     assert server.client(api_key="sekret").chat.completions.create(model="tiny", messages=USER, max_tokens=2).usage
 

@@ -11,14 +11,16 @@ import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from akunu.cli.server import tool_calls
 from akunu.cli.server.openai_api import (
     ApiError,
     chunk_body,
     completion_body,
+    logprobs_body,
     new_id,
     parse_chat,
     parse_completion,
@@ -46,8 +48,16 @@ class EventChannel:
                 return
 
 
-def create_app(worker: Worker, base_config, *, api_key: str | None = None) -> Starlette:
-    """The app for a started worker; `base_config` holds the server's speculation settings and default max_tokens."""
+DEFAULT_MAX_BODY = 4 * 1024 * 1024  # bytes: far beyond any context's worth of JSON
+
+
+class ClientLeft(Exception):
+    """The client closed the connection before its request body was whole: an ordinary event, logged in one line."""
+
+
+def create_app(worker: Worker, base_config, *, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY) -> Starlette:
+    """The app for a started worker; `base_config` holds the server's speculation settings and default max_tokens;
+    request bodies over `max_body` bytes get a 413 before they are read whole."""
     model_name = worker.loaded.name
 
     async def chat_completions(request: Request):
@@ -57,7 +67,7 @@ def create_app(worker: Worker, base_config, *, api_key: str | None = None) -> St
         return await generate(request, parse_completion)
 
     async def generate(request: Request, parse):
-        body = await _json_body(request)
+        body = await _json_body(request, max_body)
         if body.get("model") not in (None, model_name):
             raise ApiError(404, f"the model '{body['model']}' is not served here; this server has '{model_name}'",
                            param="model", code="model_not_found")  # fmt: skip
@@ -70,17 +80,23 @@ def create_app(worker: Worker, base_config, *, api_key: str | None = None) -> St
             raise ApiError(429, str(full), kind="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": str(full.retry_after)}) from None  # fmt: skip
         if parsed.stream:
-            events = _server_sent_events(parsed, request_id, model_name, _until_disconnect(request, job, channel))
+            answer = Answer(parsed, worker.loaded.tokenizer)
+            events = _server_sent_events(parsed, answer, request_id, model_name, _until_disconnect(request, job, channel))
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         pieces, final = [], None
         async for event in _until_disconnect(request, job, channel):
             if isinstance(event, Piece):
-                pieces.append(event.text)
+                pieces.append(event)
             else:
                 final = event
         if isinstance(final, Failed):
             raise ApiError(400, final.message) if final.client_error else ApiError(500, final.message, kind="server_error")
-        return JSONResponse(completion_body(parsed.kind, request_id, model_name, "".join(pieces), final.finish_reason, final.stats))
+        text = "".join(piece.text for piece in pieces)
+        content, calls = tool_calls.parse(parsed.family, text) if parsed.tools else (text, [])
+        calls = calls if parsed.tools is None or parsed.tools.parallel else calls[:1]
+        logprobs = logprobs_body(parsed.kind, [e for piece in pieces for e in piece.logprobs], worker.loaded.tokenizer)
+        finish = "tool_calls" if calls else final.finish_reason
+        return JSONResponse(completion_body(parsed.kind, request_id, model_name, content, finish, final.stats, tool_calls=calls, logprobs=logprobs))
 
     async def models(request: Request):
         return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": started, "owned_by": "akunu"}]})
@@ -99,7 +115,7 @@ def create_app(worker: Worker, base_config, *, api_key: str | None = None) -> St
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
-    handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
+    handlers = {ApiError: _api_error, HTTPException: _http_error, ClientLeft: _client_left, Exception: _internal_error}
     app = Starlette(routes=routes, exception_handlers=handlers)
     app.state.worker = worker
     if api_key:
@@ -107,14 +123,33 @@ def create_app(worker: Worker, base_config, *, api_key: str | None = None) -> St
     return app
 
 
-async def _json_body(request: Request) -> dict:
+async def _json_body(request: Request, limit: int) -> dict:
     try:
-        body = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError):
+        body = json.loads(await _bounded_body(request, limit))
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise ApiError(400, "the request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body
+
+
+async def _bounded_body(request: Request, limit: int) -> bytes:
+    """The body, refused with a 413 as soon as it is known to pass `limit` bytes (by its Content-Length, else while it streams)."""
+    too_large = ApiError(413, f"the request body is over the server's limit of {limit} bytes (akunu serve --max-body)",
+                          code="request_too_large")  # fmt: skip
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientLeft(f"the client left {request.url.path} after {size} bytes of its request body") from None
+    return b"".join(chunks)
 
 
 async def _until_disconnect(request: Request, job: Job, channel: EventChannel):
@@ -135,21 +170,58 @@ async def _until_disconnect(request: Request, job: Job, channel: EventChannel):
         job.cancel()  # a no-op once the job is done; stops it if this stream was abandoned
 
 
-async def _server_sent_events(parsed, request_id: str, model: str, events):
+class Answer:
+    """A streamed answer's text split into content and tool calls (when tools are offered), with its logprobs
+    sent along with the text they belong to, or with the next chunk when that text is held back."""
+
+    def __init__(self, parsed, tokenizer) -> None:
+        self.parsed, self.tokenizer = parsed, tokenizer
+        self.calls = tool_calls.CallStream(parsed.family) if parsed.tools else None
+        self.sent_calls, self.logprobs, self.offset = 0, [], 0
+
+    def add(self, piece: Piece) -> tuple[str, list, dict | None]:
+        self.logprobs += piece.logprobs
+        text, calls = self.calls.feed(piece.text) if self.calls else (piece.text, [])
+        return text, self._numbered(calls), self._take_logprobs(text)
+
+    def finish(self) -> tuple[str, list, dict | None]:
+        text, calls = self.calls.finish() if self.calls else ("", [])
+        return text, self._numbered(calls), self._take_logprobs(text, every=True)
+
+    def _numbered(self, calls) -> list:
+        if self.parsed.tools is not None and not self.parsed.tools.parallel:
+            calls = calls[: max(0, 1 - self.sent_calls)]
+        numbered = [(self.sent_calls + i, call) for i, call in enumerate(calls)]
+        self.sent_calls += len(calls)
+        return numbered
+
+    def _take_logprobs(self, text: str, every: bool = False) -> dict | None:
+        if not (text or every) or not self.logprobs:
+            return None
+        entries, self.logprobs = self.logprobs, []
+        body = logprobs_body(self.parsed.kind, entries, self.tokenizer, self.offset)
+        self.offset += len(text)
+        return body
+
+
+async def _server_sent_events(parsed, answer: Answer, request_id: str, model: str, events):
     def data(body: dict) -> str:
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     first = True
     async for event in events:
         if isinstance(event, Piece):
-            yield data(chunk_body(parsed.kind, request_id, model, event.text, first=first))
-            first = False
+            text, calls, logprobs = answer.add(event)
+            if text or calls:
+                yield data(chunk_body(parsed.kind, request_id, model, text, first=first, tool_calls=calls, logprobs=logprobs))
+                first = False
         elif isinstance(event, Finished):
-            stats = event.stats
-            yield data(chunk_body(parsed.kind, request_id, model, "" if first else None, first=first,
-                                  finish_reason=event.finish_reason, stats=stats))  # fmt: skip
+            text, calls, logprobs = answer.finish()
+            finish = "tool_calls" if answer.sent_calls else event.finish_reason
+            yield data(chunk_body(parsed.kind, request_id, model, text if text or not first else "", first=first,
+                                  finish_reason=finish, stats=event.stats, tool_calls=calls, logprobs=logprobs))  # fmt: skip
             if parsed.include_usage:
-                yield data(chunk_body(parsed.kind, request_id, model, None, stats=stats))
+                yield data(chunk_body(parsed.kind, request_id, model, None, stats=event.stats))
         else:
             kind = "invalid_request_error" if event.client_error else "server_error"
             yield data(ApiError(400, event.message, kind=kind).body())
@@ -157,13 +229,13 @@ async def _server_sent_events(parsed, request_id: str, model: str, events):
 
 
 class _BearerAuth:
-    """Every request needs `Authorization: Bearer KEY` (compared in constant time)."""
+    """Every request but /health needs `Authorization: Bearer KEY` (compared in constant time)."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] == "http" and scope["path"] != "/health":  # load balancers probe without a key
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 error = ApiError(401, "a valid API key is needed: send 'Authorization: Bearer KEY'",
@@ -179,6 +251,11 @@ async def _api_error(request, error: ApiError) -> JSONResponse:
 async def _http_error(request, error: HTTPException) -> JSONResponse:
     message = "no such endpoint" if error.status_code == 404 else str(error.detail)
     return await _api_error(request, ApiError(error.status_code, message))
+
+
+async def _client_left(request, error: ClientLeft) -> JSONResponse:
+    log.info("%s", error)  # nobody is left to read the answer
+    return await _api_error(request, ApiError(400, str(error)))
 
 
 async def _internal_error(request, error: Exception) -> JSONResponse:

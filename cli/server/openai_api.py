@@ -1,16 +1,19 @@
 """The OpenAI wire format: request bodies become prompt ids and a GenerationConfig; results become bodies.
 
-Unknown fields are ignored, as OpenAI-compatible servers do; a known field with a bad value is a 400
-naming the field. Sampling defaults to greedy (temperature 0), like `akunu generate`.
+Unknown fields are ignored, as OpenAI-compatible servers do; a known field with a bad value, or one this
+server does not implement and that would change the answer (UNSUPPORTED), is a 400 naming the field. Sampling defaults to greedy (temperature 0), like `akunu generate`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 import uuid
 from dataclasses import dataclass
+
+from akunu.cli.server.tool_calls import HERMES, ToolRequest, ToolRequestError, family_of, tool_request
 
 CHAT, COMPLETION = "chat.completion", "text_completion"
 
@@ -35,27 +38,67 @@ class ParsedRequest:
     config: object  # GenerationConfig
     stream: bool
     include_usage: bool
+    tools: ToolRequest | None = None  # calls are read from the answer only when tools are offered
+    family: str = HERMES  # how the model writes tool calls
+
+
+# Fields that would change the answer's meaning if ignored: refused unless given their neutral value.
+UNSUPPORTED = {
+    "logit_bias": lambda v: bool(v),
+    "frequency_penalty": lambda v: v not in (0, 0.0),
+    "presence_penalty": lambda v: v not in (0, 0.0),
+    "best_of": lambda v: v != 1,
+    "echo": lambda v: v is not False,
+    "suffix": lambda v: v != "",
+    "functions": lambda v: True,
+    "function_call": lambda v: True,
+    "audio": lambda v: True,
+    "prediction": lambda v: True,
+    "modalities": lambda v: v != ["text"],
+}
+MAX_STOPS = 4  # as OpenAI's API
+MAX_TOP_LOGPROBS = {CHAT: 20, COMPLETION: 5}
+GREEDY_BELOW = 1e-5  # a temperature this small is greedy: dividing logits by it overflows
 
 
 def parse_chat(body: dict, loaded, base_config) -> ParsedRequest:
     from akunu.cli.conversation import PLAIN_USER_PREFIX, Conversation
 
     messages = _messages(body.get("messages"))
+    try:
+        tools = tool_request(body)
+    except ToolRequestError as error:
+        raise ApiError(400, str(error), param=error.param) from None
+    tokenizer = loaded.tokenizer
+    if tools and not tokenizer.has_chat_template:
+        raise ApiError(400, "this model has no chat template to offer tools through", param="tools")
     system = "\n\n".join(m["content"] for m in messages if m["role"] == "system") or None
     conversation = Conversation(system=system, turns=[m for m in messages if m["role"] != "system"])
     try:
-        prompt_ids = conversation.prompt_ids(loaded.tokenizer)
+        if tools:
+            prompt_ids = tokenizer.encode_chat(conversation.messages(), tools=tools.template_tools())
+        else:
+            prompt_ids = conversation.prompt_ids(tokenizer)
     except Exception as error:  # noqa: BLE001  (a chat template may reject a message order)
         raise ApiError(400, f"the chat template cannot render these messages: {error}", param="messages") from None
     # Without a chat template the conversation is a transcript: stop where the user's next line would begin.
-    extra_stop = () if loaded.tokenizer.has_chat_template else (PLAIN_USER_PREFIX,)
-    return _parsed(CHAT, body, loaded, base_config, prompt_ids, extra_stop)
+    extra_stop = () if tokenizer.has_chat_template else (PLAIN_USER_PREFIX,)
+    parsed = _parsed(CHAT, body, loaded, base_config, prompt_ids, extra_stop)
+    family = family_of(getattr(tokenizer, "chat_template", None))
+    forced = tools.forced(family) if tools else None
+    if forced is not None:
+        if parsed.config.grammar is not None:
+            raise ApiError(400, "tool_choice required or a named function cannot be combined with response_format", param="tool_choice")
+        parsed = dataclasses.replace(parsed, config=dataclasses.replace(parsed.config, grammar=_forced_grammar(forced, tools.parallel)))
+    return dataclasses.replace(parsed, tools=tools, family=family)
 
 
 def parse_completion(body: dict, loaded, base_config) -> ParsedRequest:
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise ApiError(400, f"one prompt per request (got a batch of {len(prompt)}); send them as separate requests", param="prompt")
     if isinstance(prompt, str) and prompt:
         prompt_ids = loaded.tokenizer.encode(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -63,20 +106,52 @@ def parse_completion(body: dict, loaded, base_config) -> ParsedRequest:
             raise ApiError(400, f"prompt token ids must be in [0, {loaded.tokenizer.vocab_size})", param="prompt")
         prompt_ids = list(prompt)
     else:
-        raise ApiError(400, "'prompt' must be a non-empty string (or a list of token ids); one prompt per request", param="prompt")
+        raise ApiError(400, "'prompt' must be a non-empty string or list of token ids (or a list holding one of them)", param="prompt")
     return _parsed(COMPLETION, body, loaded, base_config, prompt_ids, ())
 
 
 def _messages(messages) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
+    return [_message(message, i) for i, message in enumerate(messages)]
+
+
+def _message(message, i: int) -> dict:
+    """One history message as chat templates take it: role, content text, and an assistant's tool calls or a tool result's id."""
+    role = message.get("role") if isinstance(message, dict) else None
+    role = "system" if role == "developer" else role
+    if role not in ("system", "user", "assistant", "tool"):
+        raise ApiError(400, f"messages[{i}].role must be system, developer, user, assistant or tool", param=f"messages[{i}].role")
+    parsed = {"role": role, "content": _content(message.get("content"), i)}
+    if role == "assistant" and message.get("tool_calls"):
+        parsed["tool_calls"] = _history_calls(message["tool_calls"], i)
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise ApiError(400, f"messages[{i}].tool_call_id must be the id of the call this answers", param=f"messages[{i}].tool_call_id")
+        parsed["tool_call_id"] = call_id
+    if isinstance(message.get("name"), str):
+        parsed["name"] = message["name"]
+    return parsed
+
+
+def _history_calls(calls, i: int) -> list[dict]:
+    """An assistant's earlier calls; arguments become objects, as chat templates write them with `tojson`."""
+    param = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{param} must be a list of calls", param=param)
     parsed = []
-    for i, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        role = "system" if role == "developer" else role
-        if role not in ("system", "user", "assistant"):
-            raise ApiError(400, f"messages[{i}].role must be system, developer, user or assistant", param=f"messages[{i}].role")
-        parsed.append({"role": role, "content": _content(message.get("content"), i)})
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(function.get("arguments", ""), (str, dict)):
+            raise ApiError(400, f"{param} must hold {{id, type: function, function: {{name, arguments}}}}", param=param)
+        arguments = function.get("arguments") or "{}"
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise ApiError(400, f"{param}: the arguments of {function['name']} are not JSON", param=param) from None
+        parsed.append({"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}})
     return parsed
 
 
@@ -90,31 +165,61 @@ def _content(content, i: int) -> str:
 
 
 def _parsed(kind: str, body: dict, loaded, base_config, prompt_ids: list[int], extra_stop: tuple[str, ...]) -> ParsedRequest:
-    from akunu.sampling import SamplingParams
-
     context = loaded.context_length
     if context and len(prompt_ids) >= context:
         raise ApiError(
             400, f"the prompt has {len(prompt_ids)} tokens but the model's context is {context} tokens",
             param="messages" if kind == CHAT else "prompt", code="context_length_exceeded",
         )  # fmt: skip
+    for name, changes_meaning in UNSUPPORTED.items():
+        if body.get(name) is not None and changes_meaning(body[name]):
+            raise ApiError(400, f"'{name}' is not supported by this server", param=name)
     if _field(body, "n", 1, int, low=1) != 1:
         raise ApiError(400, "only n=1 is supported", param="n")
     max_tokens = body.get("max_completion_tokens")
     max_tokens = _field(body, "max_completion_tokens" if max_tokens is not None else "max_tokens", base_config.max_tokens, int, low=1)
-    sampling = SamplingParams(
-        temp=_field(body, "temperature", 0.0, float, low=0.0),
-        top_p=_field(body, "top_p", 1.0, float, low=0.0, high=1.0, low_open=True),
+    stream = _field(body, "stream", False, bool)
+    options = body.get("stream_options") or {}
+    include_usage = isinstance(options, dict) and options.get("include_usage") is True
+    config = dataclasses.replace(
+        base_config, max_tokens=max_tokens, sampling=_sampling(body, loaded), stop=(*_stops(body.get("stop")), *extra_stop),
+        grammar=_response_format(body.get("response_format")), logprobs=_logprobs(kind, body),
+    )  # fmt: skip
+    return ParsedRequest(kind, prompt_ids, config, stream, include_usage)
+
+
+def _sampling(body: dict, loaded):
+    from akunu.sampling import SamplingParams
+
+    temp = _field(body, "temperature", 0.0, float, low=0.0)
+    top_p = _field(body, "top_p", 1.0, float, low=0.0, high=1.0)
+    greedy = temp < GREEDY_BELOW or top_p == 0  # top_p 0 keeps only the most likely token, as OpenAI reads it
+    return SamplingParams(
+        temp=0.0 if greedy else temp,
+        top_p=1.0 if greedy else top_p,
         top_k=_field(body, "top_k", 0, int, low=0, high=loaded.tokenizer.vocab_size - 1),
         min_p=_field(body, "min_p", 0.0, float, low=0.0, high=1.0),
         seed=_field(body, "seed", None, int, low=0, high=2**64 - 1),
     )
-    stream = _field(body, "stream", False, bool)
-    options = body.get("stream_options") or {}
-    include_usage = isinstance(options, dict) and options.get("include_usage") is True
-    config = dataclasses.replace(base_config, max_tokens=max_tokens, sampling=sampling, stop=(*_stops(body.get("stop")), *extra_stop),
-                                 grammar=_response_format(body.get("response_format")))  # fmt: skip
-    return ParsedRequest(kind, prompt_ids, config, stream, include_usage)
+
+
+def _logprobs(kind: str, body: dict) -> int | None:
+    """How many alternatives each token's logprobs list (0: the token's own only); None: no logprobs."""
+    most = MAX_TOP_LOGPROBS[kind]
+    if kind == COMPLETION:  # the legacy API: logprobs is the number of alternatives
+        return _field(body, "logprobs", None, int, low=0, high=most)
+    top = _field(body, "top_logprobs", None, int, low=0, high=most)
+    if not _field(body, "logprobs", False, bool):
+        if top is not None:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return None
+    return top or 0
+
+
+def _forced_grammar(forced, parallel: bool) -> str:
+    from akunu.grammar import wrapped_json_grammar
+
+    return wrapped_json_grammar(forced.prefix, forced.schema, forced.suffix, separator=forced.separator if parallel else None)
 
 
 def _response_format(response_format) -> str | None:
@@ -152,6 +257,8 @@ def _stops(stop) -> tuple[str, ...]:
     if isinstance(stop, str):
         return (stop,)
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if len(stop) > MAX_STOPS:
+            raise ApiError(400, f"'stop' may hold at most {MAX_STOPS} strings (got {len(stop)})", param="stop")
         return tuple(stop)
     raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
 
@@ -179,32 +286,65 @@ def akunu_stats(stats) -> dict:
     return {key: numbers[key] for key in keys.split()}
 
 
-def completion_body(kind: str, request_id: str, model: str, text: str, finish_reason: str, stats) -> dict:
-    choice = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+def completion_body(kind: str, request_id: str, model: str, text: str | None, finish_reason: str, stats, *,
+                    tool_calls=(), logprobs: dict | None = None) -> dict:  # fmt: skip
+    choice = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
     if kind == CHAT:
         choice["message"] = {"role": "assistant", "content": text}
+        if tool_calls:
+            choice["message"]["tool_calls"] = [call.to_openai() for call in tool_calls]
     else:
         choice["text"] = text
     return {**_envelope(kind, request_id, model, chunk=False), "choices": [choice], "usage": usage(stats), "akunu": akunu_stats(stats)}
 
 
 def chunk_body(kind: str, request_id: str, model: str, text: str | None, *, first: bool = False,
-               finish_reason: str | None = None, stats=None) -> dict:  # fmt: skip
-    """One server-sent event: new text, or the last one with the finish reason (and the usage); `text=None`
-    with `stats` is the usage-only chunk `stream_options.include_usage` asks for."""
+               finish_reason: str | None = None, stats=None, tool_calls=(), logprobs: dict | None = None) -> dict:  # fmt: skip
+    """One server-sent event: new text or tool calls (`tool_calls`: (index, ToolCall) pairs), or the last one with
+    the finish reason (and the usage); `text=None` with `stats` alone is the usage-only chunk `include_usage` asks for."""
     body = _envelope(kind, request_id, model, chunk=True)
-    if text is not None or finish_reason is not None:
-        choice = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    body["choices"] = []
+    if text is not None or finish_reason is not None or tool_calls or logprobs:
+        choice = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
         if kind == CHAT:
-            choice["delta"] = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+            delta = {"role": "assistant"} if first else {}
+            if text or (first and not tool_calls):
+                delta["content"] = text or ""
+            if tool_calls:
+                delta["tool_calls"] = [{"index": index, **call.to_openai()} for index, call in tool_calls]
+            choice["delta"] = delta
         else:
             choice["text"] = text or ""
         body["choices"] = [choice]
-    else:
-        body["choices"] = []
     if stats is not None:
         body["usage"], body["akunu"] = usage(stats), akunu_stats(stats)
     return body
+
+
+def logprobs_body(kind: str, entries, tokenizer, offset: int = 0) -> dict | None:
+    """OpenAI's `logprobs` object for these tokens (akunu.logprobs.TokenLogprobs); `offset`: text before them (completions)."""
+    if not entries:
+        return None
+    if kind == CHAT:
+        return {"content": [{**_token_entry(e.token, e.logprob, tokenizer), "top_logprobs": [_token_entry(t, v, tokenizer) for t, v in e.top]}
+                            for e in entries], "refusal": None}  # fmt: skip
+    texts = [_token_text(e.token, tokenizer) for e in entries]
+    offsets = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    return {
+        "tokens": texts,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{_token_text(t, tokenizer): v for t, v in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def _token_entry(token: int, logprob: float, tokenizer) -> dict:
+    raw = tokenizer.token_bytes[token] if hasattr(tokenizer, "token_bytes") else _token_text(token, tokenizer).encode()
+    return {"token": _token_text(token, tokenizer), "logprob": max(logprob, -9999.0), "bytes": list(raw)}
+
+
+def _token_text(token: int, tokenizer) -> str:
+    return tokenizer.token_text(token)
 
 
 def _envelope(kind: str, request_id: str, model: str, *, chunk: bool) -> dict:

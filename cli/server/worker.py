@@ -22,9 +22,10 @@ log = logging.getLogger("akunu.serve")
 
 @dataclass(frozen=True)
 class Piece:
-    """New text of the answer (never empty)."""
+    """New text of the answer, and the logprobs of the tokens it came from when asked (never both empty)."""
 
     text: str
+    logprobs: tuple = ()  # akunu.logprobs.TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -166,8 +167,8 @@ class Worker:
         try:
             for response in self._run_job(self.loaded, job, cache, self.costs):
                 stats, finish = response.stats, response.finish_reason or finish
-                if response.text:
-                    job.emit(Piece(response.text))
+                if response.text or response.logprobs:
+                    job.emit(Piece(response.text, (response.logprobs,) if response.logprobs else ()))
                 if job.cancelled.is_set():  # checked per token, so at most the pass in flight is wasted
                     finish = "cancelled"
                     break

@@ -1,0 +1,315 @@
+"""Tool calls as each model family writes them, read back into OpenAI's `tool_calls`.
+
+Families: Qwen/Hermes `<tool_call>{"name", "arguments"}</tool_call>`, Llama 3.x bare JSON
+`{"name", "parameters"}`, Mistral `[TOOL_CALLS][{...}]` (or `[TOOL_CALLS]name[ARGS]{...}`), and
+gpt-oss harmony `<|channel|>commentary to=functions.NAME ... <|message|>{...}<|call|>`.
+`CallStream` does the same while text streams in, holding back what may be the start of a call.
+A call whose JSON does not parse stays text: nothing the model wrote is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+HERMES, LLAMA3, MISTRAL, HARMONY = "hermes", "llama3", "mistral", "harmony"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI sends it
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def to_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class ForcedCall:
+    """What `tool_choice` required / named forces the output to be: `prefix` + JSON valid for `schema` + `suffix`."""
+
+    prefix: str
+    schema: dict
+    suffix: str
+    separator: str | None = None  # between several calls, when the family writes more than one
+
+
+def family_of(chat_template: str | None) -> str:
+    """The tool-call family a chat template writes (Hermes when it does not say)."""
+    template = chat_template or ""
+    if "<|channel|>" in template or "to=functions" in template:
+        return HARMONY
+    if "[TOOL_CALLS]" in template:
+        return MISTRAL
+    if "<|start_header_id|>" in template and "<tool_call>" not in template:
+        return LLAMA3
+    return HERMES
+
+
+def parse(family: str, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole answer; content is None when the answer is only calls."""
+    content, calls = _PARSERS[family](text)
+    if not calls:
+        return (content if family == HARMONY else text), []  # harmony's channel markup is never content
+    return (content.strip() or None), calls
+
+
+def forced_call(family: str, functions: list[dict], name: str | None) -> ForcedCall:
+    """The output `tool_choice` forces: a call of `name`, or of any of `functions` when None ("required")."""
+    chosen = [f for f in functions if name is None or f["name"] == name]
+    if family == HARMONY:  # the name is written before the JSON: one function's call at a time
+        function = chosen[0]
+        return ForcedCall(f"<|channel|>commentary to=functions.{function['name']} <|constrain|>json<|message|>",
+                          _parameters(function), "<|call|>")  # fmt: skip
+    arguments = "parameters" if family == LLAMA3 else "arguments"
+    calls = [_call_schema(f["name"], arguments, _parameters(f)) for f in chosen]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if family == MISTRAL:
+        return ForcedCall("[TOOL_CALLS][", schema, "]", separator=None)
+    if family == LLAMA3:
+        return ForcedCall("", schema, "")
+    return ForcedCall("<tool_call>\n", schema, "\n</tool_call>", separator="\n")
+
+
+def _parameters(function: dict) -> dict:
+    parameters = function.get("parameters")
+    return parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
+
+
+def _call_schema(name: str, arguments: str, parameters: dict) -> dict:
+    return {"type": "object", "properties": {"name": {"const": name}, arguments: parameters},
+            "required": ["name", arguments], "additionalProperties": False}  # fmt: skip
+
+
+# --- whole answers ------------------------------------------------------------------------------
+
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_HARMONY_CALL = re.compile(r"(?:<\|start\|>assistant)?(?:<\|channel\|>\w+)?\s*to=functions\.([\w.\-]+)[^<]*"
+                           r"(?:<\|channel\|>[^<]*)?(?:<\|constrain\|>\w+)?<\|message\|>(.*?)(?:<\|call\|>|$)", re.DOTALL)  # fmt: skip
+_HARMONY_FINAL = re.compile(r"<\|channel\|>final<\|message\|>(.*?)(?:<\|return\|>|<\|end\|>|$)", re.DOTALL)
+_HARMONY_ANALYSIS = re.compile(r"<\|channel\|>analysis<\|message\|>.*?(?:<\|end\|>|$)", re.DOTALL)
+_HARMONY_MARKUP = re.compile(r"<\|start\|>assistant|<\|channel\|>\w+<\|message\|>|<\|end\|>|<\|return\|>")
+
+
+def _hermes(text: str) -> tuple[str, list[ToolCall]]:
+    calls, kept = [], []
+    for match in _HERMES_CALL.finditer(text):
+        call = _call_from_json(match.group(1), "arguments")
+        if call is None:
+            return text, []
+        calls.append(call)
+    for piece in _HERMES_CALL.split(text)[::2]:
+        kept.append(piece)
+    return "".join(kept), calls
+
+
+def _llama3(text: str) -> tuple[str, list[ToolCall]]:
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return text, []
+    calls, decoder, position = [], json.JSONDecoder(), 0
+    while position < len(body):
+        try:
+            value, end = decoder.raw_decode(body, position)
+        except ValueError:
+            return text, []
+        call = _call_from_value(value, "parameters")
+        if call is None:
+            return text, []
+        calls.append(call)
+        position = end
+        while position < len(body) and body[position] in " \t\n;":  # calls may be separated by ";"
+            position += 1
+    return "", calls
+
+
+def _mistral(text: str) -> tuple[str, list[ToolCall]]:
+    content, marker, rest = text.partition("[TOOL_CALLS]")
+    if not marker:
+        return text, []
+    calls = []
+    for part in rest.split("[TOOL_CALLS]"):
+        part = part.strip()
+        if part.startswith("["):  # v3: a JSON list of {"name", "arguments"}
+            try:
+                values = json.loads(part)
+            except ValueError:
+                return text, []
+            found = [_call_from_value(v, "arguments") for v in values] if isinstance(values, list) else [None]
+        else:  # v11+: name[ARGS]{...}
+            name, args_marker, arguments = part.partition("[ARGS]")
+            found = [_call_from_value({"name": name.strip(), "arguments": _json_or_none(arguments)}, "arguments")] if args_marker else [None]
+        if None in found:
+            return text, []
+        calls += found
+    return content, calls
+
+
+def _harmony(text: str) -> tuple[str, list[ToolCall]]:
+    calls = []
+    for match in _HARMONY_CALL.finditer(text):
+        call = _call_from_value({"name": match.group(1), "arguments": _json_or_none(match.group(2))}, "arguments")
+        if call is None:
+            return text, []
+        calls.append(call)
+    final = _HARMONY_FINAL.search(text)
+    content = final.group(1) if final else _HARMONY_MARKUP.sub("", _HARMONY_CALL.sub("", _HARMONY_ANALYSIS.sub("", text)))
+    return content, calls
+
+
+def _call_from_json(text: str, arguments_key: str) -> ToolCall | None:
+    return _call_from_value(_json_or_none(text), arguments_key)
+
+
+def _call_from_value(value, arguments_key: str) -> ToolCall | None:
+    """A call from {"name": ..., KEY: {...}} (either of "arguments" / "parameters" is read)."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    arguments = value.get(arguments_key, value.get("arguments", value.get("parameters", {})))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        arguments = _json_or_none(arguments)
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _json_or_none(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+_PARSERS = {HERMES: _hermes, LLAMA3: _llama3, MISTRAL: _mistral, HARMONY: _harmony}
+
+
+# --- streaming ----------------------------------------------------------------------------------
+
+
+class CallStream:
+    """Text in as it streams; out: content safe to show now, and calls once each is whole.
+
+    Hermes calls are read one by one as each closes; the other families write calls that run to the
+    end of the answer (or, for harmony, channel markup), so once their opening is seen the rest is held
+    and read by `parse` at the end.
+    """
+
+    _OPENINGS = {HERMES: ("<tool_call>",), MISTRAL: ("[TOOL_CALLS]",), HARMONY: ("<|channel|>", "<|start|>"),
+                 LLAMA3: ("{", "<|python_tag|>")}  # fmt: skip
+
+    def __init__(self, family: str) -> None:
+        self.family, self.pending, self.held = family, "", False
+        self.started = False  # anything but whitespace was shown (llama 3 calls come only first)
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self.pending += text
+        shown, calls = "", []
+        while True:
+            if not self.held:
+                at = self._opening()
+                if at < 0:
+                    keep = self._undecided()
+                    cut = len(self.pending) - keep
+                    shown, self.pending = shown + self._show(self.pending[:cut]), self.pending[cut:]
+                    return shown, calls
+                shown, self.pending, self.held = shown + self._show(self.pending[:at]), self.pending[at:], True
+            if self.family != HERMES or (end := self.pending.find(_CLOSE)) < 0:
+                return shown, calls
+            block, self.pending, self.held = self.pending[: end + len(_CLOSE)], self.pending[end + len(_CLOSE) :], False
+            call = _call_from_json(block[len(_OPEN) : -len(_CLOSE)].strip(), "arguments")
+            if call is None:
+                shown += self._show(block)
+            else:
+                calls.append(call)
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """What is left: the held calls, or the held text when it was not a call after all."""
+        rest, self.pending = self.pending, ""
+        if not rest:
+            return "", []
+        content, calls = parse(self.family, rest)
+        return content or "", calls
+
+    def _openings(self) -> tuple[str, ...]:
+        return () if self.family == LLAMA3 and self.started else self._OPENINGS[self.family]
+
+    def _opening(self) -> int:
+        found = [i for i in (self.pending.find(o) for o in self._openings()) if i >= 0]
+        return min(found, default=-1)
+
+    def _undecided(self) -> int:
+        """How many trailing characters may still begin a call."""
+        if self.family == LLAMA3 and not self.started and not self.pending.strip():
+            return len(self.pending)
+        return max((k for o in self._openings() for k in range(1, min(len(o), len(self.pending)) + 1)
+                    if self.pending.endswith(o[:k])), default=0)  # fmt: skip
+
+    def _show(self, text: str) -> str:
+        self.started = self.started or bool(text.strip())
+        return text
+
+
+# --- the request's side -------------------------------------------------------------------------
+
+
+class ToolRequestError(ValueError):
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    functions: list[dict]  # each {"name", "description"?, "parameters"?}
+    choice: str  # "auto", "required" or "named" ("none" gives no ToolRequest at all)
+    name: str | None = None  # the function `tool_choice` names
+    parallel: bool = True  # `parallel_tool_calls`: False keeps the first call only
+
+    def template_tools(self) -> list[dict]:
+        """The tools as chat templates expect them (the OpenAI request's own shape)."""
+        return [{"type": "function", "function": f} for f in self.functions]
+
+    def forced(self, family: str) -> ForcedCall | None:
+        return forced_call(family, self.functions, self.name) if self.choice != "auto" else None
+
+
+def tool_request(body: dict) -> ToolRequest | None:
+    """The request's `tools`, `tool_choice` and `parallel_tool_calls`; None without tools or with tool_choice "none"."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise ToolRequestError("tool_choice needs tools", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise ToolRequestError("'tools' must be a list of {type: function, function: {name, parameters}}", "tools")
+    functions = [_function(tool, i) for i, tool in enumerate(tools)]
+    names = [f["name"] for f in functions]
+    if len(set(names)) < len(names):
+        raise ToolRequestError("tool names must be unique", "tools")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ToolRequestError("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+    if choice is None or choice in ("auto", "required"):
+        return ToolRequest(functions, choice or "auto", parallel=parallel is not False)
+    if choice == "none":
+        return None
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if not isinstance(name, str) or name not in names:
+        raise ToolRequestError(f"tool_choice must be none, auto, required or {{type: function, function: {{name}}}} naming one of {names}",
+                               "tool_choice")  # fmt: skip
+    return ToolRequest(functions, "named", name, parallel=False)
+
+
+def _function(tool, i: int) -> dict:
+    function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+        raise ToolRequestError(f"tools[{i}] must be {{type: function, function: {{name, parameters}}}} with a name of "
+                               "at most 64 letters, digits, '_', '.' or '-'", f"tools[{i}]")  # fmt: skip
+    if not isinstance(function.get("parameters", {}), dict) or not isinstance(function.get("description", ""), str):
+        raise ToolRequestError(f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}].function.parameters")
+    return {key: function[key] for key in ("name", "description", "parameters") if key in function}
