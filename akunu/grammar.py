@@ -112,16 +112,16 @@ class Constraint:
         self._words = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
 
     @classmethod
-    def json_schema(cls, schema: dict, tokenizer) -> Constraint:
-        return cls(json_schema_grammar(schema), tokenizer)
+    def json_schema(cls, schema: dict, tokenizer, **options) -> Constraint:
+        return cls(json_schema_grammar(schema), tokenizer, **options)
 
     @classmethod
-    def json_object(cls, tokenizer) -> Constraint:
-        return cls(json_schema_grammar({"type": "object"}), tokenizer)
+    def json_object(cls, tokenizer, **options) -> Constraint:
+        return cls(json_schema_grammar({"type": "object"}), tokenizer, **options)
 
     @classmethod
-    def lark(cls, text: str, tokenizer) -> Constraint:
-        return cls(lark_grammar(text), tokenizer)
+    def lark(cls, text: str, tokenizer, **options) -> Constraint:
+        return cls(lark_grammar(text), tokenizer, **options)
 
     def reset(self) -> None:
         self.matcher.reset()
