@@ -8,6 +8,9 @@ MLX's CPU backend (greedy decode after warm-up, ms per token, quantized vs float
   Gemma-3-270M Q4_K_M  with OpenBLAS 214 vs 136    reference BLAS only 205 vs 365
 
 * Metal GPU available: quantized (MLX's quantized kernels are its fast path there).
+* CPU with akunu's quantized kernel (the CPU backend, Linux): quantized. A decode step reads each
+  weight once at its stored width (4-8 bits plus scales) instead of 32 bits, and the weights are
+  llama.cpp's own values (every type with an exact MLX form stays quantized; see gguf_weights).
 * CPU with an optimized BLAS (OpenBLAS preloaded on Linux, Accelerate on macOS): float32,
   since float32 matmuls go to the BLAS and beat MLX's CPU quantized kernels by 1.5-2x.
 * CPU with only the reference BLAS bundled with mlx: quantized (float32 is no faster, up to
@@ -50,6 +53,8 @@ def choose_dtype(requested: str = "auto", *, float32_bytes: int | None = None) -
         return DtypeChoice("quantized", f"float32 weights ({size}) would not fit comfortably in memory")
     if mx.metal.is_available():
         return DtypeChoice("quantized", "Metal GPU: MLX quantized kernels are fastest")
+    if backends.quantized_kernel_available():
+        return DtypeChoice("quantized", "CPU backend with akunu's quantized kernel: 4-8x fewer bytes per token than float32")
     if sys.platform == "darwin":
         return DtypeChoice("float32", "CPU backend: float32 matmuls through Accelerate beat quantized kernels")
     if backends.optimized_blas_loaded():

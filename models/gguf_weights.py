@@ -9,9 +9,10 @@ Weight policy (the README quotes this):
   Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, MXFP4, Q8_0, IQ4_NL, IQ4_XS) is re-expressed exactly as an
   MLX affine triple (`ggml_blocks`: 4, 5 or 8 bits, group size 32, float32 scales), equal to
   llama.cpp's dequantisation value for value. Types with 16-weight groups (Q2_K, Q3_K, Q6_K)
-  have no MLX form: they are dequantized exactly to float32 and, in "quantized" mode,
-  re-quantized to MLX affine with group size 32: 4-bit for types of at most 5 bits per
-  weight (Q2_K, Q3_K), 8-bit for Q6_K, so precision never drops below the source's.
+  have no MLX form: they are dequantized exactly to float32. Only in "quantized" mode, and only
+  if they hold over a quarter of the file's quantized weights (memory would balloon), are they
+  re-quantized to MLX affine with group size 32: 4-bit for types of at most 5 bits per weight
+  (Q2_K, Q3_K), 8-bit for Q6_K, so precision never drops below the source's.
   Other types (IQ1-IQ3, TQ*, ...) are refused with one line.
 * A quantized tensor that is not a matrix (a relabelled norm, say) is dequantized, never
   handed to MLX as a triple; a dequantized weight that is NaN or infinite means a corrupt file.
@@ -34,6 +35,9 @@ from akunu.models.gguf_file import GGUFFile, TensorInfo
 
 GROUP_SIZE = 32
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+# In "quantized" mode, types with no exact MLX form stay exact float32 while they hold at most this share of a
+# file's quantized weights (a K-quant mix's Q6_K tensors); past it (a Q6_K file) memory wins: re-quantized.
+MAX_FLOAT_SHARE = 0.25
 # Types MLX's own GGUF reader turns into exact MLX-quantized (or float) arrays.
 MX_LOAD_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16,
                  GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
@@ -85,14 +89,29 @@ def _read_with_mx_load(gguf_file: GGUFFile) -> dict[str, mx.array]:
 def _read_with_dequantize(gguf_file: GGUFFile, keep_quantized: bool, progress: Progress | None) -> dict[str, mx.array]:
     weights: dict[str, mx.array] = {}
     infos = list(gguf_file.tensors.values())
+    requantize = keep_quantized and _float_share(infos) > MAX_FLOAT_SHARE
     for done, info in enumerate(infos, 1):
-        weights.update(_decode_tensor(gguf_file, info, keep_quantized))
+        weights.update(_decode_tensor(gguf_file, info, requantize))
         if progress:
             progress("load", done, len(infos))
     return weights
 
 
-def _decode_tensor(gguf_file: GGUFFile, info: TensorInfo, keep_quantized: bool) -> dict[str, mx.array]:
+def _float_share(infos: list[TensorInfo]) -> float:
+    """The share of a file's quantized weights in types with no exact MLX form (16-weight groups)."""
+    counts = {True: 0, False: 0}
+    for info in infos:
+        if info.ggml_type not in FLOAT_TYPES:
+            counts[exact_triple_exists(info)] += int(np.prod(info.shape, dtype=np.int64))
+    return counts[False] / max(1, counts[True] + counts[False])
+
+
+def exact_triple_exists(info: TensorInfo) -> bool:
+    layout = LAYOUTS.get(info.ggml_type)
+    return layout is not None and layout.group == GROUP_SIZE and len(info.shape) >= 2
+
+
+def _decode_tensor(gguf_file: GGUFFile, info: TensorInfo, requantize_inexact: bool) -> dict[str, mx.array]:
     raw = gguf_file.tensor_bytes(info)
     stem = info.name.removesuffix(".weight")
     with np.errstate(all="ignore"):  # garbage scales overflow; checked below, naming the tensor
@@ -103,7 +122,7 @@ def _decode_tensor(gguf_file: GGUFFile, info: TensorInfo, keep_quantized: bool) 
         return {info.name: mx.array(triple.packed), f"{stem}.scales": mx.array(triple.scales),
                 f"{stem}.biases": mx.array(triple.biases)}
     array = mx.array(_to_float32(raw, info), dtype=mx.float32)
-    requantize = (keep_quantized and info.ggml_type not in FLOAT_TYPES
+    requantize = (requantize_inexact and info.ggml_type not in FLOAT_TYPES
                   and array.ndim == 2 and array.shape[-1] % GROUP_SIZE == 0)
     if not requantize:
         return {info.name: array}

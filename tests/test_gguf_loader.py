@@ -19,6 +19,7 @@ from akunu.models.dtype_policy import choose_dtype
 from akunu.models.ggml_blocks import exact_triple
 from akunu.models.gguf_file import read_gguf
 from akunu.models.gguf_model import load_gguf_model
+from akunu.models import gguf_weights
 from akunu.models.gguf_weights import requantize_bits
 from tests.tiny_gguf import (
     FFN, HEADS, HEAD_DIM, HIDDEN, KV_HEADS, LAYERS, VOCAB, encode_values, gpt2_byte_alphabet, write_tiny_gguf,
@@ -73,22 +74,27 @@ def test_mx_load_types_stay_quantized_exactly(tmp_path, matrix_type, bits):
     assert config["tie_word_embeddings"] is True and not hasattr(model, "lm_head") or "lm_head" not in model
 
 
-def test_mixed_k_quant_file_follows_the_policy(tmp_path):
+def test_mixed_k_quant_file_follows_the_policy(tmp_path, monkeypatch):
     path = tmp_path / "tiny.gguf"
     # K-quants need 256-wide rows: only ffn_down (in = FFN) can hold them.
     types = {"blk.0.ffn_down.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q4_K}
     expected = write_tiny_gguf(path, matrix_type=Q.Q5_0, embedding_type=Q.Q8_0, types_by_name=types)
     model, _ = load_gguf_model(read_gguf(path), quantized=True)
     layers = model.model.layers
-    bits = (layers[0].mlp.down_proj.bits, layers[1].mlp.down_proj.bits, layers[0].mlp.gate_proj.bits)
-    assert bits + (model.model.embed_tokens.bits,) == (8, 4, 5, 8)
-    # Q4_K, Q5_0 and Q8_0 have exact MLX forms; Q6_K is re-quantized to within one 8-bit step.
+    bits = (layers[1].mlp.down_proj.bits, layers[0].mlp.gate_proj.bits, model.model.embed_tokens.bits)
+    assert bits == (4, 5, 8) and type(layers[0].mlp.down_proj) is nn.Linear  # Q6_K: a small share, kept exact
     for module, name in [(layers[1].mlp.down_proj, "blk.1.ffn_down.weight"),
+                         (layers[0].mlp.down_proj, "blk.0.ffn_down.weight"),
                          (layers[0].mlp.gate_proj, "blk.0.ffn_gate.weight"),
                          (model.model.embed_tokens, "token_embd.weight")]:
-        np.testing.assert_allclose(_dense_weight(module), expected[name], atol=1e-6, err_msg=name)
+        np.testing.assert_array_equal(_dense_weight(module), expected[name], err_msg=name)
+    # A file made mostly of Q6_K is re-quantized instead, to within one 8-bit step.
+    monkeypatch.setattr(gguf_weights, "MAX_FLOAT_SHARE", 0.05)
+    model, _ = load_gguf_model(read_gguf(path), quantized=True)
+    down = model.model.layers[0].mlp.down_proj
+    assert down.bits == 8
     reference = expected["blk.0.ffn_down.weight"].reshape(-1, 32)
-    error = np.abs(_dense_weight(layers[0].mlp.down_proj).reshape(-1, 32) - reference).max(axis=-1)
+    error = np.abs(_dense_weight(down).reshape(-1, 32) - reference).max(axis=-1)
     assert np.all(error <= np.ptp(reference, axis=-1) / 255 + 1e-6)
     full, _ = load_gguf_model(read_gguf(path), quantized=False)
     for name, module in [("blk.0.ffn_down.weight", full.model.layers[0].mlp.down_proj),
@@ -102,17 +108,15 @@ EXACT_IN_BOTH_MODES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q
 
 
 @pytest.mark.parametrize("ggml_type", EXACT_IN_BOTH_MODES + [Q.Q2_K, Q.Q3_K, Q.Q6_K], ids=lambda t: t.name)
-def test_each_quantization_type_loads(tmp_path, ggml_type):
+def test_each_quantization_type_loads_exactly(tmp_path, ggml_type):
     """ffn_down is the one matrix whose rows (FFN wide) fit a 256-weight K-quant block."""
     path = tmp_path / "tiny.gguf"
     expected = write_tiny_gguf(path, matrix_type=Q.Q8_0, types_by_name={"blk.1.ffn_down.weight": ggml_type})
     for quantized in (False, True):
         model, _ = load_gguf_model(read_gguf(path), quantized=quantized)
         down = model.model.layers[1].mlp.down_proj
-        exact = not quantized or ggml_type in EXACT_IN_BOTH_MODES
-        assert isinstance(down, nn.QuantizedLinear) == quantized
-        if exact:
-            np.testing.assert_array_equal(_dense_weight(down), expected["blk.1.ffn_down.weight"])
+        assert isinstance(down, nn.QuantizedLinear) == (quantized and ggml_type in EXACT_IN_BOTH_MODES)
+        np.testing.assert_array_equal(_dense_weight(down), expected["blk.1.ffn_down.weight"])
 
 
 def test_gemma3_config_and_norm_offset(tmp_path):
@@ -305,6 +309,7 @@ def test_hub_without_network_is_one_line(monkeypatch):
 
 
 def test_dtype_policy(monkeypatch):
+    from akunu import backends
     from akunu.backends.cpu import blas
 
     assert choose_dtype("float32").dtype == "float32"
@@ -316,6 +321,9 @@ def test_dtype_policy(monkeypatch):
     monkeypatch.setattr(mx.metal, "is_available", lambda: False)
     monkeypatch.setattr("sys.platform", "linux")
     monkeypatch.setattr(blas, "loaded_path", "/usr/lib/libopenblas.so.0")
+    monkeypatch.setattr(backends, "quantized_kernel_available", lambda: True)
+    assert choose_dtype("auto").reason.startswith("CPU backend with akunu's quantized kernel")
+    monkeypatch.setattr(backends, "quantized_kernel_available", lambda: False)
     assert choose_dtype("auto").dtype == "float32"
     assert choose_dtype("auto", float32_bytes=1 << 60).dtype == "quantized"
     monkeypatch.setattr(blas, "loaded_path", None)

@@ -78,6 +78,15 @@ def revision() -> str:
     return f"{'cpu' if on_cpu() else 'gpu'}-mlx"
 
 
+def quantized_kernel_available() -> bool:
+    """Whether the CPU backend runs quantized layers' decode products with its own kernel (built on first ask)."""
+    if not cpu_backend_applies():
+        return False
+    from akunu.backends.cpu import quantized
+
+    return quantized.load() is not None
+
+
 def optimized_blas_loaded() -> bool:
     """Whether the CPU backend put an optimized BLAS under MLX (never without it; asking imports nothing)."""
     blas = sys.modules.get(f"{_CPU_PACKAGE}.blas")
