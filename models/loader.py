@@ -15,8 +15,8 @@ from akunu import backends
 from akunu.errors import ModelError
 from akunu.models import catalogue
 from akunu.models.dtype_policy import DtypeChoice, choose_dtype
-from akunu.models.gguf_file import read_gguf
 from akunu.models.fetch import Progress
+from akunu.models.gguf_file import read_gguf
 
 if TYPE_CHECKING:
     from akunu.models.tokenizer import Tokenizer
@@ -139,9 +139,7 @@ def _folder_failure(error: Exception) -> str:
 
 def _folder_dtype(model: nn.Module, config: dict[str, Any], requested: str) -> DtypeChoice:
     """Apply the dtype policy to an mlx-lm model; "quantized" keeps a float folder as it is."""
-    from mlx_lm.utils import dequantize_model
-
-    from mlx_lm.utils import get_total_parameters
+    from mlx_lm.utils import dequantize_model, get_total_parameters
 
     quantized = "quantization" in config
     choice = choose_dtype(requested, float32_bytes=4 * int(get_total_parameters(model)))

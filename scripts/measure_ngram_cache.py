@@ -15,11 +15,12 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+from shipped_runs import load_with_curves, options
+
 from akunu.bench.workloads import select, shipped_workload
 from akunu.drafters import make_drafter
-from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.drafters.ngram_cache import NGramCache
-from shipped_runs import load_with_curves, options
+from akunu.generate import GenerationConfig, SpecConfig, generate
 
 
 def main() -> None:

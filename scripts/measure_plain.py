@@ -19,9 +19,9 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
+from akunu.backends.cpu import fast_step
 from akunu.bench.engine import ModelEngine
 from akunu.bench.workloads import load_workload, select, shipped_workload
-from akunu.backends.cpu import fast_step
 from akunu.models import load_model
 
 LONG_PROMPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "long-context.jsonl"

@@ -30,17 +30,17 @@ import statistics
 import time
 from collections.abc import Callable
 
-import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
 import mlx.core as mx
 import mlx.nn as nn
 
-from akunu.decode import plain_decode, prefill
-from akunu.kv_cache import cache_length, make_cache, rewind
-from akunu.sampling import SamplingParams
-from akunu.stats import GenerationStats
+import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
 from akunu.backends.cpu import compiled_pass, fast_step, fused_layers
 from akunu.backends.cpu import kernels as cpu_kernels
+from akunu.decode import plain_decode, prefill
+from akunu.kv_cache import cache_length, make_cache, rewind
 from akunu.models import load_model
+from akunu.sampling import SamplingParams
+from akunu.stats import GenerationStats
 
 
 def linears(model: nn.Module) -> list[mx.array]:

@@ -5,8 +5,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from akunu.kv_cache import make_cache, rewind
 from akunu.backends.cpu import compiled_pass, fast_step, kernels
+from akunu.kv_cache import make_cache, rewind
 from tests.tiny import tiny_llama
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="compiled passes run on akunu's CPU kernels")
@@ -24,7 +24,7 @@ def model():
 @pytest.fixture
 def eager(monkeypatch):
     """Switches compiled passes off: every pass builds its graph in Python, as before."""
-    return lambda: monkeypatch.setattr(compiled_pass, "room", lambda caches, L: False)
+    return lambda: monkeypatch.setattr(compiled_pass, "has_room", lambda caches, L: False)
 
 
 def decode(model, passes: int = 24) -> tuple[list[mx.array], list]:
@@ -86,11 +86,11 @@ def test_caches_a_compiled_pass_cannot_take():
         cache.offset = offset
         return cache
 
-    assert compiled_pass.room([filled(10), filled(10)], 5)
-    assert not compiled_pass.room([filled(10), filled(9)], 1)
-    assert not compiled_pass.room([filled(250), filled(250)], 7)
-    assert not compiled_pass.room([KVCache(), KVCache()], 1)
-    assert not compiled_pass.room([filled(10), object()], 1)
+    assert compiled_pass.has_room([filled(10), filled(10)], 5)
+    assert not compiled_pass.has_room([filled(10), filled(9)], 1)
+    assert not compiled_pass.has_room([filled(250), filled(250)], 7)
+    assert not compiled_pass.has_room([KVCache(), KVCache()], 1)
+    assert not compiled_pass.has_room([filled(10), object()], 1)
 
 
 def test_a_pass_whose_output_is_dropped_still_fills_the_cache(model, eager):

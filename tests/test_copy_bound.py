@@ -2,7 +2,13 @@
 
 import random
 
-from akunu.bench.copy_bound import bound_tokens_per_pass, copied_share, copier_widths, drafter_tokens_per_pass, foreseen_widths
+from akunu.bench.copy_bound import (
+    bound_tokens_per_pass,
+    copied_share,
+    copier_widths,
+    drafter_tokens_per_pass,
+    foreseen_widths,
+)
 from akunu.bench.runner import PLAIN, SPEC, BenchResult, Measurement, Run
 from akunu.bench.summary import summarize
 from akunu.drafters.suffix import SuffixDrafter

@@ -144,8 +144,8 @@ def test_a_fresh_cache_builds_and_a_missing_compiler_falls_back(kernels, tmp_pat
 
 def test_the_fast_step_runs_the_kernels(kernels):
     """A decode step of a tiny llama goes through them, as a compiled pass: the graph holds akunu's primitives."""
-    from akunu.kv_cache import make_cache
     from akunu.backends.cpu import compiled_pass, fast_step
+    from akunu.kv_cache import make_cache
     from tests.tiny import tiny_llama
 
     model = tiny_llama(hidden=64, seed=2)  # heads of 16 dimensions, as the kernel requires
@@ -167,9 +167,9 @@ def test_exact_mode_keeps_one_kernel_call_per_layer(kernels):
     """Exact mode's dispatcher wraps the module's attention; the layers still hand the kernel the whole pass
     and the cache's buffers (it computes each row alone: the bits of exact mode's per-row calls), and the
     default mode keeps that path once the dispatcher is installed."""
+    from akunu.backends.cpu import compiled_pass, fast_step
     from akunu.exact import exact_model
     from akunu.kv_cache import make_cache
-    from akunu.backends.cpu import compiled_pass, fast_step
     from tests.tiny import tiny_llama
 
     model = tiny_llama(hidden=64, seed=2)
@@ -196,9 +196,8 @@ def _graph_text(out: mx.array) -> str:
 def test_default_mode_passes_give_each_position_a_step_s_bits(kernels, width):
     """With the decode matmuls and these kernels every op of a pass is row-independent, so on the CPU
     a verification pass's logits equal 1-token steps' bit for bit without exact mode's padding."""
-    from akunu.backends.cpu import blas
+    from akunu.backends.cpu import blas, fast_step
     from akunu.kv_cache import make_cache, rewind
-    from akunu.backends.cpu import fast_step
     from tests.tiny import tiny_llama
 
     if not blas.matvec_path:
@@ -260,7 +259,7 @@ def test_a_layer_s_halves_give_the_bits_of_the_nodes_they_replace(kernels, tradi
 
 
 def test_an_attention_half_past_the_buffers_writes_nothing(kernels):
-    """An offset past the buffers' room (never passed: compiled_pass.room checks first) gives NaN rows and
+    """An offset past the buffers' room (never passed: compiled_pass.has_room checks first) gives NaN rows and
     leaves the buffers alone, rather than writing past them; bad shapes are refused when the node is built."""
     norm, wqkv, wo, _, _ = _layer_weights(32, 2, 1, 16, 32)
     x, tables = mx.random.normal((2, 32)), (mx.ones((8, 16)), mx.zeros((8, 16)))

@@ -8,13 +8,13 @@ import pytest
 from mlx.utils import tree_map
 
 from akunu.decode import prefill
-from akunu.drafters.base import Draft, Drafter, NGramDrafter
 from akunu.drafters import DEFAULT_SPEC, make_drafter
+from akunu.drafters.base import Draft, Drafter, NGramDrafter
+from akunu.drafters.draft_model import check_same_vocabulary, model_drafter
 from akunu.drafters.hybrid import HybridDrafter
+from akunu.drafters.layer_skip import layer_skip_drafter
 from akunu.drafters.lookup import LookupDrafter
 from akunu.drafters.suffix import SuffixDrafter
-from akunu.drafters.draft_model import check_same_vocabulary, model_drafter
-from akunu.drafters.layer_skip import layer_skip_drafter
 from akunu.errors import OptionsError
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import make_cache

@@ -2,8 +2,8 @@
 
 import pytest
 
-from akunu.drafters.base import NGramDrafter
 from akunu.drafters import DEFAULT_SPEC
+from akunu.drafters.base import NGramDrafter
 from akunu.drafters.draft_model import ModelDrafter
 from akunu.drafters.hybrid import HybridDrafter
 from akunu.drafters.lookup import LookupDrafter

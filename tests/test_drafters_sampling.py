@@ -10,17 +10,15 @@ import mlx.core as mx
 import pytest
 
 import akunu.decode
-
 from akunu.drafters.base import NGramDrafter
-from akunu.drafters.hybrid import HybridDrafter
-from akunu.drafters.lookup import LookupDrafter
-from akunu.drafters.suffix import SuffixDrafter
 from akunu.drafters.draft_model import model_drafter
+from akunu.drafters.hybrid import HybridDrafter
 from akunu.drafters.layer_skip import layer_skip_drafter
-from akunu.generate import GenerationConfig, SpecConfig, generate
+from akunu.drafters.lookup import LookupDrafter
 from akunu.drafters.ngram_cache import CachedNGramDrafter, NGramCache
-from akunu.sampling import SamplingParams
+from akunu.drafters.suffix import SuffixDrafter
 from akunu.drafters.tree import NGramTreeDrafter
+from akunu.generate import GenerationConfig, SpecConfig, generate
 from tests.fakes import FakeTokenizer
 from tests.stats_tools import PROMPT, SETTINGS, exact_model_probs, fits, resample_from_p_on_rejection
 from tests.tiny import tiny_llama

@@ -5,9 +5,9 @@ import random
 import mlx.core as mx
 import pytest
 
+from akunu.backends.cpu import elementwise, fast_step, fused_layers, rope
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import make_cache, rewind
-from akunu.backends.cpu import elementwise, fast_step, fused_layers, rope
 from tests.fakes import FakeTokenizer
 from tests.tiny import tiny_gemma3, tiny_llama
 
@@ -125,20 +125,26 @@ def test_exp_minus_is_exp_to_float32_precision():
     assert mx.allclose(elementwise.exp_minus(scores, peak), mx.exp(scores - peak), rtol=3e-7).item()
 
 
-@pytest.mark.parametrize("switch", ["1", "0"])
-def test_load_model_applies_the_fast_step_unless_switched_off(tmp_path, monkeypatch, restore_attention, switch):
+@pytest.mark.parametrize(
+    "env, patched",
+    [({}, True), ({"AKUNU_CPU_BACKEND": "0"}, False), ({"AKUNU_CPU_BACKEND": "off"}, False), ({"AKUNU_FAST_STEP": "0"}, False)],
+)
+def test_load_model_applies_the_fast_step_unless_switched_off(tmp_path, monkeypatch, restore_attention, env, patched):
     from akunu.models import load_model
     from tests.tiny_gguf import write_tiny_gguf
 
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path)
-    monkeypatch.setenv(fast_step.ENV_SWITCH, switch)
+    for name in ("AKUNU_CPU_BACKEND", "AKUNU_FAST_STEP"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     fast_step.disable(tiny_llama())
     loaded = load_model(str(path), dtype="float32")
-    assert fast_step.is_enabled(loaded.model) == (switch == "1")
+    assert fast_step.is_enabled(loaded.model) == patched
     with fast_step.unpatched(loaded.model):
         assert not fast_step.is_enabled(loaded.model)
-    assert fast_step.is_enabled(loaded.model) == (switch == "1")
+    assert fast_step.is_enabled(loaded.model) == patched
 
 
 def test_exact_mode_and_the_fast_step_compose_in_either_order(restore_attention):

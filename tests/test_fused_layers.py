@@ -8,8 +8,8 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models import llama
 
-from akunu.kv_cache import make_cache, rewind
 from akunu.backends.cpu import fast_step, fused_layers
+from akunu.kv_cache import make_cache, rewind
 from tests.tiny import tiny_gemma3, tiny_llama
 
 TOKENS = [random.Random(3).randrange(64) for _ in range(90)]

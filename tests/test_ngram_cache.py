@@ -2,9 +2,9 @@
 
 import pytest
 
-from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.drafters.ngram import fnv1a
 from akunu.drafters.ngram_cache import CachedNGramDrafter, NGramCache, UnreadableCache
+from akunu.generate import GenerationConfig, SpecConfig, generate
 from tests.fakes import FakeTokenizer
 from tests.greedy_checks import assert_same_or_near_tie
 from tests.tiny import tiny_llama

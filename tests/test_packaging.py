@@ -74,3 +74,10 @@ def test_every_third_party_import_is_a_declared_dependency():
 def test_no_private_name_of_another_package_is_imported():
     private = [f"{path}: {name}" for path, name in third_party_imports() if any(p.startswith("_") for p in name.split("."))]
     assert private == [], "private names move without notice between releases; use a public API"
+
+
+def test_the_cpu_kernels_source_is_package_data():
+    """kernels.cpp is compiled on the user's machine at first use, so the wheel must ship it."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = config["package-data"]["akunu.backends.cpu"]
+    assert any((ROOT / "akunu" / "backends" / "cpu" / "kernels.cpp").match(pattern) for pattern in patterns)

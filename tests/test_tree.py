@@ -8,10 +8,10 @@ import pytest
 import akunu.drafters.tree
 from akunu.decode import plain_decode, prefill, speculative_decode
 from akunu.draft_length import DraftLength
+from akunu.drafters.tree import NGramTreeDrafter, TokenTree, keep_path, tree_forward
 from akunu.kv_cache import make_cache
 from akunu.sampling import SamplingParams
 from akunu.stats import GenerationStats
-from akunu.drafters.tree import NGramTreeDrafter, TokenTree, keep_path, tree_forward
 from tests.greedy_checks import assert_same_or_near_tie
 from tests.tiny import tiny_gemma3, tiny_llama
 

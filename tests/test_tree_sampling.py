@@ -6,9 +6,9 @@ import mlx.core as mx
 import pytest
 
 import akunu.drafters.tree
+from akunu.drafters.tree import NGramTreeDrafter, TokenTree, verify_tree_sampled
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.sampling import SamplingParams
-from akunu.drafters.tree import NGramTreeDrafter, TokenTree, verify_tree_sampled
 from tests.fakes import FakeTokenizer
 from tests.stats_tools import exact_model_probs, fits
 from tests.tiny import tiny_llama

@@ -15,10 +15,10 @@ from __future__ import annotations
 import mlx.nn as nn
 
 from akunu.drafters.draft_model import ModelDrafter, weight_bytes
+from akunu.drafters.tree import SUPPORTED, model_kind
 from akunu.errors import OptionsError
 from akunu.kv_cache import make_cache
 from akunu.sampling import SamplingParams
-from akunu.drafters.tree import SUPPORTED, model_kind
 
 
 class _FirstLayersCache(list):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import heapq
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn

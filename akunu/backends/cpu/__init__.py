@@ -49,18 +49,14 @@ def unpatched(model: Any) -> Iterator[None]:
 
 def describe() -> dict[str, str]:
     """For run headers: the BLAS MLX's matmuls use, and whether the fused kernels run (if not, why)."""
-    from akunu.backends.cpu import blas, kernels
-
-    from akunu.backends.cpu import quantized
+    from akunu.backends.cpu import blas, kernels, quantized
 
     return {"blas": blas.describe(), "cpu_kernels": kernels.describe(), "quantized_kernel": quantized.describe()}
 
 
 def _revision() -> str:
     """e.g. "openblas-matvec4-kernels-step8": the BLAS, matmul routing, kernels and decode step passes run on."""
-    from akunu.backends.cpu import blas, kernels
-
-    from akunu.backends.cpu import quantized
+    from akunu.backends.cpu import blas, kernels, quantized
 
     routing = f"-matvec{blas.MATVEC_REVISION}" if blas.matvec_path else ""
     quant = f"-quant{quantized.REVISION}" if quantized.load() else ""

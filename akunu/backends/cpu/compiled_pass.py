@@ -36,7 +36,7 @@ from mlx_lm.models.cache import KVCache
 from akunu.backends.cpu.rope import head_tables
 
 _queue_passes = True
-_COMPILED = "_akunu_compiled_pass"  # in the model's __dict__, like fused_layers' stacks
+_TRACE = "_akunu_compiled_pass"  # the model's _Trace, in its __dict__ like fused_layers' stacks
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class CacheBuffers:
     offset: mx.array
 
 
-def room(caches: Sequence[Any], L: int) -> bool:
+def has_room(caches: Sequence[Any], L: int) -> bool:
     """Whether every layer's cache is a plain KVCache already holding float32 buffers with room for L
     more positions, all at one offset and capacity (an interrupt can leave layers apart)."""
     first = caches[0]
@@ -67,7 +67,7 @@ def room(caches: Sequence[Any], L: int) -> bool:
 
 
 @dataclass(frozen=True)
-class _Compiled:
+class _Trace:
     function: Callable
     constants: tuple[mx.array, ...]  # the norms' and embedding's arrays it was traced with
     capacity: int  # the caches' capacity it is traced for: a new one makes a new function, so MLX drops
@@ -77,15 +77,15 @@ class _Compiled:
 
 
 def run(model: nn.Module, inputs: mx.array, caches: Sequence[KVCache]) -> mx.array:
-    """The model's (B, L, D) output for `inputs` (B, L), `room` having said yes; the caches advance by L."""
+    """The model's (B, L, D) output for `inputs` (B, L), `has_room` having said yes; the caches advance by L."""
     constants, capacity = _constants(model), caches[0].keys.shape[2]
-    compiled = model.__dict__.get(_COMPILED)
+    compiled = model.__dict__.get(_TRACE)
     if compiled is None or compiled.capacity != capacity or len(compiled.constants) != len(constants) or any(
         a is not b for a, b in zip(compiled.constants, constants)
     ):
         coss, sins = _tables(model, capacity, caches[0].keys.shape[3])
-        compiled = _Compiled(mx.compile(partial(_traced, model)), constants, capacity, coss, sins)
-        model.__dict__[_COMPILED] = compiled
+        compiled = _Trace(mx.compile(partial(_traced, model)), constants, capacity, coss, sins)
+        model.__dict__[_TRACE] = compiled
     offset = mx.array([caches[0].offset], mx.int32)
     keys, values = [c.keys for c in caches], [c.values for c in caches]
     hidden = compiled.function(inputs, offset, keys, values, compiled.coss, compiled.sins)

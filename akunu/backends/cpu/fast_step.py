@@ -22,14 +22,13 @@ Where akunu's fused CPU kernels could be built (`kernels`), attention, SwiGLU, R
 (in `fused_layers`) the split of q|k|v into rotated heads are one node each instead; the paths
 above remain for machines without them.
 
-`enable(model)` is applied by `load_model`; AKUNU_FAST_STEP=0 (or `disable(model)`) turns
-it off for comparison.
+`enable(model)` is what `akunu.backends.cpu.apply` runs on a loaded model; `disable(model)` and
+`unpatched(model)` give mlx-lm's model back (mlx-lm's column of a benchmark).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,14 +40,9 @@ from mlx_lm.models import activations, base
 
 from akunu.backends.cpu import blas, elementwise, fused_layers, kernels, rope
 
-ENV_SWITCH = "AKUNU_FAST_STEP"
 MAX_QUERY_ROWS = 64  # decode steps and verification passes (up to 33 tokens); prefill chunks keep mlx's path
 _mlx_attention = base.scaled_dot_product_attention
 _mlx_swiglu = activations.swiglu
-
-
-def enabled_by_environment() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
 def enable(model: nn.Module) -> bool:
@@ -58,13 +52,13 @@ def enable(model: nn.Module) -> bool:
         kernels.load()  # built now if need be, not in the middle of a generation
         fused_layers.fuse(model)
         if _compiling_works():
-            _swap_classes(model, _COMPILED)
+            _swap_classes(model, _COMPILED_CLASSES)
             _set_swiglu(model, cpu_swiglu)
     return _set_attention(model, cpu_attention)
 
 
 def disable(model: nn.Module) -> bool:
-    _swap_classes(model, {compiled: original for original, compiled in _COMPILED.items()})
+    _swap_classes(model, {compiled: original for original, compiled in _COMPILED_CLASSES.items()})
     fused_layers.unfuse(model)
     _set_swiglu(model, _mlx_swiglu)
     return _set_attention(model, _mlx_attention)
@@ -215,22 +209,22 @@ class CompiledRMSNorm(nn.RMSNorm):
         return _rms_norm_kernel(self.eps)(x, weight)
 
 
-_COMPILED = {nn.RoPE: CompiledRoPE, nn.RMSNorm: CompiledRMSNorm}
+_COMPILED_CLASSES = {nn.RoPE: CompiledRoPE, nn.RMSNorm: CompiledRMSNorm}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rope_kernel(dims: int, traditional: bool, base: float | None, scale: float):
     return mx.compile(
         lambda x, offset: mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rms_norm_kernel(eps: float):
     return mx.compile(lambda x, weight: mx.fast.rms_norm(x, weight, eps))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiling_works() -> bool:
     """MLX's CPU backend builds fused kernels with the system C++ compiler; without one, keep the ops."""
     try:

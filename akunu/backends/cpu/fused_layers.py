@@ -11,9 +11,9 @@ akunu's CPU kernels are built (`kernels`), one node splits the q|k|v product int
 attention reads the cache's buffers up to the offset and writes the rows the output projection
 takes, and SwiGLU reads the gate|up product whole: a layer has no slices, transposes or reshapes
 left (each node costs a few microseconds on the CPU, more while the matmuls' threads hold both
-cores). There a whole pass also runs as a compiled trace (`compiled_pass`): each half of a layer
-one kernel node, the keys and values written into the cache in place, and no Python to build
-them. Each output element is still one weight row times the input, so results match mlx-lm's to
+cores). There a whole pass also runs as a compiled trace (`compiled_pass`): each sublayer (norm,
+attention or MLP, residual add) one kernel node, the keys and values written into the cache in
+place, and no Python to build them. Each output element is still one weight row times the input, so results match mlx-lm's to
 float32 rounding.
 
 Passes wider than `MAX_ROWS` (prefill chunks), projections with biases or quantized, and
@@ -113,7 +113,7 @@ class FusedAttention(llama.Attention):
             heads = output.transpose(0, 2, 1, 3).reshape(B * L, -1)
         return held["o"](heads, residual)
 
-    def half(self, x: mx.array, norm: nn.RMSNorm, B: int, cache: compiled_pass.CacheBuffers) -> mx.array:
+    def sublayer(self, x: mx.array, norm: nn.RMSNorm, B: int, cache: compiled_pass.CacheBuffers) -> mx.array:
         """x + this attention of norm(x), rows (B * L, D), as one kernel node inside a compiled pass."""
         held = stacks(self)
         return kernels.load().attention_half(
@@ -121,7 +121,7 @@ class FusedAttention(llama.Attention):
             cache.keys, cache.values, cache.offset, B, self.n_heads, self.n_kv_heads, self.rope.traditional, self.scale)
 
     def compiles(self) -> bool:
-        """Whether `half` applies: float32 heads of a size the kernels take, and a RoPE over whole heads."""
+        """Whether `sublayer` applies: float32 heads of a size the kernels take, and a RoPE over whole heads."""
         qkv = stacks(self)["qkv"].transposed
         head_dim = qkv.shape[1] // (self.n_heads + 2 * self.n_kv_heads)
         return qkv.dtype == mx.float32 and head_dim % 16 == 0 and _rope_is_whole_head(self.rope, head_dim)
@@ -164,7 +164,7 @@ class FusedMLP(llama.MLP):
         hidden = gate_up.shape[1] // 2
         return held["down"](llama.swiglu(gate_up[:, :hidden], gate_up[:, hidden:]), residual)  # the global akunu swaps
 
-    def half(self, x: mx.array, norm: nn.RMSNorm) -> mx.array:
+    def sublayer(self, x: mx.array, norm: nn.RMSNorm) -> mx.array:
         """x + this MLP of norm(x), rows (N, D), as one kernel node inside a compiled pass."""
         held = stacks(self)
         return kernels.load().mlp_half(x, norm["weight"], norm.eps, held["gate_up"].transposed, held["down"].transposed)
@@ -199,9 +199,9 @@ class FusedBlock(llama.TransformerBlock):
         return known[1]
 
     def rows(self, rows: mx.array, B: int, L: int, mask: Any, cache: Any) -> mx.array:
-        """(B * L, D) rows in and out, where `fused_applies`: inside a compiled pass, one kernel node per half."""
+        """(B * L, D) rows in and out, where `fused_applies`: inside a compiled pass, one kernel node per sublayer."""
         if isinstance(cache, compiled_pass.CacheBuffers):
-            return self.mlp.half(self.self_attn.half(rows, self.input_layernorm, B, cache), self.post_attention_layernorm)
+            return self.mlp.sublayer(self.self_attn.sublayer(rows, self.input_layernorm, B, cache), self.post_attention_layernorm)
         h = self.self_attn.rows(self.input_layernorm(rows), B, L, mask, cache, residual=rows)
         return self.mlp.rows(self.post_attention_layernorm(h), residual=h)
 
@@ -232,7 +232,7 @@ class FusedModel(llama.LlamaModel):
             return False
         if not _kernel_attention(llama.scaled_dot_product_attention):  # another attention swapped in: honour it
             return False
-        return compiled_pass.room(cache, L) and all(block.compiles() for block in self.layers)
+        return compiled_pass.has_room(cache, L) and all(block.compiles() for block in self.layers)
 
     def rows_through(self, h: mx.array, caches: Sequence[Any], masks: dict[bool, Any]) -> mx.array:
         """The blocks and the final norm over embeddings (B, L, D), as rows between blocks."""

@@ -18,7 +18,7 @@ import platform
 import subprocess
 import sys
 import sysconfig
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 
@@ -47,7 +47,7 @@ def unavailable() -> str | None:
     return _why_not[0] if _why_not else None
 
 
-@lru_cache(maxsize=None)
+@cache
 def load() -> ModuleType | None:
     """The kernels' module, built first if this toolchain has none yet; None where they cannot run."""
     if os.environ.get(ENV_SWITCH, "1") == "0":

@@ -70,7 +70,7 @@ def _rotate_pairs(pairs: mx.array, partners: mx.array, pair_cos: mx.array, pair_
     return pairs * pair_cos + partners * pair_sin
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rotation(dims: int, traditional: bool):
     """RoPE over the first `dims` of a longer head, the rest passed through."""
 
