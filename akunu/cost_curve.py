@@ -3,8 +3,8 @@
 Adaptive drafting weighs expected accepted tokens against it, so it is measured once per
 model, dtype and backend and kept on disk (`akunu bench --cost-curve` measures it afresh).
 It is measured out to the widest pass the policy may choose (32 drafts and the last token),
-after a short, a middling and a long context, since wider contexts make wide passes
-relatively dearer (issue 5: k = 5 costs 1.34x at 64 tokens, 1.62x at 1024); a generation
+after a short, a middling and a long context, since longer contexts make wide passes
+relatively dearer; a generation
 reads the curve at its own context (`CostCurves.at`).
 """
 

@@ -103,7 +103,7 @@ def bench(
         typer.Option(
             "--exact",
             rich_help_panel=RUN_PANEL,
-            help="Also run plain and speculative decoding in exact mode (every pass padded to one width, at most 5), on the"
+            help="Also run plain and speculative decoding in exact mode (every pass padded to one width: at most 3 drafts and the last token), on the"
             " same prompts: its cost, and greedy mismatches in both modes.",
         ),
     ] = False,

@@ -1,20 +1,15 @@
 """Choose how weights are held in memory: MLX-quantized, or dequantized to float32.
 
-Policy for dtype="auto", from scripts/measure_dtype.py on a 2-core x86_64 Linux box with
-MLX's CPU backend (greedy decode after warm-up, ms per token, quantized vs float32):
-
-  SmolLM2-135M Q4_1    with OpenBLAS 102 vs  68    reference BLAS only 102 vs 192
-                       (a later run:     134 vs  65                        133 vs 129)
-  Gemma-3-270M Q4_K_M  with OpenBLAS 214 vs 136    reference BLAS only 205 vs 365
+Policy for dtype="auto" (scripts/measure_dtype.py measures the choices; BENCHMARKS.md has the figures):
 
 * Metal GPU available: quantized (MLX's quantized kernels are its fast path there).
 * CPU with akunu's quantized kernel (the CPU backend, Linux): quantized. A decode step reads each
   weight once at its stored width (4-8 bits plus scales) instead of 32 bits, and the weights are
   llama.cpp's own values (every type with an exact MLX form stays quantized; see gguf_weights).
 * CPU with an optimized BLAS (OpenBLAS preloaded on Linux, Accelerate on macOS): float32,
-  since float32 matmuls go to the BLAS and beat MLX's CPU quantized kernels by 1.5-2x.
-* CPU with only the reference BLAS bundled with mlx: quantized (float32 is no faster, up to
-  ~1.8x slower, and takes several times the memory).
+  since float32 matmuls go to the BLAS and beat MLX's CPU quantized kernels.
+* CPU with only the reference BLAS bundled with mlx: quantized (float32 is no faster, often
+  slower, and takes several times the memory).
 * Float32 weights that would take more than half of physical memory: quantized, whatever the backend.
 """
 

@@ -18,7 +18,7 @@
 #include <string.h>
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
-#define SMALL_M 128 /* measured: up to here as fast as OpenBLAS's sgemm or faster; prefill chunks go to it */
+#define SMALL_M 128 /* up to here at least as fast as OpenBLAS's sgemm; prefill chunks go to it */
 #define MR 4       /* rows of x in one register tile */
 #define NR 4       /* rows of W in one register tile (MR * NR = 16: one lane_sums) */
 #define B_ROWS 8   /* rows of A per pass over B in rows_times_b */

@@ -1,7 +1,7 @@
 """Load an optimized BLAS into the process before MLX, on Linux.
 
-The Linux `mlx[cpu]` wheel links a reference BLAS (~4 GFLOP/s here). Loading OpenBLAS
-with RTLD_GLOBAL first makes MLX's BLAS calls resolve to it (~40x faster matmuls).
+The Linux `mlx[cpu]` wheel links a slow reference BLAS. Loading OpenBLAS with RTLD_GLOBAL
+first makes MLX's BLAS calls resolve to it (BENCHMARKS.md has the difference).
 Ahead of OpenBLAS goes akunu's own `cblas_sgemm` (_matvec.c, built at install where a
 C compiler exists): it sends decode-shaped products (1-128 rows) to kernels that read each
 weight once, and everything else on to OpenBLAS. This module must not import MLX; imported after
@@ -33,9 +33,7 @@ LATE_IMPORT = (
 
 loaded_path: str | None = None
 matvec_path: str | None = None
-# Bumped whenever the kernels' speed changes, so cost curves saved for the old ones are measured
-# again (2: register tiles up to 128 rows; 3: the next tile of W fetched while a tile computes;
-# 4: x's rows copied to start on cache lines).
+# Bumped whenever the kernels' speed changes, so cost curves saved for the old ones are measured again.
 MATVEC_REVISION = 4
 
 

@@ -1,6 +1,6 @@
 """A llama decode pass traced once per shape with `mx.compile`, then replayed without Python.
 
-On a 2-core CPU the Python that builds a pass's graph (0.6-1 ms for SmolLM2's 30 layers) runs on
+On a 2-core CPU the Python that builds a pass's graph (a large share of a small model's step) runs on
 the cores the matmuls use, so it adds to every step and every verification pass; so does each graph
 node's dispatch (a few microseconds). Here a pass of akunu's fused layers (`fused_layers`) is traced
 once per (batch, width, cache capacity) and later passes replay the trace, and each half of a layer

@@ -15,7 +15,7 @@ handful of small ops on the CPU, each paying a dispatch. On the CPU the model's 
 modules run through `mx.compile`, one fused kernel with the same results, and its `nn.RoPE`
 modules apply angles computed once per pass (`rope`), the same bits too (their class is
 swapped for a subclass; parameters are untouched). SwiGLU's sigmoid, whose exp also ran one
-element at a time (7.6 of a 16-token pass's 63 ms at a 200-token context), goes through akunu's
+element at a time, goes through akunu's
 exp (`elementwise.swiglu`) via the model module's `swiglu` global. Llama-family blocks, attention and MLP
 modules stack their products (`fused_layers`): fewer, larger products and fewer graph nodes.
 Where akunu's fused CPU kernels could be built (`kernels`), attention, SwiGLU, RMSNorm and

@@ -2,7 +2,7 @@
 
 They are built on first use, the way MLX builds its own compiled CPU kernels: g++ against the MLX
 and nanobind installed beside akunu, for this machine's CPU, into a cache keyed by all of those
-(one build takes about a minute). Without a compiler, Python's headers or a nanobind that shares
+(a build takes seconds to a minute, once per toolchain). Without a compiler, Python's headers or a nanobind that shares
 MLX's binding ABI, `load()` returns None, `unavailable()` says why, and the step keeps MLX's ops.
 AKUNU_KERNELS=0 turns them off; AKUNU_KERNEL_CACHE moves the cache (default ~/.cache/akunu/kernels:
 it depends on the toolchain only, not on a model home).
