@@ -30,10 +30,12 @@ import statistics
 import time
 from collections.abc import Callable
 
+import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
+
+# isort: split
 import mlx.core as mx
 import mlx.nn as nn
 
-import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
 from akunu.backends.cpu import compiled_pass, fast_step, fused_layers
 from akunu.backends.cpu import kernels as cpu_kernels
 from akunu.decode import plain_decode, prefill

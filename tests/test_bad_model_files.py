@@ -8,7 +8,6 @@ import math
 import struct
 from pathlib import Path
 
-import akunu  # noqa: F401  (must precede mlx)
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -17,12 +16,13 @@ from gguf import GGMLQuantizationType as Q
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import gguf_craft as craft
+import akunu  # noqa: F401  (must precede mlx)
 from akunu import cost_curve
 from akunu.errors import ModelError
 from akunu.models import load_model
-from test_gguf_loader import FFN, VOCAB, write_tiny_gguf
-from tiny import tiny_llama
+from tests import gguf_craft as craft
+from tests.tiny import tiny_llama
+from tests.tiny_gguf import VOCAB, write_tiny_gguf
 
 U32, STR, F32 = 4, 8, 6
 
