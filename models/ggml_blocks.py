@@ -13,7 +13,8 @@ significant bits, so the weights equal llama.cpp's dequantisation bit for bit.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType

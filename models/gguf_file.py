@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import mmap
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,6 @@ class GGUFFile:
     metadata: dict[str, Any]
     tensors: dict[str, TensorInfo]
     mx_loadable: bool = True  # False: metadata MLX's own GGUF reader crashes on (float64 values: a segfault)
-    _data: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def architecture(self) -> str:
@@ -63,10 +62,14 @@ class GGUFFile:
         return self.metadata.get(f"{self.architecture}.{key}", default)
 
     def tensor_bytes(self, info: TensorInfo) -> np.ndarray:
-        """The raw bytes of one tensor as a uint8 array (memory-mapped, not copied)."""
-        if self._data is None:
-            self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
-        return self._data[info.offset : info.offset + info.nbytes]
+        """The raw bytes of one tensor as a uint8 array, read into memory freed with it (a map of the whole
+        file would keep every page read resident: the file's size on top of the weights made from it)."""
+        with open(self.path, "rb") as handle:
+            handle.seek(info.offset)
+            data = np.frombuffer(handle.read(info.nbytes), dtype=np.uint8)
+        if data.size != info.nbytes:
+            raise ModelError(f"{self.path} is truncated: tensor {info.name} runs past the end of the file")
+        return data
 
 
 def read_gguf(path: Path) -> GGUFFile:

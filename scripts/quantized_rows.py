@@ -54,7 +54,7 @@ def seconds(product, weights, rows: int, reps: int) -> float:
     best = float("inf")
     for _ in range(reps):
         outputs = [product(xs[p.shape[1] * 32 // bits_of(p, s)], p, s, b) for p, s, b in weights]
-        best = min(best, _timed(lambda: mx.eval(outputs)))
+        best = min(best, _timed(lambda outputs=outputs: mx.eval(outputs)))
     return best
 
 
@@ -79,10 +79,10 @@ def main() -> None:
         weights = quantized_layers(bits, args.layers)
         nbytes = sum(a.nbytes for triple in weights for a in triple)
         for rows in args.rows:
-            ours = seconds(lambda x, p, s, b: kernel.quantized_product(x, p, s, b, bits), weights, rows, args.reps)
+            ours = seconds(lambda x, p, s, b, bits=bits: kernel.quantized_product(x, p, s, b, bits), weights, rows, args.reps)
             mlx = ""
             if args.mlx:
-                theirs = seconds(lambda x, p, s, b: mx.quantized_matmul(x, p, s, b, group_size=32, bits=bits),
+                theirs = seconds(lambda x, p, s, b, bits=bits: mx.quantized_matmul(x, p, s, b, group_size=32, bits=bits),
                                  weights, rows, args.reps)
                 mlx = f"{theirs * 1e3:8.1f}"
             print(f"{bits:4d} {rows:4d} {ours * 1e3:7.1f} {nbytes / ours / 1e9:6.1f} {mlx}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import akunu  # noqa: F401  (must precede mlx)
 import mlx.core as mx
 import numpy as np
 import pytest

@@ -16,13 +16,12 @@ from akunu.errors import ModelError, OptionsError
 from akunu.models import catalogue, load_model
 from akunu.models.architectures import llama3_rope_divisors
 from akunu.models.dtype_policy import choose_dtype
-from akunu.models.ggml_blocks import exact_triple
 from akunu.models.gguf_file import read_gguf
 from akunu.models.gguf_model import load_gguf_model
 from akunu.models import gguf_weights
 from akunu.models.gguf_weights import requantize_bits
 from tests.tiny_gguf import (
-    FFN, HEADS, HEAD_DIM, HIDDEN, KV_HEADS, LAYERS, VOCAB, encode_values, gpt2_byte_alphabet, write_tiny_gguf,
+    FFN, HEADS, HEAD_DIM, HIDDEN, KV_HEADS, LAYERS, VOCAB, gpt2_byte_alphabet, write_tiny_gguf,
 )  # fmt: skip
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 
-import akunu  # noqa: F401  (must precede mlx)
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np

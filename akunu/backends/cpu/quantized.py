@@ -12,7 +12,7 @@ Built on first use like `kernels`; AKUNU_QUANTIZED_KERNEL=0 turns it off.
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 
@@ -30,7 +30,7 @@ REVISION = 1  # bumped when the kernel's speed changes, so cost curves are measu
 _why_not: list[str] = []
 
 
-@lru_cache(maxsize=None)
+@cache
 def load() -> ModuleType | None:
     """The kernel's module, built first if need be; None where it cannot run (`unavailable()` says why)."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
