@@ -5,10 +5,8 @@
 * `tokenizer.ggml.model == "gemma4"`: BPE over raw UTF-8 with spaces written "▁", cut only at newline
   runs, bytes of unknown characters as <0xNN> tokens.
 
-Special tokens are cut out of the text first, longest at the leftmost place, as llama.cpp's
-`tokenizer_st_partition` does: with `parse_special` every control, user-defined and unknown token;
-without it only user-defined ones (they are vocabulary words like "<think>", not control markup).
-The `tokenizers` library then runs the pre-tokenizer and the merges on each piece of plain text.
+Special tokens are cut out of the text first (special_tokens.py); the `tokenizers` library then runs
+the pre-tokenizer and the merges on each piece of plain text.
 """
 
 from __future__ import annotations
@@ -24,8 +22,9 @@ from tokenizers import AddedToken, decoders, models, normalizers
 from akunu.errors import ModelError
 from akunu.models.detokenizer import byte_level_alphabet, byte_level_token_bytes, sentencepiece_token_bytes
 from akunu.models.pretokenizers import GPT2, PRE_TOKENIZERS, PreTokenizer, hf_pre_tokenizer
+from akunu.models.special_tokens import special_token_encoders
 from akunu.models.stop_tokens import gguf_end_of_generation_ids
-from akunu.models.tokenizer import Tokenizer, TokenType, _optional_id, _special_splitter, _token_types
+from akunu.models.tokenizer import Tokenizer, TokenType, _optional_id, _token_types
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +128,7 @@ def _tokenizer(
     hf_tokenizer: Callable[[], tokenizers.Tokenizer],
     force_bos: bool = False,
 ) -> Tokenizer:
-    encode_plain, encode_text = special_token_encoders(tokens, types, encode_words)
+    encode_plain, encode_text = special_token_encoders(metadata, tokens, types, encode_words)
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)) or force_bos
     return Tokenizer(
         encode_plain=encode_plain,
@@ -145,30 +144,6 @@ def _tokenizer(
         decoding=decoding,
         hf_tokenizer=hf_tokenizer,
     )
-
-
-def special_token_encoders(
-    tokens: Sequence[str], types: Sequence[int], encode_words: Callable[[str], list[int]]
-) -> tuple[Callable[[str], list[int]], Callable[[str], list[int]]]:
-    """Encoders of text with special-token strings parsed, and with only user-defined tokens parsed."""
-    user_defined, control = int(TokenType.USER_DEFINED), {int(TokenType.CONTROL), int(TokenType.UNKNOWN)}
-    user = {tokens[i]: i for i, kind in enumerate(types) if kind == user_defined and tokens[i]}
-    every = {tokens[i]: i for i, kind in enumerate(types) if kind in control and tokens[i]}
-    every.update(user)
-
-    def encoder(split: Callable[[str], list[tuple[str, int | None]]]) -> Callable[[str], list[int]]:
-        def encode(text: str) -> list[int]:
-            ids: list[int] = []
-            for fragment, special_id in split(text):
-                if special_id is None:
-                    ids.extend(encode_words(fragment))
-                else:
-                    ids.append(special_id)
-            return ids
-
-        return encode
-
-    return encoder(_special_splitter(every)), encoder(_special_splitter(user))
 
 
 def _pre_tokenizer(pre: str) -> PreTokenizer:

@@ -260,20 +260,12 @@ def _sentencepiece_from_gguf(metadata: Mapping[str, Any], source: str) -> Tokeni
     except Exception as error:  # noqa: BLE001
         raise ModelError(f"{source}: cannot build a sentencepiece model from its vocabulary: {error}") from None
 
-    # Sentencepiece never matches control pieces in text, so cut them out first (it matches user-defined ones itself).
-    in_text_specials = {tokens[i]: i for i, kind in enumerate(types) if kind == TokenType.CONTROL and tokens[i]}
-    if unk_id is not None:
-        in_text_specials.setdefault(tokens[unk_id], unk_id)
-    split_specials = _special_splitter(in_text_specials)
+    from akunu.models.special_tokens import special_token_encoders
 
-    def encode_plain(text: str) -> list[int]:
-        ids: list[int] = []
-        for fragment, special_id in split_specials(text):
-            if special_id is not None:
-                ids.append(special_id)
-            else:
-                ids.extend(processor.encode(fragment))
-        return ids
+    # Special tokens are cut out first, as llama.cpp does (sentencepiece never matches control pieces),
+    # and each piece of text between them gets its own dummy prefix.
+    types_for_split = [TokenType.UNKNOWN if i == unk_id else kind for i, kind in enumerate(types)]
+    encode_plain, encode_text = special_token_encoders(metadata, tokens, types_for_split, processor.encode)
 
     token_bytes = [
         token.encode("utf-8") if kind in (TokenType.CONTROL, TokenType.UNKNOWN) or i == unk_id
@@ -283,7 +275,7 @@ def _sentencepiece_from_gguf(metadata: Mapping[str, Any], source: str) -> Tokeni
     special_ids = frozenset(i for i, kind in enumerate(types) if kind == TokenType.CONTROL)
     return Tokenizer(
         encode_plain=encode_plain,
-        encode_text=lambda text: processor.encode(text),
+        encode_text=encode_text,
         pieces=tokens,
         token_bytes=token_bytes,
         special_ids=special_ids,

@@ -127,6 +127,7 @@ def corpus(texts: list[str]) -> str:
             forms.append(variant)
             forms.append("".join(symbol_of_byte[b] for b in variant.encode("utf-8")))
             forms.append("\u2581" + variant.replace(" ", "\u2581"))
+            forms.append(" ".join("\u2581" + word for word in variant.split()))  # a word after a special token
     return "\n\u0000".join(forms)
 
 
