@@ -128,11 +128,12 @@ def _random(shape: tuple[int, ...], rng: np.random.Generator, *, bias: bool) -> 
 
 
 def _add_tokenizer(writer: GGUFWriter) -> None:
-    extra = ["<|im_start|>", "<|im_end|>"] + [f"<|unused{i}|>" for i in range(VOCAB - 258)]
+    # llama.cpp refuses a BPE vocabulary without merges, so one merge and its token.
+    extra = ["<|im_start|>", "<|im_end|>"] + [f"<|unused{i}|>" for i in range(VOCAB - 259)]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
-    writer.add_token_list(gpt2_byte_alphabet() + extra)
-    writer.add_token_types([1] * 256 + [3] * len(extra))
-    writer.add_token_merges([])
-    writer.add_bos_token_id(256)
-    writer.add_eos_token_id(257)
+    writer.add_token_list(gpt2_byte_alphabet() + ["ab"] + extra)
+    writer.add_token_types([1] * 257 + [3] * len(extra))
+    writer.add_token_merges(["a b"])
+    writer.add_bos_token_id(257)
+    writer.add_eos_token_id(258)
