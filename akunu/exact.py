@@ -60,7 +60,7 @@ def _dispatcher(attend: Callable) -> Callable:
 def _install_per_row_attention(model: nn.Module) -> None:
     """Route the attention of `model`'s modules through the dispatcher (inactive outside exact passes)."""
     found = False
-    for name in {type(m).__module__ for m in model.modules()}:
+    for name in {cls.__module__ for m in model.modules() for cls in type(m).__mro__}:  # a subclass's base's module too
         module = sys.modules.get(name)
         attend = getattr(module, _ATTENTION, None)
         if attend is None:
