@@ -26,7 +26,7 @@ import mlx.nn as nn
 
 from akunu.decode import prefill
 from akunu.errors import OptionsError
-from akunu.kv_cache import make_cache, rewind
+from akunu.kv_cache import has_state, make_cache, rewind, state_kinds
 
 _ATTENTION = "scaled_dot_product_attention"  # the module-global every mlx-lm model's attention calls
 _per_row = contextvars.ContextVar("akunu_exact_per_row", default=False)
@@ -72,6 +72,10 @@ def _install_per_row_attention(model: nn.Module) -> None:
         raise OptionsError(f"exact mode needs a model whose attention calls mlx-lm's {_ATTENTION}; run without --exact")
 
 
+# The padding of a fixed-width pass would enter a recurrent state, which keeps no positions to drop.
+_STATE_REFUSAL = "--exact pads every pass to one width, and this model's {} layers would take the padding into their state; run without --exact"
+
+
 class FixedWidthModel:
     """`model` with every pass of at most `width` tokens padded to `width`; wider passes (prefill) run as they are.
 
@@ -90,6 +94,8 @@ class FixedWidthModel:
 
     def __call__(self, inputs: mx.array, cache: list, **kwargs) -> mx.array:
         length = inputs.shape[1]
+        if has_state(cache):
+            raise OptionsError(_STATE_REFUSAL.format(", ".join(state_kinds(cache))))
         if length > self.width:
             return self.model(inputs, cache=cache, **kwargs)
         pad = self.width - length

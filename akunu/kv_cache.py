@@ -1,4 +1,11 @@
-"""KV caches that can be rolled back in O(1), and a prompt cache reused across turns.
+"""Model caches that roll back, and a prompt cache reused across turns.
+
+A cache layer either holds positions (KV caches: rolled back in O(1) by moving an offset) or
+a state (the convolution and recurrent state of Mamba, gated-delta and other linear layers:
+mlx-lm's ArraysCache), which cannot be cut back. A state is rolled back by a snapshot taken
+before a pass: the snapshot only keeps references to the state's arrays, which models replace
+rather than write into, so taking one costs nothing. The tokens the rolled-back pass fed and
+the caller keeps are then fed again (see `akunu.decode.verify_round`).
 
 mlx-lm gives sliding-window layers (Gemma-3) a RotatingKVCache, which cannot be trimmed
 once it wraps. akunu gives every attention layer a plain KVCache instead: the model's own
@@ -8,30 +15,93 @@ sliding layers keep the whole context, not just the window.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
+import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import CacheList, ConcatenateKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
 
-def make_cache(model: nn.Module) -> list:
+class ModelCache(list):
+    """The model's per-layer caches, plus how many positions they hold (a state cannot tell)."""
+
+    def __init__(self, layers) -> None:
+        super().__init__(layers)
+        self.fed = 0  # positions fed through `run`, less those rolled back
+        self.torn = False  # a pass was interrupted: a state may hold part of it
+        self.owed: list[int] = []  # accepted tokens a state rolled back past, fed again ahead of the next pass
+
+
+def _full(c):
+    if isinstance(c, RotatingKVCache):
+        return KVCache()
+    if isinstance(c, CacheList):
+        c.caches = tuple(_full(inner) for inner in c.caches)
+    return c
+
+
+def make_cache(model: nn.Module) -> ModelCache:
     """The model's cache with rotating layers replaced by trimmable full ones."""
-    return [KVCache() if isinstance(c, RotatingKVCache) else c for c in make_prompt_cache(model)]
+    return ModelCache(_full(c) for c in make_prompt_cache(model))
 
 
-def why_not_trimmable(cache: list) -> str | None:
-    """None if every layer can roll back; otherwise a one-line reason speculation is off."""
-    kinds = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
-    if not kinds:
-        return None
-    return f"speculative decoding needs a cache that can roll back; this model uses {', '.join(kinds)}"
+def leaves(cache) -> Iterator:
+    """Every layer cache, CacheLists opened."""
+    for c in cache:
+        if isinstance(c, CacheList):
+            yield from leaves(c.caches)
+        else:
+            yield c
 
 
-def rewind(cache: list, n: int) -> None:
-    """Drop the last `n` positions from every layer: only offsets move."""
+def holds_positions(c) -> bool:
+    """True for a KV cache (rolled back by trimming); a ConcatenateKVCache's trim is not kept by its next update."""
+    return c.is_trimmable() and hasattr(c, "offset") and not isinstance(c, ConcatenateKVCache)
+
+
+def state_kinds(cache) -> list[str]:
+    """The cache types among `cache`'s layers that hold a state, not positions."""
+    return sorted({type(c).__name__ for c in leaves(cache) if not holds_positions(c)})
+
+
+def has_state(cache) -> bool:
+    return any(not holds_positions(c) for c in leaves(cache))
+
+
+class Snapshot:
+    """The state layers of a cache as they are now; `restore` puts them back."""
+
+    def __init__(self, cache) -> None:
+        self.fed = getattr(cache, "fed", 0)
+        self.saved = [(c, {k: list(v) if isinstance(v, list) else v for k, v in vars(c).items()})
+                      for c in leaves(cache) if not holds_positions(c)]  # fmt: skip
+
+    def restore(self, cache) -> None:
+        for c, attributes in self.saved:
+            vars(c).update({k: list(v) if isinstance(v, list) else v for k, v in attributes.items()})
+        if isinstance(cache, ModelCache):
+            cache.fed = self.fed
+
+
+def run(model, inputs: mx.array, cache) -> mx.array:
+    """model(inputs) on `cache`, counting the positions fed."""
+    if not isinstance(cache, ModelCache):
+        return model(inputs, cache=cache)
+    cache.torn = True
+    out = model(inputs, cache=cache)
+    cache.fed += inputs.shape[1]
+    cache.torn = False
+    return out
+
+
+def rewind(cache, n: int) -> None:
+    """Drop the last `n` positions from every position layer: only offsets move (states need a `Snapshot`)."""
     if n > 0:
-        for c in cache:
-            c.trim(n)
+        for c in leaves(cache):
+            if holds_positions(c):
+                c.trim(n)
+        if isinstance(cache, ModelCache):
+            cache.fed = max(cache.fed - n, 0)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -39,8 +109,12 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def cache_length(cache: list) -> int:
-    return min(c.offset for c in cache) if cache else 0
+def cache_length(cache) -> int:
+    """Positions every layer holds (a state layer holds what was fed through `run`)."""
+    offsets = [c.offset for c in leaves(cache) if holds_positions(c)]
+    if has_state(cache) and isinstance(cache, ModelCache):
+        offsets.append(0 if cache.torn else cache.fed)
+    return min(offsets) if offsets else 0
 
 
 class PromptCache:
@@ -49,21 +123,63 @@ class PromptCache:
     `tokens` is what generation has produced in order; the cache may hold fewer (the last
     sampled token is not fed yet) or more (drafts fed past a stop or an interrupt). Only
     positions covered by both are trusted, which keeps it consistent after Ctrl-C.
+
+    A state cannot be cut back to a shared prefix, so for a model with state layers the cache
+    is reused as far as it holds a prefix of the new prompt, or else from the longest snapshot
+    that does. `prefill` keeps one where a prompt parted from the cache (where the next prompt
+    with the same beginning parts too: a server's shared system prompt) and one before each
+    prompt's last token (a prompt sent again).
     """
+
+    MAX_SNAPSHOTS = 8
 
     def __init__(self, model: nn.Module) -> None:
         self.cache = make_cache(model)
         self.tokens: list[int] = []
+        self.snapshots: dict[int, Snapshot] = {0: Snapshot(self.cache)}  # positions held -> the state there
+        self.mark: int | None = None  # where `prefill` keeps the next snapshot, in prompt positions
 
     def reuse(self, prompt: Sequence[int]) -> list[int]:
-        """Trim the cache to its longest prefix shared with `prompt`; return the tokens left to feed."""
+        """Roll the cache back to its longest prefix shared with `prompt`; return the tokens left to feed."""
         shared = common_prefix(self.tokens[: cache_length(self.cache)], prompt[:-1])  # the last token is always fed
-        for c in self.cache:  # per layer: an interrupt may have left layers at different offsets
-            c.trim(c.offset - shared)
+        self.mark = None
+        if has_state(self.cache) and (shared != self.cache.fed or self.cache.torn):
+            self.mark, shared = shared, max(n for n in self.snapshots if n <= shared)
+            self.snapshots[shared].restore(self.cache)
+        for c in leaves(self.cache):  # per layer: an interrupt may have left layers at different offsets
+            if holds_positions(c):
+                c.trim(c.offset - shared)
+        self.cache.fed, self.cache.torn, self.cache.owed = shared, False, []
+        self.snapshots = {n: s for n, s in self.snapshots.items() if n <= shared}
         self.tokens = list(prompt)
         return list(prompt[shared:])
 
+    def prefill(self, model, tokens: Sequence[int], step: int = 512) -> mx.array:
+        """Feed the tokens `reuse` left, keeping snapshots on the way; return the logits after the last one."""
+        from akunu.decode import feed
+
+        tokens = list(tokens)
+        if self.mark is not None and self.mark > self.cache.fed:
+            cut = self.mark - self.cache.fed
+            feed(model, self.cache, tokens[:cut], step)
+            self._keep_snapshot()
+            tokens = tokens[cut:]
+        feed(model, self.cache, tokens[:-1], step)
+        self._keep_snapshot()
+        return run(model, mx.array([tokens[-1:]], mx.uint32), self.cache)[0, -1]
+
+    def _keep_snapshot(self) -> None:
+        if has_state(self.cache):
+            self.snapshots[self.cache.fed] = Snapshot(self.cache)
+            while len(self.snapshots) > self.MAX_SNAPSHOTS:
+                del self.snapshots[min(n for n in self.snapshots if n)]  # the empty state stays
+
     def reset(self) -> None:
         self.tokens = []
-        for c in self.cache:
-            c.trim(c.offset)
+        self.snapshots = {0: self.snapshots[0]}
+        self.snapshots[0].restore(self.cache)
+        rewind(self.cache, cache_length(self.cache))
+        for c in leaves(self.cache):
+            if holds_positions(c):
+                c.trim(c.offset)
+        self.cache.fed, self.cache.torn, self.cache.owed = 0, False, []
