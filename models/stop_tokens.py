@@ -11,7 +11,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 # Texts of tokens that end generation wherever they appear in a vocabulary: llama.cpp's list, less "</s>",
-# which is the declared EOS where it ends a turn (Llama 2, Mistral) and an HTML tag in Gemma's vocabulary.
+# which is the declared EOS where it ends a turn (Llama 2, Mistral) and an ordinary token, HTML's
+# strike-through tag, in Qwen's and Gemma's vocabularies.
 END_OF_GENERATION_TEXTS = frozenset(
     {
         "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",

@@ -15,7 +15,7 @@ With --llama-python (an interpreter that has llama-cpp-python), the ids llama.cp
 (`llama_vocab_is_eog`) are recorded too, and the ids it gives texts holding special tokens, encoded as a
 prompt is (BOS as the model asks, special-token strings parsed).
 
-    python scripts/record_tokenizer_vectors.py [--models DIR] [--llama-python PATH]
+    python scripts/record_tokenizer_vectors.py [--models DIR] [--llama-python PATH [--real-model GGUF]]
 """
 
 from __future__ import annotations
@@ -200,12 +200,45 @@ def llama_cpp_results(python: str, texts_by_gguf: dict[str, list[str]]) -> dict[
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+REAL_MODEL_CHAT = [
+    {"role": "system", "content": "You write Python."},
+    {"role": "user", "content": "Fix the bug:\n```python\ndef mean(xs):\n    return sum(xs) / len(xs) - 1\n```"},
+    {"role": "assistant", "content": "```python\ndef mean(xs):\n    return sum(xs) / len(xs)\n```"},
+    {"role": "user", "content": "Now the weather in Zürich, please 🌤"},
+]
+REAL_MODEL_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+
+
+def record_real_model(path: Path, python: str, out: Path) -> None:
+    """A real model's chat prompts (with and without tools) as llama.cpp encodes them, and its stop ids."""
+    tokenizer = Tokenizer.from_gguf(path)
+    texts = [
+        tokenizer.apply_chat_template(REAL_MODEL_CHAT),
+        tokenizer.apply_chat_template(REAL_MODEL_CHAT, tools=REAL_MODEL_TOOLS),
+    ]
+    result = llama_cpp_results(python, {str(path): texts})[str(path)]
+    fixture = {"model": path.name, "llama_cpp_eog_ids": result["eog"], "llama_cpp_prompts": result["prompts"]}
+    (out / f"real-{path.stem}.json").write_text(json.dumps(fixture, ensure_ascii=False, indent=1), encoding="utf-8")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", type=Path, default=SDIST_MODELS, help="llama.cpp's models/ directory")
     parser.add_argument("--out", type=Path, default=FIXTURES)
     parser.add_argument("--llama-python", help="a Python with llama-cpp-python, to record its end-of-generation ids")
+    parser.add_argument("--real-model", type=Path, help="a real GGUF whose prompt ids and stops to record too")
     args = parser.parse_args()
+    if args.real_model and args.llama_python:
+        record_real_model(args.real_model, args.llama_python, args.out)
     ggufs = [
         path
         for path in sorted(args.models.glob("ggml-vocab-*.gguf"))

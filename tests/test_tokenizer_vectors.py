@@ -8,12 +8,14 @@ special-token parsing off, so the same is asked of akunu here.
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import pytest
 
 from akunu.models.stop_tokens import end_of_generation_ids
 from akunu.models.tokenizer import Tokenizer
-from tests.vocab_fixtures import families, load, metadata_from_fixture
+from tests.vocab_fixtures import VOCAB_FIXTURES, families, load, metadata_from_fixture
 
 FAMILIES = families()
 
@@ -58,10 +60,13 @@ def test_decoding_gives_back_the_input(family):
 @pytest.mark.parametrize("family", [f for f in FAMILIES if "llama_cpp_eog_ids" in load(f)])
 def test_end_of_generation_ids_match_llama_cpp(family):
     tokenizer = _tokenizer(family)
-    llama_cpp = set(load(family)["llama_cpp_eog_ids"])
-    # llama.cpp also stops on any "</s>"; akunu only where it is the declared EOS (it is HTML in Gemma's vocabulary).
-    llama_cpp -= {i for i in llama_cpp if tokenizer.decode([i]) == "</s>" and i != tokenizer.eos_id}
-    assert tokenizer.eos_ids == frozenset(llama_cpp)
+    assert tokenizer.eos_ids == _llama_cpp_stops(tokenizer, load(family)["llama_cpp_eog_ids"])
+
+
+def _llama_cpp_stops(tokenizer: Tokenizer, llama_cpp_eog_ids: list[int]) -> frozenset[int]:
+    """llama.cpp's end-of-generation ids, less any "</s>" but a declared EOS: llama.cpp stops on every "</s>",
+    which in Qwen's and Gemma's vocabularies is an ordinary token (HTML's strike-through tag)."""
+    return frozenset(i for i in llama_cpp_eog_ids if tokenizer.decode([i]) != "</s>" or i == tokenizer.eos_id)
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if "llama_cpp_prompts" in load(f)])
@@ -117,3 +122,16 @@ def test_harmony_ends_a_turn_at_return_or_call_not_at_end():
     assert {tokens[i] for i in ids} == {"<|return|>", "<|call|>", "<|endoftext|>"}
     # Without harmony's <|return|> and <|call|>, <|end|> is Phi-3's end of turn.
     assert {tokens[i] for i in end_of_generation_ids(tokens[:4], declared=[])} == {"<|end|>"}
+
+
+@pytest.mark.real_model
+def test_qwen2_5_coder_prompts_and_stops_match_llama_cpp():
+    recorded = json.loads((VOCAB_FIXTURES / "real-qwen2.5-coder-0.5b-instruct.json").read_text(encoding="utf-8"))
+    path = Path("/work/models") / recorded["model"]
+    if not path.exists():
+        pytest.skip(f"{path} is not available")
+    qwen = Tokenizer.from_gguf(path)
+    assert qwen.eos_ids == _llama_cpp_stops(qwen, recorded["llama_cpp_eog_ids"])
+    assert {qwen.decode([i]) for i in qwen.eos_ids} >= {"<|im_end|>", "<|endoftext|>"}
+    for text, expected in recorded["llama_cpp_prompts"]:
+        assert qwen.encode(text) == expected
