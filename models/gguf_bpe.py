@@ -204,12 +204,18 @@ def _hf_builder(
     return build
 
 
-def _add_special_tokens(hf: tokenizers.Tokenizer, tokens: Sequence[str], types: Sequence[int], escape_spaces: bool) -> None:
+def _add_special_tokens(
+    hf: tokenizers.Tokenizer, tokens: Sequence[str], types: Sequence[int], escape_spaces: bool
+) -> None:
     if escape_spaces:  # the mlx-lm baseline sees raw text: spaces become "▁" as Gemma 4's normalizer does
         hf.normalizer = normalizers.Replace(" ", "\u2581")
         hf.pre_tokenizer = hf_pre_tokenizer(PRE_TOKENIZERS["gemma4"])
     hf.add_special_tokens(
-        [AddedToken(token, special=True, normalized=False) for token, kind in zip(tokens, types) if kind == TokenType.CONTROL]
+        [
+            AddedToken(token, special=True, normalized=False)
+            for token, kind in zip(tokens, types)
+            if kind == TokenType.CONTROL
+        ]
     )
     hf.add_tokens(
         [

@@ -27,11 +27,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers
 
 from akunu.errors import ModelError
 from akunu.models.chat_template import ChatTemplate
-from akunu.models.stop_tokens import end_of_generation_ids, gguf_end_of_generation_ids
 from akunu.models.detokenizer import (
     StreamingDetokenizer,
     byte_level_alphabet,
@@ -40,6 +39,7 @@ from akunu.models.detokenizer import (
     is_byte_piece,
     sentencepiece_token_bytes,
 )
+from akunu.models.stop_tokens import end_of_generation_ids, gguf_end_of_generation_ids
 
 log = logging.getLogger(__name__)
 

@@ -158,7 +158,12 @@ def _merged(merge: str) -> str:
 
 
 def _is_vocabulary(key: str) -> bool:
-    return key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.scores")
+    return key in (
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.merges",
+        "tokenizer.ggml.scores",
+    )
 
 
 def _plain(value: Any) -> Any:
