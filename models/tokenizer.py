@@ -8,7 +8,8 @@ the original tokenizer from that data:
 * `tokenizer.ggml.model == "llama"`: a real sentencepiece BPE model assembled in memory
   from pieces, scores and token types, run by the sentencepiece library itself.
 
-Which tokens end generation is llama.cpp's rule too (stop_tokens.py).
+Special-token strings are cut out of text before either runs, per `parse_special` (special_tokens.py), and
+which tokens end generation is llama.cpp's rule too (stop_tokens.py).
 
 Decoding is ours for every kind: each token maps to the exact bytes it stands for, so
 decoding and streaming are the same incremental UTF-8 decode (see detokenizer.py).
