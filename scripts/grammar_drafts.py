@@ -57,7 +57,10 @@ FUNCTION = {
     "additionalProperties": False,
 }
 REQUESTS = [
-    *[(f"Describe a software engineer from {city} as JSON.", PERSON) for city in ("Lagos", "Oslo", "Lima", "Pune", "Kyoto")],
+    *[
+        (f"Describe a software engineer from {city} as JSON.", PERSON)
+        for city in ("Lagos", "Oslo", "Lima", "Pune", "Kyoto")
+    ],
     *[
         (f"File a bug report as JSON: {bug}", TICKET)
         for bug in (
@@ -96,7 +99,16 @@ def run_mode(loaded, requests, mode: dict, max_tokens: int) -> dict:
     from akunu.grammar import Constraint
 
     config = GenerationConfig(max_tokens=max_tokens, spec=SpecConfig(enabled=mode["spec"]))
-    totals = {"tokens": 0, "passes": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "valid": 0, "finished": 0, "outputs": []}
+    totals = {
+        "tokens": 0,
+        "passes": 0,
+        "seconds": 0.0,
+        "drafted": 0,
+        "accepted": 0,
+        "valid": 0,
+        "finished": 0,
+        "outputs": [],
+    }
     for prompt, schema in requests:
         ids = loaded.tokenizer.encode_chat([{"role": "user", "content": prompt}])
         constraint = Constraint.json_schema(schema, loaded.tokenizer, jump_forward=mode["jump_forward"])
@@ -116,7 +128,9 @@ def run_mode(loaded, requests, mode: dict, max_tokens: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="/work/models/qwen2.5-coder-0.5b-instruct.gguf", help="a catalogue name or a path")
+    parser.add_argument(
+        "--model", default="/work/models/qwen2.5-coder-0.5b-instruct.gguf", help="a catalogue name or a path"
+    )
     parser.add_argument("--requests", type=int, default=len(REQUESTS), help="how many of the 20 requests to run")
     parser.add_argument("--max-tokens", type=int, default=160)
     args = parser.parse_args()

@@ -43,7 +43,11 @@ SCHEMAS = {
                     "type": "array",
                     "items": {
                         "type": "object",
-                        "properties": {"sku": {"type": "string"}, "qty": {"type": "integer"}, "price": {"type": "number"}},
+                        "properties": {
+                            "sku": {"type": "string"},
+                            "qty": {"type": "integer"},
+                            "price": {"type": "number"},
+                        },
                         "required": ["sku", "qty", "price"],
                         "additionalProperties": False,
                     },

@@ -47,7 +47,11 @@ def test_json_object_output_is_an_object(json_engine):
 
 @pytest.mark.parametrize(
     ("content", "message"),
-    [("{not json", "is not valid JSON"), ("[1, 2]", "must hold a JSON object"), ('{"$ref": "#/nowhere"}', "cannot be used")],
+    [
+        ("{not json", "is not valid JSON"),
+        ("[1, 2]", "must hold a JSON object"),
+        ('{"$ref": "#/nowhere"}', "cannot be used"),
+    ],
 )
 def test_a_bad_schema_file_is_one_clear_line(json_engine, tmp_path, content, message):
     path = tmp_path / "schema.json"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from enum import Enum
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal
 
 import openai
 import pytest
@@ -23,7 +23,7 @@ class Item(BaseModel):
     name: str = Field(max_length=4)
     color: Color
     tags: list[Annotated[str, Field(max_length=3)]] = Field(max_length=2)
-    note: Optional[str] = Field(default=None, max_length=3)
+    note: str | None = Field(default=None, max_length=3)
 
 
 class Order(BaseModel):
@@ -40,7 +40,11 @@ def client(fake_engine, serve):
 def test_parse_gives_the_pydantic_object(client):
     for temperature in (0.0, 1.0):
         completion = client.beta.chat.completions.parse(
-            model="tiny", messages=[{"role": "user", "content": "an order"}], response_format=Order, temperature=temperature, seed=5
+            model="tiny",
+            messages=[{"role": "user", "content": "an order"}],
+            response_format=Order,
+            temperature=temperature,
+            seed=5,
         )
         message = completion.choices[0].message
         assert isinstance(message.parsed, Order), message.content
@@ -49,7 +53,10 @@ def test_parse_gives_the_pydantic_object(client):
 
 def test_json_object_gives_a_json_object(client):
     completion = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "{"}], response_format={"type": "json_object"}, max_tokens=300
+        model="tiny",
+        messages=[{"role": "user", "content": "{"}],
+        response_format={"type": "json_object"},
+        max_tokens=300,
     )
     if completion.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(completion.choices[0].message.content), dict)
@@ -59,9 +66,16 @@ def test_json_object_gives_a_json_object(client):
 
 @pytest.mark.parametrize(
     "response_format",
-    [{"type": "yaml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}, "json"],
+    [
+        {"type": "yaml"},
+        {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}},
+        "json",
+    ],
 )
 def test_a_bad_response_format_is_a_400_naming_it(client, response_format):
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], response_format=response_format)
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], response_format=response_format
+        )
     assert caught.value.body["param"] == "response_format"
