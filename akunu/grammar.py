@@ -104,6 +104,8 @@ class Constraint:
         import llguidance
 
         self.jump_forward = jump_forward  # draft the tokens the grammar forces (off: only check the drafter's)
+        if not tokenizer.eos_ids:  # a finished output could never end
+            raise OptionsError("constrained output needs a model with an end-of-text token")
         self.matcher = llguidance.LLMatcher(_guidance_tokenizer(tokenizer), grammar, log_level=0)
         if self.matcher.is_error():
             raise OptionsError(f"the grammar cannot be used: {self.matcher.get_error()}")
