@@ -1,7 +1,7 @@
 """The cost curve: how long a forward pass of k = 1..33 tokens takes on this backend.
 
 Adaptive drafting weighs expected accepted tokens against it, so it is measured once per
-model, dtype and backend and kept on disk (`akunu bench --cost-curve` measures it afresh).
+model, dtype and backend and kept on disk (`akunu bench cost-curve` measures it afresh).
 It is measured out to the widest pass the policy may choose (32 drafts and the last token),
 after a short, a middling and a long context, since longer contexts make wide passes
 relatively dearer; a generation
@@ -25,7 +25,7 @@ from akunu.kv_cache import make_cache, rewind
 
 MAX_WIDTH = 33  # 32 drafts and the last committed token
 # A first run measures these widths only, with few sweeps, and reads the others off straight lines between
-# them: enough to pick draft lengths, in a fraction of the time; `akunu bench --cost-curve` measures every width.
+# them: enough to pick draft lengths, in a fraction of the time; `akunu bench cost-curve` measures every width.
 QUICK_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 11, 16, 24, 33)
 QUICK_SWEEPS = 2
 Progress = Callable[[int, int], None]  # (passes timed, passes in all)

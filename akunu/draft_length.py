@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from akunu.cost_curve import widest_paying
 from akunu.drafters.base import Draft, Guess
+from akunu.drafters.specs import DraftLengthPolicy
 from akunu.errors import OptionsError
 
 
@@ -160,20 +161,21 @@ class EntropyDraftLength:
             mx.async_eval(self.pending)
 
 
-LENGTH_POLICIES = ("acceptance", "entropy")
-
-
 def make_draft_length(
-    policy: str, max_draft: int, costs: Sequence[float] | None, *, adaptive: bool, draft_cost: float = 0.0
+    policy: DraftLengthPolicy | str, max_draft: int, costs: Sequence[float] | None, *, draft_cost: float = 0.0
 ) -> DraftLength | EntropyDraftLength:
-    """"acceptance" (evidence against the cost curve) or "entropy" (EGAG); fixed if not adaptive.
+    """The policy's draft length: adaptive (evidence against the cost curve), entropy (EGAG) or fixed.
 
-    An adaptive policy drafts no further than the widest pass the measured curve pays for."""
-    if costs and adaptive:
+    A policy that varies the length drafts no further than the widest pass the measured curve pays for."""
+    try:
+        policy = DraftLengthPolicy(policy)
+    except ValueError:
+        expected = ", ".join(p.value for p in DraftLengthPolicy)
+        raise OptionsError(f"unknown draft-length policy {policy!r}; expected {expected}") from None
+    varies = policy is not DraftLengthPolicy.fixed
+    if costs and varies:
         max_draft = min(max_draft, widest_paying(costs, max_draft))
-    if policy == "entropy" and adaptive:
+    if policy is DraftLengthPolicy.entropy:
         return EntropyDraftLength(max_draft)
-    if policy not in LENGTH_POLICIES:
-        raise OptionsError(f"unknown draft-length policy {policy!r}; expected {' or '.join(LENGTH_POLICIES)}")
-    return DraftLength(max_draft, costs, adaptive=adaptive, draft_cost=draft_cost)
+    return DraftLength(max_draft, costs, adaptive=varies, draft_cost=draft_cost)
 

@@ -18,6 +18,8 @@ from akunu.cost_curve import CostCurves, costs_at
 from akunu.decode import constrained_decode, plain_decode, speculative_decode
 from akunu.draft_length import make_draft_length
 from akunu.drafters.base import Drafter
+from akunu.drafters.specs import DraftLengthPolicy
+from akunu.drafters.tree import check_tree_support
 from akunu.errors import OptionsError, PromptError
 from akunu.exact import exact_model, flat_costs
 from akunu.grammar import Constraint
@@ -25,15 +27,13 @@ from akunu.kv_cache import PromptCache
 from akunu.logprobs import TokenLogprobs, token_logprobs
 from akunu.sampling import SamplingParams
 from akunu.stats import GenerationStats
-from akunu.drafters.tree import check_tree_support
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     enabled: bool = True
     draft_tokens: int = 32  # the most tokens drafted per round (adaptive: the cost curve may set fewer)
-    adaptive: bool = True  # pick the length per round (else always draft_tokens)
-    length_policy: str = "acceptance"  # "acceptance" (against the cost curve) or "entropy" (EGAG)
+    draft_length: DraftLengthPolicy = DraftLengthPolicy.adaptive  # how many of them a round drafts
     ngram_order: int = 4
     window: int = 512
     exact: bool = False  # exact mode (akunu.exact): passes padded to draft_tokens + 1, so logits never depend on the pass
@@ -195,8 +195,7 @@ def _decode_loop(
     drafter.start(prompt)
     halfway = len(prompt) + budget // 2  # the context the answer's passes run at, on average
     draft_length = make_draft_length(
-        speculation.length_policy, speculation.draft_tokens, costs_at(costs, halfway),
-        adaptive=speculation.adaptive, draft_cost=drafter.cost_per_token,
+        speculation.draft_length, speculation.draft_tokens, costs_at(costs, halfway), draft_cost=drafter.cost_per_token,
     )  # fmt: skip
     return speculative_decode(
         model, cache, logits, params=params, stats=stats, drafter=drafter, draft_length=draft_length, budget=budget,

@@ -1,24 +1,33 @@
-"""`akunu bench`: speculative against plain decoding and against mlx-lm, on real text, in one run.
+"""`akunu bench`: speculative against plain decoding and against mlx-lm, on real text, in one run;
+`akunu bench cost-curve`: what a forward pass of 1..33 tokens costs on this backend.
 
-The measuring lives in `akunu.bench`; this module parses options, draws the progress bar and
-prints the tables.
+The measuring lives in `akunu.bench`; this module parses options and draws the progress bar,
+`bench_tables` draws the tables.
 """
 
 from __future__ import annotations
 
 import sys
-from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
 
 from akunu.cli import options, runtime
+from akunu.cli.bench_tables import (
+    cost_table,
+    describe_mismatch,
+    drafter_table,
+    exact_table,
+    per_prompt_table,
+    print_checks,
+    print_header,
+    summary_table,
+    table_console,
+)
 from akunu.cli.console import print_note, stderr_console
+from akunu.drafters.specs import DraftLengthPolicy
 from akunu.errors import OptionsError
 
 EXAMPLES = """[bold]Examples[/]
@@ -26,127 +35,122 @@ EXAMPLES = """[bold]Examples[/]
   akunu bench --json bench.json --plot bench.png   the full run, every measurement kept
   akunu bench --categories code-edit,chat --repeats 3
   akunu bench --workload my-prompts.jsonl          your own prompts: {"category": ..., "prompt": ...} per line
-  akunu bench --cost-curve                         forward-pass time for 1..33 tokens on this backend
-  akunu bench --cost-curve --context 4096          the same after 4k tokens of context only (shown, not stored)"""
+  akunu bench cost-curve                           forward-pass time for 1..33 tokens on this backend"""
+COST_CURVE_EXAMPLES = """[bold]Examples[/]
+  akunu bench cost-curve                  measured after 64, 512 and 2048 tokens, and stored
+  akunu bench cost-curve --context 4096   after 4k tokens of context only (shown, not stored)"""
 
 WORKLOAD_PANEL, RUN_PANEL, OUTPUT_PANEL = "Workload", "Runs", "Output"
 
-class LengthPolicy(str, Enum):
-    acceptance = "acceptance"
-    entropy = "entropy"
+Workload = Annotated[
+    Path | None,
+    typer.Option(
+        rich_help_panel=WORKLOAD_PANEL,
+        help="A JSONL file of your own prompts, one {\"category\": ..., \"prompt\": ...} object per line"
+        " (\"id\" optional). Default: the shipped workloads.",
+    ),
+]
+Categories = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--categories",
+        "-c",
+        rich_help_panel=WORKLOAD_PANEL,
+        help="Only these categories, comma-separated or repeated (shipped: code-edit, summarize, rag, json, chat).",
+    ),
+]
+Limit = Annotated[int | None, typer.Option(min=1, rich_help_panel=WORKLOAD_PANEL, help="At most N prompts per category.")]
+MaxTokens = Annotated[int, typer.Option(min=2, rich_help_panel=RUN_PANEL, help="New tokens per generation.")]
+Repeats = Annotated[int, typer.Option(min=1, rich_help_panel=RUN_PANEL, help="Measured passes per prompt, after one warm-up.")]
+DraftTokens = Annotated[
+    int,
+    typer.Option(
+        min=1,
+        max=64,
+        rich_help_panel=RUN_PANEL,
+        help="The most tokens drafted per pass: the speculative run's ceiling and the fixed-length run's length.",
+    ),
+]
+DraftLength = Annotated[
+    DraftLengthPolicy,
+    typer.Option(
+        rich_help_panel=RUN_PANEL,
+        help="How the speculative run picks its draft length: adaptive (recent acceptance against measured pass costs),"
+        " entropy (EGAG: from the model's confidence) or fixed.",
+    ),
+]
+Drafters = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--drafter",
+        rich_help_panel=RUN_PANEL,
+        help="Also run speculation with this drafter (repeatable): ngram, lookup, layer-skip:N, hybrid:SPEC, A+B,"
+        " model:NAME, tree:N. Each gets a row in a drafter table, against plain and the default drafter.",
+    ),
+]
+Exact = Annotated[
+    bool,
+    typer.Option(
+        "--exact",
+        rich_help_panel=RUN_PANEL,
+        help="Also run plain and speculative decoding in exact mode (every pass padded to one width: at most 3 drafts"
+        " and the last token), on the same prompts: its cost, and greedy mismatches in both modes.",
+    ),
+]
+MlxLm = Annotated[
+    bool, typer.Option("--mlx-lm/--no-mlx-lm", rich_help_panel=RUN_PANEL, help="Also time mlx-lm's own plain decoding.")
+]
+Fixed = Annotated[
+    bool,
+    typer.Option("--fixed/--no-fixed", rich_help_panel=RUN_PANEL, help="Also time speculation that always drafts --draft-tokens."),
+]
+PerPrompt = Annotated[bool, typer.Option("--per-prompt", rich_help_panel=OUTPUT_PANEL, help="Also print a row for every prompt.")]
+JsonPath = Annotated[
+    Path | None,
+    typer.Option("--json", rich_help_panel=OUTPUT_PANEL, help="Write every raw measurement (and token ids) to this file."),
+]
+PlotPath = Annotated[
+    Path | None,
+    typer.Option(
+        "--plot",
+        rich_help_panel=OUTPUT_PANEL,
+        help="Draw speedup by category and the accepted-length histogram into this PNG (needs akunu\\[plot]).",
+    ),
+]
+Context = Annotated[
+    int | None,
+    typer.Option(
+        "--context",
+        min=1,
+        help="Time the passes after this many tokens of context only (shown, not stored: adaptive drafting reads the"
+        " curves measured at the usual contexts).",
+    ),
+]
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 
-# Wide enough for every column when the table goes to a file or a pipe.
-FILE_WIDTH = 185
-
-
+@app.callback(invoke_without_command=True, epilog=EXAMPLES)
 def bench(
+    ctx: typer.Context,
     model: options.Model = None,
     dtype: options.Dtype = options.WeightsDtype.auto,
-    workload: Annotated[
-        Optional[Path],
-        typer.Option(
-            rich_help_panel=WORKLOAD_PANEL,
-            help="A JSONL file of your own prompts, one {\"category\": ..., \"prompt\": ...} object per line"
-            " (\"id\" optional). Default: the shipped workloads.",
-        ),
-    ] = None,
-    categories: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            "--categories",
-            "-c",
-            rich_help_panel=WORKLOAD_PANEL,
-            help="Only these categories, comma-separated or repeated (shipped: code-edit, summarize, rag, json, chat).",
-        ),
-    ] = None,
-    limit: Annotated[
-        Optional[int], typer.Option(min=1, rich_help_panel=WORKLOAD_PANEL, help="At most N prompts per category.")
-    ] = None,
-    max_tokens: Annotated[
-        int, typer.Option(min=2, rich_help_panel=RUN_PANEL, help="New tokens per generation.")
-    ] = 128,
-    repeats: Annotated[
-        int, typer.Option(min=1, rich_help_panel=RUN_PANEL, help="Measured passes per prompt, after one warm-up.")
-    ] = 1,
+    workload: Workload = None,
+    categories: Categories = None,
+    limit: Limit = None,
+    max_tokens: MaxTokens = 128,
+    repeats: Repeats = 1,
     temp: options.Temp = 0.0,
     seed: options.Seed = None,
-    draft_tokens: Annotated[
-        int,
-        typer.Option(
-            min=1,
-            max=64,
-            rich_help_panel=RUN_PANEL,
-            help="The most tokens drafted per pass: the adaptive run's ceiling and the fixed-length run's length.",
-        ),
-    ] = 32,
-    length_policy: Annotated[
-        LengthPolicy,
-        typer.Option(
-            rich_help_panel=RUN_PANEL,
-            help="How the adaptive run picks its draft length: acceptance (against the measured pass costs) or"
-            " entropy (EGAG: from the model's next-token entropy).",
-        ),
-    ] = LengthPolicy.acceptance,
-    drafters: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            "--drafter",
-            rich_help_panel=RUN_PANEL,
-            help="Also run speculation with this drafter (repeatable): ngram, lookup, layer-skip:N, hybrid:SPEC, A+B,"
-            " model:NAME, tree:N."
-            " Each gets a row in a drafter table, against plain and the default drafter.",
-        ),
-    ] = None,
-    exact: Annotated[
-        bool,
-        typer.Option(
-            "--exact",
-            rich_help_panel=RUN_PANEL,
-            help="Also run plain and speculative decoding in exact mode (every pass padded to one width: at most 3 drafts and the last token), on the"
-            " same prompts: its cost, and greedy mismatches in both modes.",
-        ),
-    ] = False,
-    mlx_lm: Annotated[
-        bool,
-        typer.Option("--mlx-lm/--no-mlx-lm", rich_help_panel=RUN_PANEL, help="Also time mlx-lm's own plain decoding."),
-    ] = True,
-    fixed: Annotated[
-        bool,
-        typer.Option("--fixed/--no-fixed", rich_help_panel=RUN_PANEL, help="Also time speculation that always drafts --draft-tokens."),
-    ] = True,
-    per_prompt: Annotated[
-        bool, typer.Option("--per-prompt", rich_help_panel=OUTPUT_PANEL, help="Also print a row for every prompt.")
-    ] = False,
-    json_path: Annotated[
-        Optional[Path],
-        typer.Option("--json", rich_help_panel=OUTPUT_PANEL, help="Write every raw measurement (and token ids) to this file."),
-    ] = None,
-    plot_path: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--plot",
-            rich_help_panel=OUTPUT_PANEL,
-            help="Draw speedup by category and the accepted-length histogram into this PNG (needs akunu\\[plot]).",
-        ),
-    ] = None,
-    cost_curve: Annotated[
-        bool,
-        typer.Option(
-            "--cost-curve",
-            help="Instead of the benchmark: time a forward pass of 1..33 tokens after 64, 512 and 2048 tokens of context, "
-            "show it, and store it for adaptive drafting.",
-        ),
-    ] = False,
-    context: Annotated[
-        Optional[int],
-        typer.Option(
-            "--context",
-            min=1,
-            help="With --cost-curve: time the passes after this many tokens of context only (shown, not stored: "
-            "adaptive drafting reads the curves measured at the usual contexts).",
-        ),
-    ] = None,
+    draft_tokens: DraftTokens = 32,
+    draft_length: DraftLength = DraftLengthPolicy.adaptive,
+    drafters: Drafters = None,
+    exact: Exact = False,
+    mlx_lm: MlxLm = True,
+    fixed: Fixed = True,
+    per_prompt: PerPrompt = False,
+    json_path: JsonPath = None,
+    plot_path: PlotPath = None,
 ) -> None:
     """Measure speculative against plain decoding, and against mlx-lm, on realistic prompts.
 
@@ -157,49 +161,78 @@ def bench(
     from akunu import bench as lib
     from akunu.bench.engine import ModelEngine
 
-    if context is not None and not cost_curve:
-        raise OptionsError("--context goes with --cost-curve")
-    if cost_curve:
-        loaded = runtime.load(model, dtype)
-        if context is not None and loaded.context_length and context + 33 > loaded.context_length:
-            raise OptionsError(f"--context {context} leaves no room for a 33-token pass in the model's {loaded.context_length}")
-        _print_header(loaded, "")
-        show_cost_curve(loaded, draft_tokens, context)
+    if ctx.invoked_subcommand is not None:
         return
-    prompts = lib.select(
-        lib.load_workload(workload) if workload else lib.shipped_workload(), _split_categories(categories), limit
-    )
+    workload_prompts = lib.load_workload(workload) if workload else lib.shipped_workload()
+    prompts = lib.select(workload_prompts, _split_categories(categories), limit)
     if plot_path is not None:
         from akunu.bench.report import require_matplotlib
 
         require_matplotlib()  # before the long run, not after it
     loaded = runtime.load(model, dtype)
-    config = f"{'greedy' if temp == 0 else f'temp {temp}'} · {max_tokens} new tokens · {repeats} repeat(s) after a warm-up · drafts ≤ {draft_tokens} ({length_policy.value})"
-    machine = _print_header(loaded, config)
+    sampling = "greedy" if temp == 0 else f"temp {temp}"
+    config = f"{sampling} · {max_tokens} new tokens · {repeats} repeat(s) after a warm-up · drafts ≤ {draft_tokens} ({draft_length.value})"
+    machine = print_header(loaded, config)
     engine = ModelEngine(
-        loaded.model, loaded.tokenizer, max_tokens=max_tokens, temp=temp, draft_tokens=draft_tokens, length_policy=length_policy.value,
+        loaded.model, loaded.tokenizer, max_tokens=max_tokens, temp=temp, draft_tokens=draft_tokens, draft_length=draft_length,
         costs=runtime.cost_curve(loaded, draft_tokens), context_length=loaded.context_length, seed=seed,
     )  # fmt: skip
+    methods = _methods(loaded, fixed=fixed, mlx_lm=mlx_lm, drafters=drafters, exact=exact)
+    result = _run_with_progress(prompts, engine, methods, repeats, check_tokens=temp == 0)
+    summaries = _print_tables(result, methods, per_prompt=per_prompt, temp=temp)
+    settings = {
+        "max_tokens": max_tokens, "repeats": repeats, "temp": temp, "seed": seed, "draft_tokens": draft_tokens,
+        "draft_length": draft_length.value, "methods": methods, "workload": str(workload) if workload else "shipped",
+        "prompts": len(prompts), "command": " ".join(["akunu", *sys.argv[1:]]),
+    }  # fmt: skip
+    _write_files(result, summaries, machine, settings, json_path=json_path, plot_path=plot_path, name=loaded.name)
+    if result.failing_mismatches:
+        raise typer.Exit(1)
+
+
+@app.command("cost-curve", epilog=COST_CURVE_EXAMPLES)
+def cost_curve(
+    model: options.Model = None,
+    dtype: options.Dtype = options.WeightsDtype.auto,
+    draft_tokens: DraftTokens = 32,
+    context: Context = None,
+) -> None:
+    """Time a forward pass of 1..33 tokens after 64, 512 and 2048 tokens of context, show it, and store it for adaptive drafting."""
+    loaded = runtime.load(model, dtype)
+    if context is not None and loaded.context_length and context + 33 > loaded.context_length:
+        raise OptionsError(f"--context {context} leaves no room for a 33-token pass in the model's {loaded.context_length}")
+    print_header(loaded, "")
+    show_cost_curve(loaded, draft_tokens, context)
+
+
+def _methods(loaded, *, fixed: bool, mlx_lm: bool, drafters: list[str] | None, exact: bool) -> list[str]:
+    from akunu import bench as lib
+
     methods = [lib.PLAIN, lib.SPEC] + ([lib.SPEC_FIXED] if fixed else [])
     methods += [lib.MLX_LM] if mlx_lm and _has_mlx_lm_tokenizer(loaded) else []
     methods += [lib.drafter_method(spec) for spec in _split_categories(drafters) or []]
-    methods += [lib.PLAIN_EXACT, lib.SPEC_EXACT] if exact else []
-    result = _run_with_progress(prompts, engine, methods, repeats, check_tokens=temp == 0)
+    return methods + ([lib.PLAIN_EXACT, lib.SPEC_EXACT] if exact else [])
+
+
+def _print_tables(result, methods: list[str], *, per_prompt: bool, temp: float):
+    """The summary (and per-prompt, drafter and exact-mode tables where asked for) and the greedy checks."""
+    from akunu import bench as lib
+    from akunu.bench.runner import DRAFTER_PREFIX
+
     summaries = lib.summarize(result)
-    out = _table_console()
+    out = table_console()
     if per_prompt:
         out.print(per_prompt_table(result))
     out.print(summary_table(summaries, has_mlx=lib.MLX_LM in methods))
-    if drafters:
+    if any(method.startswith(DRAFTER_PREFIX) for method in methods):
         out.print(drafter_table(lib.summarize_drafters(result)))
-    if exact:
+    if lib.SPEC_EXACT in methods:
         out.print(exact_table(lib.summarize_exact(result)))
-    _print_checks(out, result, temp)
-    settings = {
-        "max_tokens": max_tokens, "repeats": repeats, "temp": temp, "seed": seed, "draft_tokens": draft_tokens, "length_policy": length_policy.value,
-        "methods": methods, "workload": str(workload) if workload else "shipped", "prompts": len(prompts),
-        "command": " ".join(["akunu", *sys.argv[1:]]),
-    }  # fmt: skip
+    print_checks(out, result, temp)
+    return summaries
+
+
+def _write_files(result, summaries, machine: dict, settings: dict, *, json_path: Path | None, plot_path: Path | None, name: str):
     if json_path is not None:
         from akunu.bench.report import result_record, write_json
 
@@ -208,10 +241,8 @@ def bench(
     if plot_path is not None:
         from akunu.bench.report import write_plot
 
-        write_plot(plot_path, result, summaries, title=f"akunu bench · {loaded.name} · {machine['backend']}")
+        write_plot(plot_path, result, summaries, title=f"akunu bench · {name} · {machine['backend']}")
         print_note(f"chart written to {plot_path}")
-    if result.failing_mismatches:
-        raise typer.Exit(1)
 
 
 def _split_categories(values: list[str] | None) -> list[str] | None:
@@ -226,28 +257,6 @@ def _has_mlx_lm_tokenizer(loaded) -> bool:
         print_note(f"no mlx-lm baseline for this model: {error or type(error).__name__}")
         return False
     return True
-
-
-def _table_console() -> Console:
-    return Console(file=sys.stdout, highlight=False, width=None if sys.stdout.isatty() else FILE_WIDTH)
-
-
-def _print_header(loaded, config: str) -> dict:
-    from akunu.bench.machine import describe_machine
-
-    machine = describe_machine(loaded.name, loaded.dtype, getattr(loaded, "dtype_reason", ""))
-    out = _table_console()
-    out.print(f"[bold]akunu bench[/] · model [bold]{escape(loaded.name)}[/] · dtype {machine['dtype']}"
-              f" [dim]({escape(str(machine['dtype_reason']))})[/]")  # fmt: skip
-    out.print(
-        f"[dim]{machine['platform']} · {escape(str(machine['cpu']))} · {machine['cores']} cores · backend {machine['backend']}"
-        f" · BLAS {escape(str(machine['blas']))} · mlx {machine['mlx']} · mlx-lm {machine['mlx_lm']}"
-        + (f" · CPU kernels: {escape(str(machine['cpu_kernels']))}" if machine.get("cpu_kernels") else "")
-        + "[/]"
-    )
-    if config:
-        out.print(f"[dim]{config}[/]")
-    return machine
 
 
 def _run_with_progress(prompts, engine, methods, repeats, *, check_tokens: bool):
@@ -266,159 +275,13 @@ def _run_with_progress(prompts, engine, methods, repeats, *, check_tokens: bool)
         def mismatch(m) -> None:
             if m.informational:
                 return
-            err.print(f"[bold red]MISMATCH[/] {m.prompt_id} (pass {m.repeat}): {_describe_mismatch(m)}")
+            err.print(f"[bold red]MISMATCH[/] {m.prompt_id} (pass {m.repeat}): {describe_mismatch(m)}")
 
         return run_benchmark(
             prompts, engine, methods=methods, repeats=repeats, check_tokens=check_tokens,
             on_measurement=measured, on_mismatch=mismatch,
             on_warmup=lambda method: progress.update(task, description=f"warm-up · {method}"),
         )  # fmt: skip
-
-
-def _number(value: float | None, spec: str, suffix: str = "") -> str:
-    return "–" if value is None else f"{value:{spec}}{suffix}"
-
-
-def _speedup(value: float | None, target: float = 1.0) -> str:
-    if value is None:
-        return "–"
-    colour = "green" if value >= target else "red"
-    return f"[{colour}]{value:.2f}×[/]"
-
-
-def _bounds(bound: float | None, anchored: float | None) -> str:
-    """The copy bound, and in brackets the one whose copies continue the sequence's last token."""
-    return "–" if bound is None else f"{bound:.2f} ({_number(anchored, '.2f')})"
-
-
-def summary_table(summaries, *, has_mlx: bool) -> Table:
-    table = Table(title="decode tok/s (prefill excluded); speedups are medians of per-prompt ratios", title_justify="left")
-    for name, justify in (
-        ("category", "left"), ("prompts", "right"), ("plain tok/s", "right"), ("spec tok/s", "right"),
-        ("speedup", "right"), ("accept", "right"), ("tok/pass", "right"), ("copy bound", "right"), ("drafting", "right"),
-        ("fixed-draft speedup", "right"),
-        ("mlx-lm tok/s", "right"), ("ours vs mlx-lm", "right"), ("prefill tok/s", "right"), ("mismatches", "right"),
-    ):  # fmt: skip
-        table.add_column(name, justify=justify, no_wrap=True)
-    for s in summaries:
-        overall = s.category == "overall"
-        if overall:
-            table.add_section()
-        table.add_row(
-            f"[bold]{s.category}[/]" if overall else s.category,
-            str(s.prompts),
-            _number(s.plain_tps, ".1f"),
-            _number(s.spec_tps, ".1f"),
-            _speedup(s.speedup),
-            _number(s.acceptance and 100 * s.acceptance, ".0f", "%") if s.acceptance is not None else "–",
-            _number(s.tokens_per_pass, ".2f"),
-            _bounds(s.copy_bound, s.anchored_bound),
-            _number(None if s.drafting_share is None else 100 * s.drafting_share, ".2f", "%"),
-            _speedup(s.fixed_speedup),
-            _number(s.mlx_tps, ".1f") if has_mlx else "–",
-            _speedup(s.vs_mlx) if has_mlx else "–",
-            _number(s.prefill_tps, ".0f"),
-            f"[bold red]{s.mismatches}[/]" if s.mismatches else "0",
-        )
-    return table
-
-
-def drafter_table(rows) -> Table:
-    """Other drafters per category: tok/s, speedup over plain and over the default drafter."""
-    table = Table(title="drafters (adaptive draft length; speedups are medians of per-prompt ratios)", title_justify="left")
-    for name in ("category", "drafter", "tok/s", "vs plain", "vs default", "accept", "tok/pass", "mismatches"):
-        table.add_column(name, justify="left" if name in ("category", "drafter") else "right", no_wrap=True)
-    for r in rows:
-        table.add_row(
-            f"[bold]{r.category}[/]" if r.category == "overall" else r.category,
-            r.drafter,
-            _number(r.tps, ".1f"),
-            _speedup(r.speedup),
-            _speedup(r.vs_default),
-            _number(r.acceptance and 100 * r.acceptance, ".0f", "%") if r.acceptance is not None else "–",
-            _number(r.tokens_per_pass, ".2f"),
-            f"[bold red]{r.mismatches}[/]" if r.mismatches else "0",
-        )
-    return table
-
-
-def per_prompt_table(result) -> Table:
-    from akunu.bench import MLX_LM, PLAIN, SPEC, SPEC_FIXED
-
-    table = Table(title="per prompt (median over passes)", title_justify="left")
-    for name in ("prompt", "prompt tok", "plain", "spec", "speedup", "accept", "tok/pass", "fixed", "mlx-lm"):
-        table.add_column(name, justify="left" if name == "prompt" else "right", no_wrap=True)
-    by_prompt: dict[str, dict[str, list]] = {}
-    for m in result.measurements:
-        by_prompt.setdefault(m.prompt_id, {}).setdefault(m.method, []).append(m.run)
-    for prompt_id, runs in by_prompt.items():
-        tps = {method: sorted(r.decode_tps for r in rs)[len(rs) // 2] for method, rs in runs.items()}
-        spec_runs = runs.get(SPEC, [])
-        drafted = sum(r.drafted for r in spec_runs)
-        passes = sum(r.forward_passes for r in spec_runs)
-        table.add_row(
-            prompt_id,
-            str(runs[PLAIN][0].prompt_tokens) if PLAIN in runs else "–",
-            _number(tps.get(PLAIN), ".1f"),
-            _number(tps.get(SPEC), ".1f"),
-            _speedup(tps[SPEC] / tps[PLAIN] if tps.get(SPEC) and tps.get(PLAIN) else None),
-            f"{sum(r.accepted for r in spec_runs) / drafted:.0%}" if drafted else "–",
-            f"{sum(r.generated - 1 for r in spec_runs) / passes:.2f}" if passes else "–",
-            _number(tps.get(SPEC_FIXED), ".1f"),
-            _number(tps.get(MLX_LM), ".1f"),
-        )
-    return table
-
-
-def _print_checks(out: Console, result, temp: float) -> None:
-    if not result.checked:
-        out.print(f"[yellow]tokens not compared: at temperature {temp} speculative sampling may pick other tokens[/]")
-        return
-    from akunu.exact import NEAR_TIE_GAP
-
-    counted, failing = result.counted_mismatches, result.failing_mismatches
-    if counted:
-        style = "bold red" if failing else "yellow"
-        out.print(
-            f"[{style}]{'✗' if failing else '!'} {len(counted)} greedy mismatch(es), {len(counted) - len(failing)} at a near-tie"
-            f" (top-two gap ≤ {NEAR_TIE_GAP:g}, which the default mode allows; see README 'exactness')[/]"
-        )
-        for m in counted:
-            out.print(f"[{'yellow' if m.near_tie else 'red'}]  {m.prompt_id} pass {m.repeat}: {_describe_mismatch(m)}[/]")
-    else:
-        out.print("[green]✓ 0 greedy mismatches: speculative tokens equal plain tokens on every prompt[/]")
-    informational = [m for m in result.mismatches if m.informational]
-    if informational:
-        out.print(
-            f"[dim]information: mlx-lm's tokens differ from ours on {len(informational)} generation(s)"
-            f" (first at token {min(m.index for m in informational)}); the same model can round differently[/]"
-        )
-    elif any(m.method == "mlx-lm" for m in result.measurements):
-        out.print("[dim]information: mlx-lm's tokens equal ours on every prompt[/]")
-
-
-def _describe_mismatch(m) -> str:
-    gap = "" if m.top2_gap is None else f"; top-two logit gap there {m.top2_gap:.3g}{', a near-tie' if m.near_tie else ''}"
-    return f"{m.method} differs from {m.reference} at token {m.index} ({m.got} instead of {m.expected}{gap})"
-
-
-def exact_table(rows) -> Table:
-    """Exact mode against the default: tok/s, cost, speedup, and greedy mismatches in each mode."""
-    table = Table(title="exact mode (passes of one width) against the default", title_justify="left")
-    columns = (
-        "category", "plain tok/s", "exact plain", "exact/default", "spec tok/s", "exact spec", "exact/default", "exact speedup",
-        "mismatches default (near-ties)", "mismatches exact",
-    )  # fmt: skip
-    for name in columns:
-        table.add_column(name, justify="left" if name == "category" else "right")
-    for r in rows:
-        table.add_row(
-            r.category, _number(r.plain_tps, ".1f"), _number(r.plain_exact_tps, ".1f"), _number(r.plain_cost, ".2f", "×"),
-            _number(r.spec_tps, ".1f"), _number(r.spec_exact_tps, ".1f"), _number(r.spec_cost, ".2f", "×"),
-            _speedup(r.exact_speedup), f"{r.mismatches} ({r.near_ties})",
-            f"[bold red]{r.exact_mismatches}[/]" if r.exact_mismatches else "0",
-        )  # fmt: skip
-    return table
 
 
 def show_cost_curve(loaded, draft_tokens: int, context: int | None = None) -> None:
@@ -436,8 +299,8 @@ def show_cost_curve(loaded, draft_tokens: int, context: int | None = None) -> No
             curves, path = measure_and_save(loaded.model, key, cost_curve.default_dir(), contexts)
         else:
             curves, path = cost_curve.measure_curves(loaded.model, cost_curve.MAX_WIDTH, contexts=contexts), None
-    out = _table_console()
-    out.print(_cost_table(curves, key, after))
+    out = table_console()
+    out.print(cost_table(curves, key, after))
     for c in contexts:
         picks = [f"{a:.0%} → {best_length(a, curves.at(c), draft_tokens)}" for a in (0.2, 0.4, 0.6, 0.8, 0.9)]
         out.print(f"after {c} tokens, adaptive drafting (≤ {draft_tokens}) drafts, by acceptance: " + ", ".join(picks))
@@ -445,22 +308,4 @@ def show_cost_curve(loaded, draft_tokens: int, context: int | None = None) -> No
         out.print(f"[dim]saved to {path}; adaptive drafting reads it at each generation's context[/]")
     else:
         usual = ", ".join(map(str, cost_curve.CONTEXTS))
-        out.print(f"[dim]not stored: adaptive drafting reads curves measured at {usual} tokens (akunu bench --cost-curve)[/]")
-
-
-def _cost_table(curves, key: str, after: str) -> Table:
-    from akunu.bench.cost_table import cost_table_rows
-
-    contexts = sorted(curves.seconds)
-    table = Table(title=f"forward-pass time by width k, after {after} tokens of context", caption=key, title_justify="left")
-    table.add_column("k", justify="right")
-    for name in [f"ms @{c}" for c in contexts] + [f"relative @{c}" for c in contexts]:
-        table.add_column(name, justify="right")
-    for k, ms, relative in cost_table_rows(curves):
-        table.add_row(str(k), *(f"{m:.1f}" for m in ms), *(f"{r:.2f}" for r in relative))
-    return table
-
-
-# The lazy loader in app.py prefers a module-level `app`: a one-command Typer carrying the examples.
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-app.command(name="bench", epilog=EXAMPLES)(bench)
+        out.print(f"[dim]not stored: adaptive drafting reads curves measured at {usual} tokens (akunu bench cost-curve)[/]")

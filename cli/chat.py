@@ -6,7 +6,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.markup import escape
@@ -53,11 +53,11 @@ def chat(
     draft_tokens: options.DraftTokens = 32,
     exact: options.Exact = False,
     save: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Option(rich_help_panel=CONVERSATION_PANEL, help="Save the conversation to this JSON file after every answer."),
     ] = None,
     load: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Option(rich_help_panel=CONVERSATION_PANEL, help="Resume the conversation saved in this JSON file."),
     ] = None,
 ) -> None:
@@ -266,7 +266,7 @@ class ChatSession:
         exact = f", exact mode (passes of {exact_width(spec.draft_tokens)})" if spec.exact else ""
         if not spec.enabled:
             return "off" + exact
-        return f"on (up to {spec.draft_tokens} drafts{', adaptive' if spec.adaptive else ''}{exact})"
+        return f"on (up to {spec.draft_tokens} drafts, {spec.draft_length.value}{exact})"
 
     def _costs_now(self):
         """The cost curves, measured the first time speculation needs them."""

@@ -7,7 +7,7 @@ import json
 import sys
 import warnings
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.text import Text
@@ -32,10 +32,10 @@ CONVERT_HINT = "; convert it to UTF-8 first, e.g. with iconv -f latin1 -t utf-8"
 
 def generate(
     prompt: Annotated[
-        Optional[str], typer.Argument(show_default=False, help="The prompt. '-' or nothing reads it from stdin.")
+        str | None, typer.Argument(show_default=False, help="The prompt. '-' or nothing reads it from stdin.")
     ] = None,
     prompt_file: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Option("--prompt-file", "-f", rich_help_panel=OUTPUT_PANEL, help="Read the prompt from this file."),
     ] = None,
     model: options.Model = None,
@@ -46,7 +46,7 @@ def generate(
         typer.Option("--raw", rich_help_panel=OUTPUT_PANEL, help="Send the prompt verbatim, special tokens included: no chat template."),
     ] = False,
     parse_special: Annotated[
-        Optional[bool],
+        bool | None,
         typer.Option(
             "--parse-special/--no-parse-special",
             show_default=False,
@@ -69,7 +69,7 @@ def generate(
     draft: options.Draft = DEFAULT_SPEC,
     draft_model: options.DraftModel = None,
     ngram_cache: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Option(
             rich_help_panel=options.SPEC_PANEL,
             help="Keep n-gram counts in this file across runs; drafts fall back on them (off by default).",
@@ -77,7 +77,7 @@ def generate(
     ] = None,
     tree: options.Tree = None,
     json_schema: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Option(
             "--json-schema",
             rich_help_panel=OUTPUT_PANEL,
@@ -283,8 +283,7 @@ def describe_run(loaded, config) -> None:
     kernels = f" · CPU kernels: {backend['cpu_kernels']}" if backend["cpu_kernels"] else ""
     err.print(f"[dim]{loaded.describe()} · {getattr(loaded, 'dtype_reason', '')} · BLAS: {backend['blas']}{kernels}[/]")
     spec = config.spec
-    policy = ("adaptive" if spec.length_policy == "acceptance" else spec.length_policy) if spec.adaptive else "fixed"
-    mode = f"on, up to {spec.draft_tokens} drafts, {policy}" if spec.enabled else "off"
+    mode = f"on, up to {spec.draft_tokens} drafts, {spec.draft_length.value}" if spec.enabled else "off"
     if spec.exact:
         from akunu.exact import exact_width
 

@@ -6,9 +6,11 @@ import math
 import os
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
+
+from akunu.drafters.specs import DraftLengthPolicy
 
 MODEL_PANEL, SAMPLING_PANEL, SPEC_PANEL = "Model", "Sampling", "Speculative decoding"
 
@@ -20,7 +22,7 @@ def _model_name(value: str | None) -> str | None:
 
 
 Model = Annotated[
-    Optional[str],
+    str | None,
     typer.Option(
         "--model",
         "-m",
@@ -48,7 +50,7 @@ Dtype = Annotated[
     ),
 ]
 System = Annotated[
-    Optional[str], typer.Option("--system", "-s", rich_help_panel=MODEL_PANEL, help="System prompt for the chat template.")
+    str | None, typer.Option("--system", "-s", rich_help_panel=MODEL_PANEL, help="System prompt for the chat template.")
 ]
 def _finite(value: float) -> float:
     if not math.isfinite(value):
@@ -83,11 +85,11 @@ MinP = Annotated[
 ]
 MAX_SEED = 2**64 - 1  # MLX seeds are unsigned 64-bit
 Seed = Annotated[
-    Optional[int],
+    int | None,
     typer.Option(min=0, max=MAX_SEED, rich_help_panel=SAMPLING_PANEL, help="Random seed, for repeatable sampling."),
 ]
 Stop = Annotated[
-    Optional[list[str]],
+    list[str] | None,
     typer.Option(
         "--stop",
         rich_help_panel=SAMPLING_PANEL,
@@ -119,12 +121,6 @@ Exact = Annotated[
 ]
 
 
-class DraftLengthPolicy(str, Enum):
-    adaptive = "adaptive"  # acceptance against this backend's pass-cost curve
-    entropy = "entropy"  # EGAG: more drafts where the model's next-token entropy is low
-    fixed = "fixed"  # always --draft-tokens
-
-
 DraftLength = Annotated[
     DraftLengthPolicy,
     typer.Option(
@@ -137,9 +133,8 @@ DraftLength = Annotated[
 
 def check_writable_file(path: Path, option: str) -> None:
     """Fail before the model loads (and before an answer is lost) if `path` cannot be written."""
-    from akunu.errors import OptionsError
-
     from akunu.cli.text_input import check_save_target
+    from akunu.errors import OptionsError
 
     check_save_target(path, option)  # a device, a FIFO or a folder
     folder = path.parent
@@ -159,11 +154,11 @@ Draft = Annotated[
     ),
 ]
 DraftModel = Annotated[
-    Optional[str],
+    str | None,
     typer.Option(rich_help_panel=SPEC_PANEL, help="A draft model with the same tokenizer (same as --draft model:NAME)."),
 ]
 Tree = Annotated[
-    Optional[int],
+    int | None,
     typer.Option(min=1, max=32, rich_help_panel=SPEC_PANEL, help="Verify n-gram drafts as token trees of up to N nodes."),
 ]
 
@@ -197,8 +192,7 @@ def generation_config(
         spec=SpecConfig(
             enabled=spec,
             draft_tokens=draft_tokens,
-            adaptive=draft_length != DraftLengthPolicy.fixed,
-            length_policy="entropy" if draft_length == DraftLengthPolicy.entropy else "acceptance",
+            draft_length=draft_length,
             exact=exact,
         ),
         stop=tuple(unescape(s) for s in stop or ()),

@@ -22,6 +22,7 @@ from rich.progress import (
 )
 
 from akunu.cli.console import print_note, stderr_console
+from akunu.drafters.specs import DraftLengthPolicy
 from akunu.errors import PromptError
 
 _BYTE_STAGES = {"download", "extract", "verify"}
@@ -138,7 +139,7 @@ def pass_cost_progress(how: str) -> Iterator:
 
 def costs_for(loaded, config):
     """The cost curves when the config drafts adaptively; None otherwise (no measuring needed; exact mode's is flat)."""
-    if config.spec.enabled and config.spec.adaptive and not config.spec.exact:
+    if config.spec.enabled and config.spec.draft_length != DraftLengthPolicy.fixed and not config.spec.exact:
         return cost_curve(loaded, config.spec.draft_tokens)
     return None
 

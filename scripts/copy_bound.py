@@ -9,7 +9,7 @@ all prompts, prints the median over prompts (as `akunu bench` takes medians) of:
             anywhere earlier: no drafter that copies runs of the context can beat it
   DRAFTER   tokens per pass of a shipped drafter drafting draft-tokens every round
   DRAFTER/adaptive, DRAFTER/modelled   with --curve (a JSON list of relative pass costs, k = 1..33,
-            or the curves `akunu bench --cost-curve` stores, read at each prompt's context plus half
+            or the curves `akunu bench cost-curve` stores, read at each prompt's context plus half
             its answer): tokens per pass under the adaptive draft-length policy (ceiling 32), and
             the speedup the curve predicts for it (answer tokens / summed cost of its passes);
             --policy-context N makes the policy draft against the curve at N tokens instead
@@ -78,7 +78,7 @@ def main() -> None:
             row[spec].append(drafter_tokens_per_pass(make_drafter(spec), context, answer, args.draft_tokens))
             if costs:
                 policy = costs_at(curves, args.policy_context) if args.policy_context else costs
-                widths = replay(make_drafter(spec), context, answer, make_draft_length("acceptance", CEILING, policy, adaptive=True))
+                widths = replay(make_drafter(spec), context, answer, make_draft_length("adaptive", CEILING, policy))
                 row[f"{spec}/adaptive"].append(len(answer) / len(widths))
                 row[f"{spec}/modelled"].append(modelled(answer, widths, costs))
                 row[f"{spec}/foreseen"].append(modelled(answer, foreseen_widths(make_drafter(spec), context, answer, CEILING), costs))

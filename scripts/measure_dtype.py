@@ -16,7 +16,7 @@ import statistics
 import time
 
 import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
-from akunu.backends.cpu import blas
+from akunu import backends
 from akunu.bench import Prompt
 from akunu.bench.engine import ModelEngine
 from akunu.models import load_model
@@ -39,7 +39,7 @@ def measure(name: str, dtype: str, tokens: int, rounds: int) -> dict:
             run = engine.run(method, ids)
             speeds["akunu" if method == "plain" else "mlx-lm"].append(run.decode_tps)
     return {
-        "model": name, "dtype": loaded.dtype, "blas": blas.loaded_path or "reference", "load_s": round(load_seconds, 2),
+        "model": name, "dtype": loaded.dtype, "blas": backends.describe()["blas"], "load_s": round(load_seconds, 2),
         **{f"{who}_tok_per_s": round(statistics.median(values), 2) for who, values in speeds.items()},
     }  # fmt: skip
 

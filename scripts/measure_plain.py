@@ -19,7 +19,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
-from akunu.backends.cpu import fast_step
+from akunu import backends
 from akunu.bench.engine import ModelEngine
 from akunu.bench.workloads import load_workload, select, shipped_workload
 from akunu.models import load_model
@@ -32,7 +32,7 @@ def measure(engine: ModelEngine, ids: list[int], mirrored: bool) -> dict[str, fl
     ways = {"fast": "plain", "unpatched": "plain", "mlx-lm": "mlx-lm"}
     speeds = {}
     for name in reversed(ways) if mirrored else ways:
-        with fast_step.unpatched(engine.model) if name == "unpatched" else nullcontext():
+        with backends.unpatched(engine.model) if name == "unpatched" else nullcontext():
             speeds[name] = engine.run(ways[name], ids).decode_tps
     return speeds
 

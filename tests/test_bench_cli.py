@@ -9,9 +9,9 @@ import re
 import pytest
 
 import akunu.cost_curve
-from akunu.cost_curve import CONTEXTS, CostCurves, curve_key, curve_path, default_dir, relative_costs, save
 from akunu.bench.engine import ModelEngine
 from akunu.cli import runtime
+from akunu.cost_curve import CONTEXTS, CostCurves, curve_key, curve_path, default_dir, relative_costs, save
 from tests.fakes import ANSI, FAKE_COSTS, invoke, make_loaded
 
 real_cached = akunu.cost_curve.cached  # the fake engine replaces it
@@ -48,27 +48,27 @@ def test_bench_prints_the_table_and_writes_every_measurement(fake_engine, worklo
     # 1 warm-up + 6 measured generations per method, all with the options given
     assert len(fake_engine.streams) == 3 + 18
     assert {s["config"].max_tokens for s in fake_engine.streams} == {12}
-    assert {(s["config"].spec.enabled, s["config"].spec.adaptive) for s in fake_engine.streams} == {
-        (False, False), (True, True), (True, False)
+    assert {(s["config"].spec.enabled, s["config"].spec.draft_length) for s in fake_engine.streams} == {
+        (False, "adaptive"), (True, "adaptive"), (True, "fixed")
     }
     speculative = [s for s in fake_engine.streams if s["config"].spec.enabled]
     assert all(s["costs"] == FAKE_COSTS for s in speculative)
 
 
-def test_length_policy_reaches_the_adaptive_run_only(fake_engine, workload):
-    result = invoke("bench", "--workload", str(workload), "--limit", "1", "-c", "open", "--max-tokens", "4", "--length-policy", "entropy")
+def test_draft_length_policy_reaches_the_speculative_run_only(fake_engine, workload):
+    result = invoke("bench", "--workload", str(workload), "--limit", "1", "-c", "open", "--max-tokens", "4", "--draft-length", "entropy")
     text = ANSI.sub("", result.output)
     assert result.exit_code == 0, text
-    policies = {(s["config"].spec.adaptive, s["config"].spec.length_policy) for s in fake_engine.streams if s["config"].spec.enabled}
-    assert policies == {(True, "entropy"), (False, "entropy")}  # the fixed run ignores the policy
+    policies = {s["config"].spec.draft_length for s in fake_engine.streams if s["config"].spec.enabled}
+    assert policies == {"entropy", "fixed"}  # the fixed run keeps its own
     assert "(entropy)" in text
 
 
 def test_no_fixed_skips_the_fixed_length_run(fake_engine, workload):
     result = invoke("bench", "--workload", str(workload), "--limit", "1", "-c", "open", "--max-tokens", "4", "--no-fixed")
     assert result.exit_code == 0, ANSI.sub("", result.output)
-    adaptive = {s["config"].spec.adaptive for s in fake_engine.streams if s["config"].spec.enabled}
-    assert adaptive == {True}  # only the adaptive run speculates
+    policies = {s["config"].spec.draft_length for s in fake_engine.streams if s["config"].spec.enabled}
+    assert policies == {"adaptive"}  # only the adaptive run speculates
 
 
 def test_bench_uses_the_cli_cost_curve_key(fake_engine, workload):
@@ -194,7 +194,7 @@ def test_cost_curve_is_measured_shown_and_stored_where_adaptive_drafting_reads_i
         return [0.05 * (1 + context / 1024) + 0.005 * k for k in range(max_width)]
 
     monkeypatch.setattr(akunu.cost_curve, "measure", measure)
-    result = invoke("bench", "--cost-curve")
+    result = invoke("bench", "cost-curve")
     text = ANSI.sub("", result.output)
     assert result.exit_code == 0, text
     # k, ms after 64 / 512 / 2048 tokens, relative cost after each
@@ -215,7 +215,7 @@ def test_cost_curve_at_another_context_is_shown_but_not_stored(fake_engine, monk
         return [0.05 + 0.005 * k for k in range(33)]
 
     monkeypatch.setattr(akunu.cost_curve, "measure", measure)
-    result = invoke("bench", "--cost-curve", "--context", "100")
+    result = invoke("bench", "cost-curve", "--context", "100")
     text = ANSI.sub("", result.output)
     assert result.exit_code == 0, text
     flowing = " ".join(text.split())  # the table's title may wrap
@@ -223,8 +223,8 @@ def test_cost_curve_at_another_context_is_shown_but_not_stored(fake_engine, monk
     assert not curve_path(curve_key("tiny", "float32"), default_dir()).exists()
 
 
-@pytest.mark.parametrize("args, message", [(["--context", "64"], "--context goes with --cost-curve"),
-                                           (["--cost-curve", "--context", "100000"], "leaves no room")])
+@pytest.mark.parametrize("args, message", [(["--context", "64"], "No such option: --context"),
+                                           (["cost-curve", "--context", "100000"], "leaves no room")])
 def test_a_context_option_out_of_place_is_one_line(fake_engine, args, message):
     result = invoke("bench", *args)
     assert result.exit_code != 0 and message in ANSI.sub("", result.output) and "Traceback" not in result.output

@@ -6,6 +6,7 @@ import re
 import pytest
 
 import akunu.generate
+from akunu.drafters.specs import DraftLengthPolicy
 from akunu.errors import ModelError
 from akunu.generate import GenerationConfig, SpecConfig
 from akunu.sampling import SamplingParams
@@ -44,7 +45,7 @@ def test_defaults_reach_the_engine_with_the_measured_cost_curve(fake_engine):
     assert result.exit_code == 0, result.output
     assert [(c["spec"], c["dtype"]) for c in fake_engine.loads] == [("smollm2-135m", "auto")]
     (call,) = fake_engine.streams
-    assert call["config"] == GenerationConfig(max_tokens=256, spec=SpecConfig(enabled=True, draft_tokens=32, adaptive=True))
+    assert call["config"] == GenerationConfig(max_tokens=256, spec=SpecConfig(enabled=True, draft_tokens=32))
     assert call["costs"] == FAKE_COSTS
     (curve,) = fake_engine.cost_curves
     assert curve["model"] is fake_engine.loaded.model
@@ -67,12 +68,10 @@ def test_exact_reaches_the_engine_and_its_speculation_prints_what_its_plain_deco
     assert fake_engine.cost_curves == []  # exact mode's passes all cost the same: nothing to measure
 
 
-@pytest.mark.parametrize(
-    "choice, adaptive, policy", [("adaptive", True, "acceptance"), ("entropy", True, "entropy"), ("fixed", False, "acceptance")]
-)
-def test_draft_length_policy_reaches_the_engine(fake_engine, choice, adaptive, policy):
+@pytest.mark.parametrize("choice", ["adaptive", "entropy", "fixed"])
+def test_draft_length_policy_reaches_the_engine(fake_engine, choice):
     assert invoke("generate", "hello", "--draft-length", choice).exit_code == 0
-    assert fake_engine.config.spec == SpecConfig(enabled=True, adaptive=adaptive, length_policy=policy)
+    assert fake_engine.config.spec == SpecConfig(enabled=True, draft_length=DraftLengthPolicy(choice))
 
 
 def test_text_goes_to_stdout_and_stats_to_stderr(fake_engine):

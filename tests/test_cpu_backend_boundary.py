@@ -27,7 +27,7 @@ path = Path(sys.argv[1]) / "tiny.gguf"
 write_tiny_gguf(path)
 loaded = load_model(str(path), dtype="float32")
 prompt = loaded.tokenizer.encode("hello hello hello")
-config = GenerationConfig(max_tokens=6, spec=SpecConfig(draft_tokens=3, adaptive=False))
+config = GenerationConfig(max_tokens=6, spec=SpecConfig(draft_tokens=3, draft_length="fixed"))
 _, ids, _ = generate(loaded.model, loaded.tokenizer, prompt, config)
 assert len(ids) == 6, ids
 module = sys.modules[type(loaded.model).__module__]

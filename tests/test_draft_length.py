@@ -53,14 +53,14 @@ def test_a_drafter_that_costs_a_forward_pass_drafts_only_when_drafts_land_often(
     assert best_length(0.5, CPU_LIKE, 4) > 0  # table lookups are free: drafting pays at 50%
     assert best_length(0.5, CPU_LIKE, 4, draft_cost=0.8) == 0  # a model costing 0.8 steps per draft does not
     assert best_length(0.95, CPU_LIKE, 4, draft_cost=0.1) == 4
-    policy = make_draft_length("acceptance", 4, CPU_LIKE, adaptive=True, draft_cost=0.8)
+    policy = make_draft_length("adaptive", 4, CPU_LIKE, draft_cost=0.8)
     assert policy.limit() == 0  # at the prior's acceptance
 
 
 def test_the_chain_rule_reduces_to_the_closed_form_for_one_acceptance():
     for a in (0.2, 0.5, 0.8, 0.95):
         chosen = best_chain_length([a] * 32, CPU_WIDE)
-        rate = lambda n: (1 - a ** (n + 1)) / (1 - a) / CPU_WIDE[n]  # noqa: E731
+        rate = lambda n, a=a: (1 - a ** (n + 1)) / (1 - a) / CPU_WIDE[n]  # noqa: E731
         assert rate(chosen) == pytest.approx(max(rate(n) for n in range(33)))
     assert best_chain_length([0.95, 0.95, 0.05, 0.95], CPU_WIDE) == 2  # a weak token ends the draft before it
 
@@ -101,7 +101,7 @@ def test_ngram_drafts_carry_their_tables_evidence():
 
 
 def test_fixed_policy_always_drafts_the_maximum():
-    policy = make_draft_length("acceptance", 6, CPU_LIKE, adaptive=False)
+    policy = make_draft_length("fixed", 6, CPU_LIKE)
     policy.observe(6, 0)
     assert policy.limit() == 6 and len(policy.cut(Draft(list(range(6)), match=1))) == 6
 
@@ -118,7 +118,7 @@ def test_entropy_policy_drafts_by_the_models_confidence():
     vocab = 1000
     sure = mx.full((vocab,), -30.0).at[7].add(60.0)  # all mass on one token: entropy ~0
     unsure = mx.zeros((vocab,))  # uniform: normalised entropy 1
-    policy = make_draft_length("entropy", 8, None, adaptive=True)
+    policy = make_draft_length("entropy", 8, None)
     assert isinstance(policy, EntropyDraftLength)
     for _ in range(6):
         policy.observe(0, 0, sure)
@@ -131,7 +131,7 @@ def test_entropy_policy_drafts_by_the_models_confidence():
 
 def test_unknown_policy_is_an_options_error():
     with pytest.raises(OptionsError, match="draft-length policy"):
-        make_draft_length("vibes", 4, None, adaptive=True)
+        make_draft_length("vibes", 4, None)
 
 
 def test_the_ceiling_follows_the_cost_curve():
@@ -139,5 +139,5 @@ def test_the_ceiling_follows_the_cost_curve():
     steep = [1.0 + 0.1 * k + 0.05 * k * k for k in range(33)]  # wide passes grow dearer per token
     assert widest_paying(flat, 32) == 32 and widest_paying(CPU_WIDE, 32) == 32
     assert 2 <= widest_paying(steep, 32) <= 4
-    assert make_draft_length("acceptance", 32, steep, adaptive=True).max_draft == widest_paying(steep, 32)
-    assert make_draft_length("acceptance", 32, steep, adaptive=False).max_draft == 32  # fixed means fixed
+    assert make_draft_length("adaptive", 32, steep).max_draft == widest_paying(steep, 32)
+    assert make_draft_length("fixed", 32, steep).max_draft == 32  # fixed means fixed

@@ -77,7 +77,7 @@ def test_every_drafter_keeps_greedy_output_identical(model_fn, kind):
     accepted = 0
     for i, prompt in enumerate(prompts(8)):
         _, plain, _ = run(target, prompt, SpecConfig(enabled=False))
-        for spec in (SpecConfig(draft_tokens=4), SpecConfig(draft_tokens=6, adaptive=False), SpecConfig(draft_tokens=32)):
+        for spec in (SpecConfig(draft_tokens=4), SpecConfig(draft_tokens=6, draft_length="fixed"), SpecConfig(draft_tokens=32)):
             drafter = DRAFTERS[kind](target, model_fn)
             _, fast, stats = run(target, prompt, spec, drafter=drafter)
             assert_same_or_near_tie(target, prompt, plain, fast, f"prompt {i} {spec}")
@@ -90,7 +90,7 @@ def test_draft_model_cache_holds_exactly_the_committed_sequence():
     target, draft = tiny_llama(seed=1), perturbed(tiny_llama, 1, 0.05)
     drafter = model_drafter(draft)
     prompt = [3, 4, 5, 6] * 3
-    _, tokens, stats = run(target, prompt, SpecConfig(draft_tokens=5, adaptive=False), 40, drafter)
+    _, tokens, stats = run(target, prompt, SpecConfig(draft_tokens=5, draft_length="fixed"), 40, drafter)
     assert stats.drafted > stats.accepted > 0  # rejections happened and were rolled back
     assert drafter.sequence == prompt + tokens[: len(drafter.sequence) - len(prompt)]
     fresh = make_cache(draft)
@@ -106,7 +106,7 @@ def test_layer_skip_cache_matches_the_targets_first_layers(model_fn):
     # Layer i's keys depend only on layers < i, so the drafter's N-layer cache must equal the target's.
     target = model_fn(seed=2)
     drafter = layer_skip_drafter(target, 1)
-    config = GenerationConfig(max_tokens=40, spec=SpecConfig(draft_tokens=5, adaptive=False))
+    config = GenerationConfig(max_tokens=40, spec=SpecConfig(draft_tokens=5, draft_length="fixed"))
     from akunu.kv_cache import PromptCache
 
     prompt_cache = PromptCache(target)

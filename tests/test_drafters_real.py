@@ -30,7 +30,7 @@ def chat_ids(loaded, text):
 
 
 def run(loaded, drafter, max_tokens=40):
-    spec = SpecConfig(enabled=drafter is not None, draft_tokens=4, adaptive=False)
+    spec = SpecConfig(enabled=drafter is not None, draft_tokens=4, draft_length="fixed")
     return generate(loaded.model, loaded.tokenizer, chat_ids(loaded, PROMPT), GenerationConfig(max_tokens=max_tokens, spec=spec), drafter=drafter)
 
 

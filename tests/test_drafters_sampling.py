@@ -29,7 +29,7 @@ RUNS = 2500
 
 def samples(target, drafter, params, runs=RUNS, length=3, prompt=PROMPT) -> Counter:
     mx.random.seed(4321)
-    config = GenerationConfig(max_tokens=length, sampling=params, spec=SpecConfig(draft_tokens=3, adaptive=False))
+    config = GenerationConfig(max_tokens=length, sampling=params, spec=SpecConfig(draft_tokens=3, draft_length="fixed"))
     return Counter(tuple(generate(target, FakeTokenizer(), prompt, config, drafter=drafter)[1]) for _ in range(runs))
 
 
@@ -68,7 +68,7 @@ def test_the_persistent_ngram_cache_keeps_the_target_distribution(tmp_path):
     counts = samples(target, drafter, params, prompt=prompt)
     ok, stat, critical = fits(counts, exact_model_probs(target, params, prompt=prompt), RUNS)
     assert ok, f"chi2 {stat:.1f} >= {critical:.1f}"
-    config = GenerationConfig(max_tokens=3, sampling=params, spec=SpecConfig(draft_tokens=3, adaptive=False))
+    config = GenerationConfig(max_tokens=3, sampling=params, spec=SpecConfig(draft_tokens=3, draft_length="fixed"))
     assert generate(target, FakeTokenizer(), prompt, config, drafter=CachedNGramDrafter(tmp_path / "ngrams"))[2].drafted > 0
 
 

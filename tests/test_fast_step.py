@@ -61,7 +61,7 @@ def test_patched_model_decodes_the_same_tokens(model_fn, restore_attention):
         outputs = []
         for switch in (fast_step.disable, fast_step.enable):
             switch(model)
-            for spec in (SpecConfig(enabled=False), SpecConfig(draft_tokens=5, adaptive=False)):
+            for spec in (SpecConfig(enabled=False), SpecConfig(draft_tokens=5, draft_length="fixed")):
                 outputs.append(generate(model, tokenizer, prompt, GenerationConfig(max_tokens=30, spec=spec))[1])
         assert all(o == outputs[0] for o in outputs)
 

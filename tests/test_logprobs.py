@@ -32,7 +32,7 @@ def test_speculative_logprobs_equal_plain_decodings_and_the_models_own():
     model = tiny_llama(seed=3, sharpness=4.0, attention=0.05)
     prompt = [5, 6, 7, 8] * 4
     plain, _ = logprobs_of(model, prompt, SpecConfig(enabled=False))
-    fast, stats = logprobs_of(model, prompt, SpecConfig(draft_tokens=6, adaptive=False))
+    fast, stats = logprobs_of(model, prompt, SpecConfig(draft_tokens=6, draft_length="fixed"))
     assert stats.accepted > 20  # the comparison covers drafted tokens, not only plain steps
     tokens = [p.token for p in plain]
     assert [f.token for f in fast] == tokens

@@ -41,7 +41,7 @@ def test_a_missing_file_is_an_empty_cache_and_a_broken_one_a_warning(tmp_path, c
 def test_a_second_run_drafts_what_the_first_one_generated_and_output_is_unchanged(tmp_path):
     model = tiny_llama(seed=3, sharpness=3.0)
     path = tmp_path / "ngrams.cache"
-    config = GenerationConfig(max_tokens=40, spec=SpecConfig(draft_tokens=4, adaptive=False))
+    config = GenerationConfig(max_tokens=40, spec=SpecConfig(draft_tokens=4, draft_length="fixed"))
     prompt = [10, 20, 30]
     _, plain, _ = generate(model, FakeTokenizer(), prompt, GenerationConfig(max_tokens=40, spec=SpecConfig(enabled=False)))
     runs = []

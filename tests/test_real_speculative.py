@@ -80,7 +80,7 @@ def test_copy_heavy_prompt_is_identical_and_takes_two_tokens_per_pass(drafter):
 def test_open_ended_prompt_is_identical(smollm2):
     ids = chat_ids(smollm2, "Tell me about the history of tea in three sentences.")
     run = lambda spec: generate(smollm2.model, smollm2.tokenizer, ids, GenerationConfig(max_tokens=48, spec=spec))
-    assert_same_or_near_tie(smollm2.model, ids, run(SpecConfig(enabled=False))[1], run(SpecConfig(adaptive=False, draft_tokens=6))[1])
+    assert_same_or_near_tie(smollm2.model, ids, run(SpecConfig(enabled=False))[1], run(SpecConfig(draft_length="fixed", draft_tokens=6))[1])
 
 
 def test_gemma3_sliding_window_layers_roll_back_exactly_past_the_window():
@@ -92,6 +92,6 @@ def test_gemma3_sliding_window_layers_roll_back_exactly_past_the_window():
     assert len(ids) > 600  # longer than the 512-token sliding window
     run = lambda spec: generate(gemma.model, gemma.tokenizer, ids, GenerationConfig(max_tokens=32, spec=spec))
     _, plain, _ = run(SpecConfig(enabled=False))
-    _, fast, stats = run(SpecConfig(adaptive=False, draft_tokens=6))
+    _, fast, stats = run(SpecConfig(draft_length="fixed", draft_tokens=6))
     assert_same_or_near_tie(gemma.model, ids, plain, fast)
     assert stats.accepted > 0

@@ -42,7 +42,7 @@ def test_extreme_sampling_generates_the_greedy_answer(spec, params):
     """Each of these keeps only the likeliest token, so the answer is the greedy one, token for token."""
     model, tokenizer = tiny_llama(vocab=64, seed=3, sharpness=4.0, attention=0.2), FakeTokenizer()
     prompt = tokenizer.encode("abcabcabc")
-    spec_config = SpecConfig(enabled=spec, draft_tokens=4, adaptive=False)
+    spec_config = SpecConfig(enabled=spec, draft_tokens=4, draft_length="fixed")
     greedy = generate(model, tokenizer, prompt, GenerationConfig(max_tokens=8, spec=spec_config))[1]
     config = GenerationConfig(max_tokens=8, sampling=params, spec=spec_config)
     _, tokens, stats = generate(model, tokenizer, prompt, config)

@@ -50,7 +50,7 @@ def test_copy_bound_reads_a_bench_record(model_home, tmp_path):
     # a 12-token answer: at most 12 tokens per pass
     assert 0 <= row["copied"] <= 1 and 1 <= row["bound"] <= 12
     assert 1 <= row["suffix+ngram"] <= 12 and 1 <= row["lookup+ngram"] <= 12
-    curves = tmp_path / "curves.json"  # as `akunu bench --cost-curve` stores them
+    curves = tmp_path / "curves.json"  # as `akunu bench cost-curve` stores them
     by_context = {str(c): [0.01 * (1 + c / 512) + 0.002 * k for k in range(33)] for c in (64, 2048)}
     curves.write_text(json.dumps({"key": "k", "seconds_by_context": by_context}))
     out = run_script("scripts/copy_bound.py", str(record), "--curve", str(curves), "--drafters", "ngram")

@@ -35,7 +35,7 @@ def test_speculative_equals_plain_over_many_prompts(model_fn):
     for i in range(40):
         prompt = random_prompt(rng, 64, repetitive=i % 2 == 0)
         _, plain, _ = run(model, prompt, SpecConfig(enabled=False))
-        specs = (SpecConfig(draft_tokens=4), SpecConfig(draft_tokens=7, adaptive=False), SpecConfig(length_policy="entropy"))
+        specs = (SpecConfig(draft_tokens=4), SpecConfig(draft_tokens=7, draft_length="fixed"), SpecConfig(draft_length="entropy"))
         for spec in specs:
             _, fast, stats = run(model, prompt, spec)
             assert_same_or_near_tie(model, prompt, plain, fast, f"prompt {i} {spec}")
@@ -48,7 +48,7 @@ def test_repetitive_generation_yields_several_tokens_per_pass():
     model = tiny_llama(seed=3, sharpness=4.0, attention=0.0)
     prompt = [5, 6, 7, 8] * 4
     _, plain, plain_stats = run(model, prompt, SpecConfig(enabled=False), max_tokens=120)
-    _, fast, stats = run(model, prompt, SpecConfig(draft_tokens=6, adaptive=False), max_tokens=120)
+    _, fast, stats = run(model, prompt, SpecConfig(draft_tokens=6, draft_length="fixed"), max_tokens=120)
     assert_same_or_near_tie(model, prompt, plain, fast)
     assert stats.tokens_per_pass > 2
     assert stats.forward_passes < len(fast) / 2
@@ -73,7 +73,7 @@ def test_rollback_leaves_the_cache_exactly_at_the_generated_sequence():
     model = tiny_llama(seed=4, sharpness=3.0)
     cache = PromptCache(model)
     prompt = [1, 2, 3, 4] * 5
-    _, tokens, stats = run(model, prompt, SpecConfig(draft_tokens=5, adaptive=False), prompt_cache=cache)
+    _, tokens, stats = run(model, prompt, SpecConfig(draft_tokens=5, draft_length="fixed"), prompt_cache=cache)
     assert stats.drafted > stats.accepted > 0  # some drafts were rejected and rolled back
     # Everything fed is the prompt plus generated tokens; the last one is not fed yet.
     assert cache_length(cache.cache) in (len(prompt) + len(tokens) - 1, len(prompt) + len(tokens))
@@ -86,11 +86,11 @@ def test_max_tokens_and_eos_stop_speculative_rounds_mid_way():
     prompt = [9, 8, 7] * 6
     _, plain, _ = run(model, prompt, SpecConfig(enabled=False, draft_tokens=8, exact=True), max_tokens=50)
     for n in (1, 2, 7, 13):
-        _, fast, stats = run(model, prompt, SpecConfig(draft_tokens=8, adaptive=False, exact=True), max_tokens=n)
+        _, fast, stats = run(model, prompt, SpecConfig(draft_tokens=8, draft_length="fixed", exact=True), max_tokens=n)
         assert fast == plain[:n] and stats.finish_reason == "length"
     eos = plain[10]
     tokenizer = FakeTokenizer(eos_ids=frozenset({eos}))
-    config = GenerationConfig(max_tokens=50, spec=SpecConfig(draft_tokens=8, adaptive=False, exact=True))
+    config = GenerationConfig(max_tokens=50, spec=SpecConfig(draft_tokens=8, draft_length="fixed", exact=True))
     text, fast, stats = generate(model, tokenizer, prompt, config)
     assert fast == plain[: plain.index(eos)] and stats.finish_reason == "stop"
 

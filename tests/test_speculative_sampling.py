@@ -111,7 +111,7 @@ def test_the_harness_rejects_a_wrong_acceptance_rule(broken_rule, drafter_kind):
 def engine_samples(model, params, spec: bool, runs: int, length: int = 3) -> Counter:
     tokenizer = FakeTokenizer()
     mx.random.seed(1234)
-    config = GenerationConfig(max_tokens=length, sampling=params, spec=SpecConfig(enabled=spec, draft_tokens=3, adaptive=False))
+    config = GenerationConfig(max_tokens=length, sampling=params, spec=SpecConfig(enabled=spec, draft_tokens=3, draft_length="fixed"))
     return Counter(tuple(generate(model, tokenizer, PROMPT, config)[1]) for _ in range(runs))
 
 

@@ -24,7 +24,7 @@ def exact_probs(model, params):
 
 def tree_samples(model, params):
     mx.random.seed(99)
-    config = GenerationConfig(max_tokens=3, sampling=params, spec=SpecConfig(draft_tokens=3, adaptive=False))
+    config = GenerationConfig(max_tokens=3, sampling=params, spec=SpecConfig(draft_tokens=3, draft_length="fixed"))
     runs = (generate(model, FakeTokenizer(), PROMPT, config, drafter=NGramTreeDrafter(max_nodes=6)) for _ in range(RUNS))
     return Counter(tuple(tokens) for _, tokens, _ in runs)
 

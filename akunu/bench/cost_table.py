@@ -1,4 +1,4 @@
-"""`akunu bench --cost-curve`: the measured curves as table rows, measured afresh and stored.
+"""`akunu bench cost-curve`: the measured curves as table rows, measured afresh and stored.
 
 They are stored where adaptive drafting reads them (`akunu.cost_curve`), under the same key.
 """

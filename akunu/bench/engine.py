@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 
 from akunu.bench.runner import DRAFTER_PREFIX, MLX_LM, PLAIN, PLAIN_EXACT, SPEC, SPEC_EXACT, SPEC_FIXED, Run
 from akunu.bench.workloads import Prompt
+from akunu.drafters.specs import DraftLengthPolicy
 
 
 def timed_tokens(start: float, tokens: Iterable[int]) -> tuple[list[int], float, float]:
@@ -36,14 +37,14 @@ class ModelEngine:
         max_tokens: int = 128,
         temp: float = 0.0,
         draft_tokens: int = 32,
-        length_policy: str = "acceptance",
+        draft_length: DraftLengthPolicy = DraftLengthPolicy.adaptive,
         costs=None,  # akunu.cost_curve.CostCurves, or one relative curve
         context_length: int | None = None,
         seed: int | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.max_tokens, self.temp, self.draft_tokens = max_tokens, temp, draft_tokens
-        self.length_policy = length_policy  # of the adaptive runs
+        self.draft_length = draft_length  # the policy of the speculative runs other than the fixed one
         self.costs, self.context_length = costs, context_length
         self.seed = seed if seed is not None else 0
         self._mlx_tokenizer = None
@@ -59,11 +60,12 @@ class ModelEngine:
         if method == MLX_LM:
             return self._run_mlx_lm(prompt_ids)
         if method.startswith(DRAFTER_PREFIX):
-            return self._run_akunu(prompt_ids, True, self._drafter(method[len(DRAFTER_PREFIX) :]))
-        adaptive_by_method = {PLAIN: None, SPEC: True, SPEC_FIXED: False, PLAIN_EXACT: None, SPEC_EXACT: True}
-        if method not in adaptive_by_method:  # None: no speculation
+            return self._run_akunu(prompt_ids, self.draft_length, self._drafter(method[len(DRAFTER_PREFIX) :]))
+        fixed = DraftLengthPolicy.fixed
+        policy_by_method = {PLAIN: None, SPEC: self.draft_length, SPEC_FIXED: fixed, PLAIN_EXACT: None, SPEC_EXACT: self.draft_length}
+        if method not in policy_by_method:  # None: no speculation
             raise ValueError(f"unknown benchmark method {method!r}")
-        return self._run_akunu(prompt_ids, adaptive_by_method[method], exact=method in (PLAIN_EXACT, SPEC_EXACT))
+        return self._run_akunu(prompt_ids, policy_by_method[method], exact=method in (PLAIN_EXACT, SPEC_EXACT))
 
     def top2_gap(self, reference: str, prompt_ids: list[int], tokens: list[int], index: int) -> float:
         """The top-two logit gap `reference` (plain or exact plain decoding) saw when choosing tokens[index]."""
@@ -81,13 +83,12 @@ class ModelEngine:
             self._drafters[spec] = make_drafter(spec, self, params=SamplingParams(temp=self.temp))
         return self._drafters[spec]
 
-    def _run_akunu(self, prompt_ids: list[int], adaptive: bool | None, drafter=None, exact: bool = False) -> Run:
+    def _run_akunu(self, prompt_ids: list[int], policy: DraftLengthPolicy | None, drafter=None, exact: bool = False) -> Run:
         from akunu.generate import GenerationConfig, SpecConfig, stream_generate
         from akunu.sampling import SamplingParams
 
         speculation = SpecConfig(
-            enabled=adaptive is not None, draft_tokens=self.draft_tokens, adaptive=bool(adaptive), length_policy=self.length_policy,
-            exact=exact,
+            enabled=policy is not None, draft_tokens=self.draft_tokens, draft_length=policy or self.draft_length, exact=exact,
         )
         sampling = SamplingParams(temp=self.temp, seed=self.seed)
         config = GenerationConfig(max_tokens=self.max_tokens, sampling=sampling, spec=speculation)

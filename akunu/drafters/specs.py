@@ -1,5 +1,15 @@
-"""The `--draft` spec strings (parsed by `akunu.drafters.make_drafter`), in a module light
-enough for the CLI to show them in its help without loading MLX."""
+"""The `--draft` spec strings (parsed by `akunu.drafters.make_drafter`) and the draft-length policies,
+in a module light enough for the CLI to show them in its help without loading MLX."""
+
+from enum import Enum
 
 DEFAULT_SPEC = "suffix+ngram"
 SPEC_HELP = "ngram, lookup, suffix, model:NAME|PATH, layer-skip:N, A+B, hybrid:SPEC or tree:N"
+
+
+class DraftLengthPolicy(str, Enum):
+    """How many tokens a round drafts (`akunu.draft_length`); one spelling for engine, CLI, bench and server."""
+
+    adaptive = "adaptive"  # recent acceptance weighed against this backend's measured pass costs
+    entropy = "entropy"  # EGAG: more drafts where the model's next-token entropy is low
+    fixed = "fixed"  # always the most tokens allowed
