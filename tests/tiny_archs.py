@@ -146,13 +146,13 @@ def _small(annotation):
     return None
 
 
-def tiny_args(name: str, module):
+def tiny_args(name: str, module, **overrides):
     fields = {f.name: f for f in dataclasses.fields(module.ModelArgs)}
-    values = _values(name, module.ModelArgs)
-    return _finish(name, module, fields, values)
+    values = _values(name, module.ModelArgs, overrides)
+    return _finish(name, module, fields, values, overrides)
 
 
-def _values(name: str, args_class) -> dict:
+def _values(name: str, args_class, overrides: dict) -> dict:
     fields = {f.name: f for f in dataclasses.fields(args_class)}
     hints = typing.get_type_hints(args_class)
     values = {"model_type": name}
@@ -162,21 +162,22 @@ def _values(name: str, args_class) -> dict:
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and key not in values:
             values[key] = _small(hints.get(key))
     values.update(EXTRAS.get(name, {}))
+    values.update(overrides)
     return values
 
 
-def _finish(name: str, module, fields: dict, values: dict):
+def _finish(name: str, module, fields: dict, values: dict, overrides: dict):
     if "text_config" in fields and "text_config" not in SIZES:  # a wrapper whose text model has its own args
         text_args = next(getattr(module, c) for c in ("TextModelArgs", "TextArgs", "TextConfig") if hasattr(module, c))
-        values["text_config"] = _values(name, text_args)
+        values["text_config"] = _values(name, text_args, overrides)
     return module.ModelArgs(**{k: v for k, v in values.items() if k in fields})
 
 
-def tiny_model(name: str, seed: int = 0):
-    """Module `name`'s Model with a tiny config and random weights."""
+def tiny_model(name: str, seed: int = 0, **overrides):
+    """Module `name`'s Model with a tiny config (`overrides` replace its fields) and random weights."""
     module = importlib.import_module(f"mlx_lm.models.{name}")
     mx.random.seed(seed)
-    model = module.Model(tiny_args(name, module))
+    model = module.Model(tiny_args(name, module, **overrides))
     params = tree_flatten(model.parameters())
     model.update(tree_map(lambda p: p * 2.0 if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters()))
     mx.eval(model.parameters())

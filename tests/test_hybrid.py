@@ -1,0 +1,78 @@
+"""A hybrid model (gated-delta linear attention + full attention, Qwen3-Next) through every front end's engine path:
+sampled speculation keeps the distribution, and a chat's and a server's prompt caches are reused across
+turns and requests (state layers restored from snapshots) with output equal to a fresh run's."""
+
+from collections import Counter
+
+import mlx.core as mx
+import pytest
+
+from akunu.drafters.specs import DraftLengthPolicy
+from akunu.generate import GenerationConfig, SpecConfig, generate
+from akunu.kv_cache import PromptCache, cache_length, has_state
+from akunu.sampling import SamplingParams
+from tests.fakes import FakeTokenizer
+from tests.stats_tools import PROMPT, exact_model_probs, fits
+from tests.tiny_archs import tiny_model
+
+TOKENIZER = FakeTokenizer()
+SPEC = SpecConfig(draft_tokens=4, draft_length=DraftLengthPolicy.fixed)
+
+
+def hybrid(**overrides):
+    model = tiny_model("qwen3_next", seed=3, **overrides)
+    assert has_state(PromptCache(model).cache)
+    return model
+
+
+def answer(model, prompt, cache=None, spec=SPEC, max_tokens=12):
+    _, tokens, stats = generate(model, TOKENIZER, prompt, GenerationConfig(max_tokens=max_tokens, spec=spec), prompt_cache=cache)
+    return tokens, stats
+
+
+def test_a_three_turn_chat_reuses_the_cache_and_answers_as_a_fresh_run():
+    model, history = hybrid(), [7, 3, 9, 3, 7, 3, 9]
+    cache = PromptCache(model)
+    for turn, user in enumerate(([5, 6, 7, 5, 6, 7], [1, 2, 1, 2], [9, 9, 8])):
+        prompt = history + user
+        reused, stats = answer(model, prompt, cache)
+        fresh, _ = answer(model, prompt)
+        assert reused == fresh, f"turn {turn}"
+        if turn:
+            assert stats.prefilled_tokens == len(user) + 1  # the answer's last token and this turn: the rest was held
+        history = prompt + reused
+        assert cache_length(cache.cache) <= len(history)
+
+
+def test_a_server_reuses_a_shared_system_prompt_from_a_snapshot():
+    model = hybrid()
+    system = [11, 12, 13, 14, 15, 16, 17, 18]
+    cache = PromptCache(model)
+    for i, user in enumerate(([1, 2, 3], [4, 5, 6], [7, 8, 9], [1, 2, 3])):
+        prompt = system + user
+        reused, stats = answer(model, prompt, cache)
+        assert reused == answer(model, prompt)[0], f"request {i}"
+        if i >= 2:  # the second request parted from the first at the system prompt's end and kept a snapshot there
+            assert stats.prefilled_tokens == len(user), f"request {i}"
+
+
+def test_a_rejected_draft_leaves_the_state_where_plain_decoding_has_it():
+    model = hybrid()
+    prompt = [4, 4, 5, 4, 4, 5, 4, 4]
+    cache = PromptCache(model)
+    fast, stats = answer(model, prompt, cache, max_tokens=20)
+    assert stats.drafted > stats.accepted  # drafts were rolled back
+    cont = prompt + fast + [2, 3]  # a next request continues from whatever the cache holds
+    assert answer(model, cont, cache)[0] == answer(model, cont)[0]
+
+
+@pytest.mark.slow
+def test_sampled_speculation_through_a_hybrid_keeps_the_distribution():
+    model = hybrid(vocab_size=8)
+    params = SamplingParams(temp=1.0)
+    exact, runs = exact_model_probs(model, params, length=4), 2000
+    config = GenerationConfig(max_tokens=4, sampling=params, spec=SpecConfig(draft_tokens=3, draft_length=DraftLengthPolicy.fixed))
+    mx.random.seed(99)
+    counts = Counter(tuple(generate(model, TOKENIZER, PROMPT, config)[1]) for _ in range(runs))
+    ok, stat, critical = fits(counts, exact, runs)
+    assert ok, f"chi2 {stat:.1f} >= {critical:.1f}"
