@@ -56,7 +56,7 @@ class Conversation:
             return tokenizer.encode_chat(self.messages())
         lines = [f"{self.system}\n"] if self.system else []
         lines += [f"{turn['role'].capitalize()}: {turn['content']}" for turn in self.turns[self.first :]]
-        return tokenizer.encode("\n".join(lines) + "\nAssistant:")
+        return tokenizer.encode("\n".join(lines) + "\nAssistant:", parse_special=False)  # all of it the user's text
 
     def save(self, path: Path, model: str) -> None:
         """Write atomically, so an interrupt never leaves half a file (a device or a FIFO is refused)."""

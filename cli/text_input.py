@@ -67,17 +67,6 @@ def check_length(text: str, limit: int, source: str) -> str:
     return text
 
 
-def check_readable(path: Path, source: str) -> None:
-    """Fail before the model loads if `path` cannot be opened for reading (a folder, a missing file...)."""
-    try:
-        if Path(path).is_dir():
-            raise PromptError(f"cannot read {source} {path}: it is a folder")
-        with open(path, "rb"):
-            pass
-    except OSError as error:
-        raise PromptError(f"cannot read {source} {path}: {error.strerror or error}") from None
-
-
 def read_text_file(path: Path, limit: int, source: str, hint: str = "") -> str:
     """A text file (or a device, a FIFO: anything that opens), read with the bound."""
     try:
