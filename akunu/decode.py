@@ -13,11 +13,11 @@ import mlx.nn as nn
 
 from akunu.draft_length import DraftLength, EntropyDraftLength
 from akunu.drafters.base import Draft, Drafter
+from akunu.drafters.tree import verify_tree_round
 from akunu.grammar import Constraint, grammar_draft
 from akunu.kv_cache import Snapshot, has_state, rewind, run
 from akunu.sampling import SamplingParams, target_logprobs
 from akunu.stats import GenerationStats
-from akunu.drafters.tree import verify_tree_round
 from akunu.verify import Verdict, verify_greedy, verify_sampled
 
 

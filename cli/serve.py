@@ -6,7 +6,7 @@ import functools
 import logging
 import socket
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -31,7 +31,7 @@ def serve(
     host: Annotated[str, typer.Option(rich_help_panel=SERVER_PANEL, help="Address to listen on; anything but loopback exposes the model to the network.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, rich_help_panel=SERVER_PANEL, help="Port to listen on.")] = 8080,
     api_key: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(envvar="AKUNU_API_KEY", show_default=False, rich_help_panel=SERVER_PANEL, help="Require 'Authorization: Bearer KEY' on every request."),
     ] = None,
     queue_depth: Annotated[int, typer.Option(min=0, rich_help_panel=SERVER_PANEL, help="Requests that may wait behind the running one; more get 429 with Retry-After.")] = 32,

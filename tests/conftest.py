@@ -4,6 +4,8 @@ import os
 from pathlib import Path
 
 import akunu  # noqa: F401  (must precede mlx)
+
+# isort: split
 import pytest
 
 

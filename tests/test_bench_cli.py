@@ -190,7 +190,7 @@ def test_plot_draws_a_png(fake_engine, workload, tmp_path):
 def test_cost_curve_is_measured_shown_and_stored_where_adaptive_drafting_reads_it(fake_engine, monkeypatch):
     fake_engine.loaded = make_loaded(context_length=4096)  # room for every usual context
 
-    def measure(model, max_width=33, sweeps=7, context=512):  # a longer context makes every pass dearer
+    def measure(model, max_width=33, sweeps=7, context=512, widths=None, on_pass=None):  # a longer context makes every pass dearer
         return [0.05 * (1 + context / 1024) + 0.005 * k for k in range(max_width)]
 
     monkeypatch.setattr(akunu.cost_curve, "measure", measure)
@@ -210,7 +210,7 @@ def test_cost_curve_is_measured_shown_and_stored_where_adaptive_drafting_reads_i
 def test_cost_curve_at_another_context_is_shown_but_not_stored(fake_engine, monkeypatch):
     contexts = []
 
-    def measure(model, max_width=33, sweeps=7, context=512):
+    def measure(model, max_width=33, sweeps=7, context=512, widths=None, on_pass=None):
         contexts.append(context)
         return [0.05 + 0.005 * k for k in range(33)]
 
