@@ -20,24 +20,32 @@ from akunu.drafters.specs import DraftLengthPolicy
 from akunu.errors import OptionsError
 
 
-def best_chain_length(acceptances: Sequence[float], costs: Sequence[float], draft_cost: float = 0.0) -> int:
+def best_chain_length(
+    acceptances: Sequence[float], costs: Sequence[float], draft_cost: float = 0.0, refeed: bool = False
+) -> int:
     """The draft length with the most tokens per unit of time, draft token i landing with probability
     acceptances[i] once all before it have; costs[k-1] is a k-token pass and `draft_cost` the
-    time to draft one token, both in units of a 1-token pass."""
+    time to draft one token, both in units of a 1-token pass. With `refeed` (a model with state
+    layers, `akunu.decode.verify_round`) a draft rejected after j tokens makes the next pass j + 1
+    tokens wider, which the round is charged for."""
     best, best_rate = 0, 1.0 / costs[0]
-    expected, reach = 1.0, 1.0  # tokens one verification yields: the target's own, plus accepted drafts
+    expected, reach, penalty = 1.0, 1.0, 0.0  # tokens one verification yields: the target's own, plus accepted drafts
     for n, acceptance in enumerate(acceptances[: len(costs) - 1], start=1):
+        if refeed:  # rejected at draft n: the pass's first n tokens are fed again
+            penalty += reach * (1 - acceptance) * (costs[n] - costs[0])
         reach *= acceptance
         expected += reach
-        rate = expected / (costs[n] + n * draft_cost)
+        rate = expected / (costs[n] + n * draft_cost + penalty)
         if rate > best_rate:
             best, best_rate = n, rate
     return best
 
 
-def best_length(acceptance: float, costs: Sequence[float], max_draft: int, draft_cost: float = 0.0) -> int:
+def best_length(
+    acceptance: float, costs: Sequence[float], max_draft: int, draft_cost: float = 0.0, refeed: bool = False
+) -> int:
     """The best length for drafts whose every token lands with the same probability."""
-    return best_chain_length([acceptance] * max_draft, costs, draft_cost)
+    return best_chain_length([acceptance] * max_draft, costs, draft_cost, refeed)
 
 
 # The prior acceptance of a draft backed by e tokens of evidence is (e + 1) / (e + PRIOR_SLACK);
@@ -73,9 +81,11 @@ class DraftLength:
         decay: float = 0.8,
         prior_weight: float = 2.0,
         draft_cost: float = 0.0,
+        refeed: bool = False,
     ) -> None:
         self.max_draft = max_draft
         self.draft_cost = draft_cost  # drafting one token, in 1-token passes (0 for table lookups)
+        self.refeed = refeed  # a rejection costs the next pass the kept tokens again (state layers)
         # costs[k-1]: relative cost of a k-token pass. Without a measurement assume the shape
         # measured on this CPU (about 2.2x for 17 tokens); a real curve should be passed in.
         self.costs = list(costs) if costs else [1.0 + 0.075 * k for k in range(max_draft + 1)]
@@ -107,7 +117,7 @@ class DraftLength:
         self.kinds, self.fill_kind = [], self._match_guess(0).kind
         if not self.adaptive or not self.draft_cost:
             return self.max_draft
-        return best_length(self.acceptance(), self.costs, self.max_draft, self.draft_cost)
+        return best_length(self.acceptance(), self.costs, self.max_draft, self.draft_cost, self.refeed)
 
     def cut(self, draft: Draft) -> Draft:
         """The draft cut to the length its evidence pays for (a token tree: to that depth)."""
@@ -117,7 +127,7 @@ class DraftLength:
         if not self.adaptive or not draft:
             return draft
         acceptances = [self._estimate(guess) for guess in guesses[:depth]]
-        return draft.truncated(best_chain_length(acceptances, self.costs, self.draft_cost))
+        return draft.truncated(best_chain_length(acceptances, self.costs, self.draft_cost, self.refeed))
 
     def observe(self, drafted: int, accepted: int, logits: mx.array | None = None) -> None:
         # Each class of evidence the round offered learns its tokens' outcomes. Old evidence
@@ -162,7 +172,12 @@ class EntropyDraftLength:
 
 
 def make_draft_length(
-    policy: DraftLengthPolicy | str, max_draft: int, costs: Sequence[float] | None, *, draft_cost: float = 0.0
+    policy: DraftLengthPolicy | str,
+    max_draft: int,
+    costs: Sequence[float] | None,
+    *,
+    draft_cost: float = 0.0,
+    refeed: bool = False,
 ) -> DraftLength | EntropyDraftLength:
     """The policy's draft length: adaptive (evidence against the cost curve), entropy (EGAG) or fixed.
 
@@ -177,5 +192,5 @@ def make_draft_length(
         max_draft = min(max_draft, widest_paying(costs, max_draft))
     if policy is DraftLengthPolicy.entropy:
         return EntropyDraftLength(max_draft)
-    return DraftLength(max_draft, costs, adaptive=varies, draft_cost=draft_cost)
+    return DraftLength(max_draft, costs, adaptive=varies, draft_cost=draft_cost, refeed=refeed)
 

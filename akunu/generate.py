@@ -23,7 +23,7 @@ from akunu.drafters.tree import check_tree_support
 from akunu.errors import OptionsError, PromptError
 from akunu.exact import exact_model, flat_costs
 from akunu.grammar import Constraint
-from akunu.kv_cache import PromptCache
+from akunu.kv_cache import PromptCache, has_state
 from akunu.logprobs import TokenLogprobs, token_logprobs
 from akunu.sampling import SamplingParams
 from akunu.stats import GenerationStats
@@ -196,6 +196,7 @@ def _decode_loop(
     halfway = len(prompt) + budget // 2  # the context the answer's passes run at, on average
     draft_length = make_draft_length(
         speculation.draft_length, speculation.draft_tokens, costs_at(costs, halfway), draft_cost=drafter.cost_per_token,
+        refeed=has_state(cache),
     )  # fmt: skip
     return speculative_decode(
         model, cache, logits, params=params, stats=stats, drafter=drafter, draft_length=draft_length, budget=budget,

@@ -76,3 +76,13 @@ def test_sampled_speculation_through_a_hybrid_keeps_the_distribution():
     counts = Counter(tuple(generate(model, TOKENIZER, PROMPT, config)[1]) for _ in range(runs))
     ok, stat, critical = fits(counts, exact, runs)
     assert ok, f"chi2 {stat:.1f} >= {critical:.1f}"
+
+
+def test_the_length_policy_charges_a_state_model_for_refeeding_after_a_rejection():
+    from akunu.draft_length import best_length
+
+    costs = [1.0 + 0.1 * k for k in range(17)]
+    assert best_length(1.0, costs, 16, refeed=True) == best_length(1.0, costs, 16) == 16  # nothing is ever refed
+    lengths = [(best_length(a, costs, 16, refeed=True), best_length(a, costs, 16)) for a in (0.5, 0.7, 0.8, 0.9)]
+    assert all(with_refeed <= without for with_refeed, without in lengths)
+    assert any(with_refeed < without for with_refeed, without in lengths)
