@@ -31,8 +31,9 @@ def feed(model: nn.Module, cache: list, tokens: Sequence[int], step: int = 512) 
 
 def prefill(model: nn.Module, cache: list, tokens: Sequence[int], step: int = 512) -> mx.array:
     """Feed `tokens` in chunks; return the logits after the last one, shape (V,)."""
+    tokens = mx.array(tokens, dtype=mx.uint32)
     feed(model, cache, tokens[:-1], step)
-    return run(model, mx.array([tokens[-1:]], mx.uint32), cache)[0, -1]
+    return run(model, tokens[-1:][None], cache)[0, -1]
 
 
 def pick_token(logits: mx.array, params: SamplingParams) -> mx.array:
