@@ -178,7 +178,6 @@ class PromptCache:
         self.tokens = []
         self.snapshots = {0: self.snapshots[0]}
         self.snapshots[0].restore(self.cache)
-        rewind(self.cache, cache_length(self.cache))
         for c in leaves(self.cache):
             if holds_positions(c):
                 c.trim(c.offset)
