@@ -43,6 +43,7 @@ constexpr int GROUP = 32;
 constexpr int LANES = 16;
 constexpr int OUT_BLOCK = 4;  // weight rows unpacked together (one register tile's width)
 constexpr int ROW_TILE = 4;   // rows of x in one register tile
+constexpr int CHUNK = 256;    // columns unpacked at a time (a multiple of GROUP)
 constexpr size_t PARALLEL_FROM = size_t(1) << 18;  // weights: smaller matrices are not worth waking a second thread
 typedef float vf __attribute__((vector_size(LANES * 4), aligned(4)));
 
@@ -71,44 +72,84 @@ inline void unpack_scalar(const uint8_t* p, int bits, int32_t* values) {
 }
 
 #ifdef AKUNU_VBMI
-// Per bit width: for 16-bit lane i, the two stream bytes holding value i, and its shift within them.
+inline vf as_vf(__m512 v) {
+  vf out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
+}
+
+// Unpacks one group of 32 values and returns scale * q + bias for them, in two vectors of 16.
+//  8 bits: bytes widened to int32 and converted.
+//  2-5 bits: each int32 lane gets the two stream bytes holding its value, shifted into its low bits; the
+//    group's 32 possible weights (scale * q + bias) form a table those low 5 bits index (vpermt2ps, which
+//    ignores the higher bits, so no mask is needed; below 5 bits the table repeats).
+//  6 bits: 16-bit lanes, masked, widened and converted.
+// Loads are masked to the group's bytes, so the last group of a buffer never reads past it.
 struct Unpacker {
-  __m512i pick, shift, mask;
+  int bits;
+  __m512i pick_lo, pick_hi, shift_lo, shift_hi, pick16, shift16, mask16;
+  __m512 levels_lo, levels_hi;
   __mmask32 bytes;
-  explicit Unpacker(int bits) {
-    alignas(64) uint8_t pick_bytes[64];
-    alignas(64) uint16_t shifts[32];
+  explicit Unpacker(int b) : bits(b) {
+    alignas(64) uint8_t picks[2][64], pick_words[64];
+    alignas(64) uint32_t shifts[2][16];
+    alignas(64) uint16_t word_shifts[32];
+    alignas(64) float levels[32];
     for (int i = 0; i < GROUP; i++) {
-      const int bit = i * bits;
-      pick_bytes[2 * i] = bit / 8;
-      pick_bytes[2 * i + 1] = bit / 8 + 1 < 4 * bits ? bit / 8 + 1 : bit / 8;  // the last value needs no byte past the group
-      shifts[i] = bit % 8;
+      const int bit = i * bits, first = bit / 8, second = first + 1 < 4 * bits ? first + 1 : first;
+      for (int j = 0; j < 4; j++) picks[i / LANES][4 * (i % LANES) + j] = j == 0 ? first : second;
+      shifts[i / LANES][i % LANES] = bit % 8;
+      pick_words[2 * i] = first;
+      pick_words[2 * i + 1] = second;
+      word_shifts[i] = bit % 8;
+      levels[i] = float(i & ((1 << std::min(bits, 5)) - 1));
     }
-    pick = _mm512_load_si512(pick_bytes);
-    shift = _mm512_load_si512(shifts);
-    mask = _mm512_set1_epi16((1 << bits) - 1);
+    pick_lo = _mm512_load_si512(picks[0]);
+    pick_hi = _mm512_load_si512(picks[1]);
+    shift_lo = _mm512_load_si512(shifts[0]);
+    shift_hi = _mm512_load_si512(shifts[1]);
+    pick16 = _mm512_load_si512(pick_words);
+    shift16 = _mm512_load_si512(word_shifts);
+    mask16 = _mm512_set1_epi16((1 << bits) - 1);
+    levels_lo = _mm512_load_ps(levels);
+    levels_hi = _mm512_load_ps(levels + LANES);
     bytes = bits == 8 ? ~__mmask32(0) : (__mmask32(1) << (4 * bits)) - 1;
   }
-  // Masked load: never reads past the group, so the last group of a buffer cannot fault.
-  inline void operator()(const uint8_t* p, vf& lo, vf& hi) const {
+  inline void operator()(const uint8_t* p, float scale, float bias, vf& lo, vf& hi) const {
+    const __m512 s = _mm512_set1_ps(scale), b = _mm512_set1_ps(bias);
+    if (bits == 8) {
+      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+      const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+      lo = as_vf(_mm512_fmadd_ps(q0, s, b));
+      hi = as_vf(_mm512_fmadd_ps(q1, s, b));
+      return;
+    }
     const __m512i data = _mm512_zextsi256_si512(_mm256_maskz_loadu_epi8(bytes, p));
-    const __m512i words = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi8(pick, data), shift), mask);
-    const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(words)));
-    const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(words, 1)));
-    std::memcpy(&lo, &a, sizeof lo);
-    std::memcpy(&hi, &b, sizeof hi);
+    if (bits <= 5) {
+      const __m512 table_lo = _mm512_fmadd_ps(levels_lo, s, b), table_hi = _mm512_fmadd_ps(levels_hi, s, b);
+      const __m512i index_lo = _mm512_srlv_epi32(_mm512_permutexvar_epi8(pick_lo, data), shift_lo);
+      const __m512i index_hi = _mm512_srlv_epi32(_mm512_permutexvar_epi8(pick_hi, data), shift_hi);
+      lo = as_vf(_mm512_permutex2var_ps(table_lo, index_lo, table_hi));
+      hi = as_vf(_mm512_permutex2var_ps(table_lo, index_hi, table_hi));
+      return;
+    }
+    const __m512i words = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi8(pick16, data), shift16), mask16);
+    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(words)));
+    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(words, 1)));
+    lo = as_vf(_mm512_fmadd_ps(q0, s, b));
+    hi = as_vf(_mm512_fmadd_ps(q1, s, b));
   }
 };
 #else
 struct Unpacker {
   int bits;
   explicit Unpacker(int b) : bits(b) {}
-  inline void operator()(const uint8_t* p, vf& lo, vf& hi) const {
+  inline void operator()(const uint8_t* p, float scale, float bias, vf& lo, vf& hi) const {
     int32_t values[GROUP];
     unpack_scalar(p, bits, values);
     for (int i = 0; i < LANES; i++) {
-      lo[i] = float(values[i]);
-      hi[i] = float(values[LANES + i]);
+      lo[i] = __builtin_fmaf(float(values[i]), scale, bias);
+      hi[i] = __builtin_fmaf(float(values[LANES + i]), scale, bias);
     }
   }
 };
@@ -122,65 +163,76 @@ struct Weights {
   size_t row_bytes() const { return size_t(columns) * bits / 8; }
 };
 
-// Rows [first, first + count) of W as float32, `columns` apart in out.
-void unpack_rows(const Weights& w, const Unpacker& unpack, int first, int count, float* out) {
+// Columns [column, column + width) of rows [first, first + count) of W as float32, `width` apart in out.
+void unpack_rows(const Weights& w, const Unpacker& unpack, int first, int count, int column, int width, float* out) {
   const int groups = w.columns / GROUP;
   for (int r = 0; r < count; r++) {
-    const uint8_t* p = w.packed + size_t(first + r) * w.row_bytes();
-    const float* scales = w.scales + size_t(first + r) * groups;
-    const float* biases = w.biases + size_t(first + r) * groups;
-    float* row = out + size_t(r) * w.columns;
-    for (int g = 0; g < groups; g++, p += 4 * w.bits) {
+    const uint8_t* p = w.packed + size_t(first + r) * w.row_bytes() + size_t(column / GROUP) * 4 * w.bits;
+    const float* scales = w.scales + size_t(first + r) * groups + column / GROUP;
+    const float* biases = w.biases + size_t(first + r) * groups + column / GROUP;
+    float* row = out + size_t(r) * width;
+    for (int g = 0; g < width / GROUP; g++, p += 4 * w.bits) {
       vf lo, hi;
-      unpack(p, lo, hi);
-      const vf s = vf{} + scales[g], b = vf{} + biases[g];
-      const vf a = lo * s + b, c = hi * s + b;  // scale * q is exact: one rounding, as llama.cpp's
-      std::memcpy(row + g * GROUP, &a, sizeof a);
-      std::memcpy(row + g * GROUP + LANES, &c, sizeof c);
+      unpack(p, scales[g], biases[g], lo, hi);  // scale * q is exact: one rounding, as llama.cpp's
+      std::memcpy(row + g * GROUP, &lo, sizeof lo);
+      std::memcpy(row + g * GROUP + LANES, &hi, sizeof hi);
     }
   }
 }
 
-// y[m, o] = x[m] . w[o] for a tile of MR rows and NR unpacked weight rows, all MR * NR sums in registers.
+// Adds x[m] * w[n] lane-wise over `width` columns to the running sums acc[m][n] of a tile of MR rows
+// and NR unpacked weight rows (sums start at zero on the first chunk). A sum's additions run in column
+// order whatever the tile, so a row's result does not depend on its neighbours.
 template <int MR, int NR>
-void tile(const float* x, int rows_apart, const float* w, int columns, float* y, int y_apart) {
-  vf acc[MR][NR] = {};
-  for (int k = 0; k < columns; k += LANES) {
+void tile(const float* x, int x_apart, const float* w, int width, vf* acc, bool first_chunk) {
+  vf a[MR][NR];
+  for (int m = 0; m < MR; m++)
+    for (int n = 0; n < NR; n++) a[m][n] = first_chunk ? vf{} : acc[m * OUT_BLOCK + n];
+  for (int k = 0; k < width; k += LANES) {
     vf wv[NR];
-    for (int n = 0; n < NR; n++) wv[n] = load(w + size_t(n) * columns + k);
+    for (int n = 0; n < NR; n++) wv[n] = load(w + size_t(n) * width + k);
     for (int m = 0; m < MR; m++) {
-      const vf xv = load(x + size_t(m) * rows_apart + k);
-      for (int n = 0; n < NR; n++) acc[m][n] += xv * wv[n];
+      const vf xv = load(x + size_t(m) * x_apart + k);
+      for (int n = 0; n < NR; n++) a[m][n] += xv * wv[n];
     }
   }
   for (int m = 0; m < MR; m++)
-    for (int n = 0; n < NR; n++) y[size_t(m) * y_apart + n] = lane_sum(acc[m][n]);
+    for (int n = 0; n < NR; n++) acc[m * OUT_BLOCK + n] = a[m][n];
 }
 
 template <int NR>
-void rows_times_block(const float* x, int rows, const float* w, int columns, float* y, int outputs) {
+void rows_times_chunk(const float* x, int rows, int columns, const float* w, int width, vf* acc, bool first_chunk) {
   int m = 0;
-  for (; m + ROW_TILE <= rows; m += ROW_TILE) tile<ROW_TILE, NR>(x + size_t(m) * columns, columns, w, columns, y + size_t(m) * outputs, outputs);
-  for (; m < rows; m++) tile<1, NR>(x + size_t(m) * columns, columns, w, columns, y + size_t(m) * outputs, outputs);
+  for (; m + ROW_TILE <= rows; m += ROW_TILE)
+    tile<ROW_TILE, NR>(x + size_t(m) * columns, columns, w, width, acc + m * OUT_BLOCK, first_chunk);
+  for (; m < rows; m++) tile<1, NR>(x + size_t(m) * columns, columns, w, width, acc + m * OUT_BLOCK, first_chunk);
 }
 
+// Blocks of OUT_BLOCK weight rows, each unpacked CHUNK columns at a time into a buffer that stays in L1
+// with the chunk of x's rows it meets; every block's weights are read from memory once.
 void quantized_product(const float* x, int rows, const Weights& w, float* y) {
   const Unpacker unpack(w.bits);
   const int blocks = (w.outputs + OUT_BLOCK - 1) / OUT_BLOCK;
 #pragma omp parallel if (size_t(w.outputs) * w.columns >= PARALLEL_FROM)
   {
-    std::vector<float> buffer(size_t(OUT_BLOCK) * w.columns);
+    std::vector<float> buffer(size_t(OUT_BLOCK) * CHUNK);
+    std::vector<vf> acc(size_t(rows) * OUT_BLOCK);
 #pragma omp for schedule(static)
     for (int block = 0; block < blocks; block++) {
       const int first = block * OUT_BLOCK, count = std::min(OUT_BLOCK, w.outputs - first);
-      unpack_rows(w, unpack, first, count, buffer.data());
-      float* out = y + first;
-      switch (count) {
-        case 4: rows_times_block<4>(x, rows, buffer.data(), w.columns, out, w.outputs); break;
-        case 3: rows_times_block<3>(x, rows, buffer.data(), w.columns, out, w.outputs); break;
-        case 2: rows_times_block<2>(x, rows, buffer.data(), w.columns, out, w.outputs); break;
-        default: rows_times_block<1>(x, rows, buffer.data(), w.columns, out, w.outputs); break;
+      for (int column = 0; column < w.columns; column += CHUNK) {
+        const int width = std::min(CHUNK, w.columns - column);
+        unpack_rows(w, unpack, first, count, column, width, buffer.data());
+        const float* xc = x + column;
+        switch (count) {
+          case 4: rows_times_chunk<4>(xc, rows, w.columns, buffer.data(), width, acc.data(), column == 0); break;
+          case 3: rows_times_chunk<3>(xc, rows, w.columns, buffer.data(), width, acc.data(), column == 0); break;
+          case 2: rows_times_chunk<2>(xc, rows, w.columns, buffer.data(), width, acc.data(), column == 0); break;
+          default: rows_times_chunk<1>(xc, rows, w.columns, buffer.data(), width, acc.data(), column == 0); break;
+        }
       }
+      for (int m = 0; m < rows; m++)
+        for (int n = 0; n < count; n++) y[size_t(m) * w.outputs + first + n] = lane_sum(acc[m * OUT_BLOCK + n]);
     }
   }
 }
@@ -192,7 +244,7 @@ void dequantize_all(const Weights& w, float* out) {
 #pragma omp parallel for schedule(static) if (size_t(w.outputs) * w.columns >= PARALLEL_FROM)
   for (int block = 0; block < blocks; block++) {
     const int first = block * 64, count = std::min(64, w.outputs - first);
-    unpack_rows(w, unpack, first, count, out + size_t(first) * w.columns);
+    unpack_rows(w, unpack, first, count, 0, w.columns, out + size_t(first) * w.columns);
   }
 }
 
