@@ -7,7 +7,8 @@ The weights are Qwen2.5-0.5B's layer products (q 896x896, k and v 128x896, o 896
 (group 32), so they stream from memory as in a decode step. All products of one repetition are one
 MLX evaluation; best of --reps. GB/s counts the bytes the weights occupy (packed + scales + biases),
 against the machine's copy bandwidth (numpy copying a 512 MB array: read + write bytes per second).
---mlx also times MLX's own quantized_matmul on the same weights.
+--mlx also times MLX's own quantized_matmul on the same weights. Prefill-sized row counts (over
+quantized.MAX_ROWS) time what CpuQuantizedLinear does with them: dequantize, then one float32 product.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ def seconds(product, weights, rows: int, reps: int) -> float:
     return best
 
 
+def _ours(kernel, x, packed, scales, biases, bits: int, rows: int) -> mx.array:
+    if rows <= quantized.MAX_ROWS:
+        return kernel.quantized_product(x, packed, scales, biases, bits)
+    return x @ kernel.dequantize(packed, scales, biases, bits).T
+
+
 def bits_of(packed: mx.array, scales: mx.array) -> int:
     return packed.shape[1] * 32 // (scales.shape[1] * 32)
 
@@ -79,7 +86,7 @@ def main() -> None:
         weights = quantized_layers(bits, args.layers)
         nbytes = sum(a.nbytes for triple in weights for a in triple)
         for rows in args.rows:
-            ours = seconds(lambda x, p, s, b, bits=bits: kernel.quantized_product(x, p, s, b, bits), weights, rows, args.reps)
+            ours = seconds(lambda x, p, s, b, bits=bits, rows=rows: _ours(kernel, x, p, s, b, bits, rows), weights, rows, args.reps)
             mlx = ""
             if args.mlx:
                 theirs = seconds(lambda x, p, s, b, bits=bits: mx.quantized_matmul(x, p, s, b, group_size=32, bits=bits),
