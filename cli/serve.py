@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import socket
 import sys
 from typing import Annotated
@@ -56,6 +57,8 @@ def serve(
 
     from akunu.cli.server import Worker, create_app
 
+    if api_key is None and os.environ.get("AKUNU_API_KEY") == "":  # click reads an empty variable as unset
+        api_key = ""
     if api_key is not None and not api_key.strip():
         raise OptionsError("--api-key is empty; give a key, or leave the option (and AKUNU_API_KEY) out to serve without one")
     body_limit = parse_size(max_body)
