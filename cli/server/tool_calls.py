@@ -238,13 +238,18 @@ class CallStream:
         return () if self.family == LLAMA3 and self.started else self._OPENINGS[self.family]
 
     def _opening(self) -> int:
+        if self.family == LLAMA3:  # a call is the whole answer: it opens before anything else
+            body = self.pending.lstrip()
+            return len(self.pending) - len(body) if not self.started and body.startswith(self._openings()) else -1
         found = [i for i in (self.pending.find(o) for o in self._openings()) if i >= 0]
         return min(found, default=-1)
 
     def _undecided(self) -> int:
         """How many trailing characters may still begin a call."""
-        if self.family == LLAMA3 and not self.started and not self.pending.strip():
-            return len(self.pending)
+        if self.family == LLAMA3:
+            body = self.pending.lstrip()
+            undecided = not self.started and any(o.startswith(body) for o in self._openings())
+            return len(self.pending) if undecided else 0
         return max((k for o in self._openings() for k in range(1, min(len(o), len(self.pending)) + 1)
                     if self.pending.endswith(o[:k])), default=0)  # fmt: skip
 

@@ -1,0 +1,175 @@
+"""Tool calls and logprobs through the official `openai` client against `akunu serve` on 127.0.0.1.
+
+The model is the tiny random llama with its answers scripted (ScriptedModel), behind a character
+tokenizer and Qwen 2.5's real chat template, so the server sees exactly what Qwen would write.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from akunu.models.chat_template import ChatTemplate
+from tests.fakes import FakeDetokenizer, make_loaded
+from tests.test_serve import USER
+from tests.tiny import tiny_llama
+
+QWEN_TEMPLATE = (Path(__file__).parent / "fixtures" / "chat_templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+CHARS = "".join(chr(c) for c in range(32, 127)) + "\n"
+EOS = len(CHARS)
+TURN = "<|im_start|>assistant\n"
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+FINAL = "It is 21 C and sunny in Paris."
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+ASK = [{"role": "user", "content": [{"type": "text", "text": "What is the weather in Paris?"}]}]
+
+
+class CharTokenizer:
+    """One token per printable ASCII character, EOS after them; Qwen 2.5's chat template (tools included)."""
+
+    vocab_size = EOS + 1
+    has_chat_template = True
+    chat_template = QWEN_TEMPLATE
+    eos_ids = frozenset({EOS})
+    eos_id, bos_id, special_ids = EOS, None, frozenset({EOS})
+    token_bytes = [c.encode() for c in CHARS] + [b"<eos>"]
+
+    def encode(self, text: str, *, add_bos=None, parse_special: bool = True) -> list[int]:
+        return [CHARS.index(c) if c in CHARS else CHARS.index(" ") for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(self.token_text(i) for i in ids)
+
+    def detokenizer(self) -> FakeDetokenizer:
+        return FakeDetokenizer(self)
+
+    def token_text(self, token: int) -> str:
+        return CHARS[token] if token < EOS else ""
+
+    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, tools=None) -> str:
+        return ChatTemplate(QWEN_TEMPLATE).render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+
+    def encode_chat(self, messages, *, add_generation_prompt: bool = True, parse_special: bool = False, tools=None) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools))
+
+
+def script(conversation: str) -> str:
+    """What the scripted assistant writes after this conversation."""
+    if "<tool_response>" in conversation:
+        return FINAL
+    if "# Tools" in conversation and "weather in Paris?" in conversation:
+        return CALL
+    return "Hello there."
+
+
+class ScriptedModel:
+    """The tiny model's forward pass (its KV cache works as usual), with every logits row after the last
+    assistant turn's opening replaced by a near one-hot on the script's next character, then EOS."""
+
+    def __init__(self, model, tokenizer) -> None:
+        self.model, self.tokenizer, self.history = model, tokenizer, []
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        offset = cache[0].offset
+        logits = self.model(inputs, cache=cache, **kwargs)
+        self.history[offset:] = inputs[0].tolist()
+        targets = [self._next(offset + i + 1) for i in range(inputs.shape[1])]
+        forced = mx.array([[t if t is not None else 0 for t in targets]])
+        scripted = mx.where(mx.arange(logits.shape[-1]) == forced[..., None], 20.0, -20.0)
+        keep = mx.array([[t is None for t in targets]])[..., None]
+        return mx.where(keep, logits, scripted)
+
+    def _next(self, length: int) -> int | None:
+        text = self.tokenizer.decode(self.history[:length])
+        at = text.rfind(TURN)
+        if at < 0:
+            return None
+        written, target = text[at + len(TURN) :], script(text[:at])
+        if not target.startswith(written):
+            return None
+        return CHARS.index(target[len(written)]) if len(written) < len(target) else EOS
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+@pytest.fixture
+def scripted(fake_engine):
+    tokenizer = CharTokenizer()
+    fake_engine.loaded = make_loaded(model=ScriptedModel(tiny_llama(vocab=tokenizer.vocab_size, seed=4), tokenizer), context_length=4096)
+    fake_engine.loaded.tokenizer = tokenizer
+    return fake_engine
+
+
+def test_a_tool_call_is_answered_as_tool_calls_with_the_tools_in_the_models_template(scripted, serve):
+    client = serve("--max-tokens", "120").client()
+    response = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER_TOOL])
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    prompt = scripted.loaded.tokenizer.decode(scripted.streams[-1]["prompt"])
+    assert "<tools>\n" + json.dumps(WEATHER_TOOL, ensure_ascii=False) + "\n</tools>" in prompt  # Qwen's template wrote them
+
+
+def test_a_streamed_tool_call_comes_as_delta_tool_calls(scripted, serve):
+    client = serve("--max-tokens", "120").client()
+    chunks = list(client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER_TOOL], stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant" and not any(d.content for d in deltas)  # no call markup leaks as text
+    calls = [call for d in deltas for call in d.tool_calls or ()]
+    assert [c.index for c in calls] == [0] and calls[0].function.name == "get_weather"
+    assert json.loads("".join(c.function.arguments for c in calls)) == {"city": "Paris"}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_a_tool_result_fed_back_gets_a_final_answer(scripted, serve):
+    client = serve("--max-tokens", "120").client()
+    first = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER_TOOL]).choices[0].message
+    call = first.tool_calls[0]
+    history = [*ASK, first.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp_c": 21, "sky": "sunny"})}]  # fmt: skip
+    final = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER_TOOL]).choices[0]
+    assert (final.message.content, final.finish_reason, final.message.tool_calls) == (FINAL, "stop", None)
+    prompt = scripted.loaded.tokenizer.decode(scripted.streams[-1]["prompt"])
+    assert CALL in prompt and '<tool_response>\n{"temp_c": 21, "sky": "sunny"}\n</tool_response>' in prompt
+
+
+def test_without_a_call_the_answer_is_text_and_tool_choice_none_offers_no_tools(scripted, serve):
+    client = serve("--max-tokens", "60").client()
+    hello = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER_TOOL])
+    assert (hello.choices[0].message.content, hello.choices[0].finish_reason) == ("Hello there.", "stop")
+    none = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER_TOOL], tool_choice="none")
+    assert none.choices[0].message.content == "Hello there." and "# Tools" not in scripted.loaded.tokenizer.decode(scripted.streams[-1]["prompt"])
+
+
+def test_a_named_tool_choice_reaches_the_engine_as_a_grammar(scripted, serve):
+    client = serve("--max-tokens", "120").client()
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    response = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER_TOOL], tool_choice=named)
+    assert scripted.streams[-1]["config"].grammar is not None
+    assert response.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
+def test_logprobs_on_chat_and_completions_streamed_or_not(fake_engine, serve):
+    client = serve("--max-tokens", "8").client()
+    answer = client.chat.completions.create(model="tiny", messages=USER, logprobs=True, top_logprobs=3).choices[0]
+    content = answer.logprobs.content
+    assert "".join(t.token for t in content) == answer.message.content and len(content) == 8
+    for entry in content:
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and entry.logprob <= 0
+        assert math.isclose(entry.top_logprobs[0].logprob, entry.logprob, abs_tol=1e-3)  # greedy picks the top
+        assert entry.bytes == list(entry.token.encode())
+    streamed = client.chat.completions.create(model="tiny", messages=USER, logprobs=True, stream=True)
+    entries = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, round(t.logprob, 3)) for t in entries] == [(t.token, round(t.logprob, 3)) for t in content]
+    completion = client.completions.create(model="tiny", prompt="hello", max_tokens=6, logprobs=2).choices[0]
+    assert "".join(completion.logprobs.tokens) == completion.text and len(completion.logprobs.top_logprobs[0]) <= 2
+    assert completion.logprobs.text_offset == [sum(len(t) for t in completion.logprobs.tokens[:i]) for i in range(6)]
