@@ -12,6 +12,7 @@ from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import PromptCache, cache_length, has_state
 from akunu.sampling import SamplingParams
 from tests.fakes import FakeTokenizer
+from tests.greedy_checks import assert_same_or_near_tie
 from tests.stats_tools import PROMPT, exact_model_probs, fits
 from tests.tiny_archs import tiny_model
 
@@ -86,3 +87,38 @@ def test_the_length_policy_charges_a_state_model_for_refeeding_after_a_rejection
     lengths = [(best_length(a, costs, 16, refeed=True), best_length(a, costs, 16)) for a in (0.5, 0.7, 0.8, 0.9)]
     assert all(with_refeed <= without for with_refeed, without in lengths)
     assert any(with_refeed < without for with_refeed, without in lengths)
+
+
+def test_owed_tokens_stay_bounded_when_drafts_keep_being_rejected():
+    from akunu.decode import MAX_OWED
+    from akunu.drafters.base import Draft, Drafter
+
+    class RightThenWrong(Drafter):  # the model's own next token, then one it never picks
+        def start(self, context):
+            self.last = context[-1]
+
+        def update(self, tokens):
+            self.last = tokens[-1]
+
+        def draft(self, n):
+            return Draft([following.get(self.last, 0), 63][:n])
+
+    class Widths:  # the model, noting each pass's width
+        def __init__(self, model):
+            self.model, self.widths = model, []
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+
+        def __call__(self, inputs, cache):
+            self.widths.append(inputs.shape[1])
+            return self.model(inputs, cache=cache)
+
+    model, prompt = hybrid(), [3, 1, 4, 1, 5]
+    plain, _ = answer(model, prompt, spec=SpecConfig(enabled=False), max_tokens=40)
+    following = dict(zip([prompt[-1], *plain], plain))
+    spy = Widths(model)
+    _, fast, stats = generate(spy, TOKENIZER, prompt, GenerationConfig(max_tokens=40, spec=SPEC), drafter=RightThenWrong())
+    assert_same_or_near_tie(model, prompt, plain, fast)
+    assert stats.drafted > stats.accepted > 0
+    assert max(spy.widths[2:]) <= MAX_OWED + 1 + 2  # past the prefill: the debt, the last token and a draft
