@@ -50,6 +50,9 @@ EXTRAS: dict[str, dict] = {  # module -> field overrides an architecture needs b
     "falcon_h1": {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16},
     "kimi_linear": {"linear_attn_config": {"kda_layers": [1, 3], "num_heads": 4, "head_dim": 8}},
     "gear": {"layer_types": ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention", "mamba", "attention"], "mamba_proj_bias": False,
+                         "mamba_conv_bias": True, "mamba_d_head": 16, "position_embedding_type": "rope",
+                         "shared_intermediate_size": 32},
     "recurrent_gemma": {"block_types": ["recurrent", "attention"], "lru_width": 32},
 }
 
