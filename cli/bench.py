@@ -100,6 +100,15 @@ Exact = Annotated[
 MlxLm = Annotated[
     bool, typer.Option("--mlx-lm/--no-mlx-lm", rich_help_panel=RUN_PANEL, help="Also time mlx-lm's own plain decoding.")
 ]
+LlamaCpp = Annotated[
+    bool | None,
+    typer.Option(
+        "--llama-cpp/--no-llama-cpp",
+        rich_help_panel=RUN_PANEL,
+        help="Also time llama.cpp's plain decoding of the same GGUF file (needs llama-cpp-python; default: on when it is"
+        " installed).",
+    ),
+]
 Fixed = Annotated[
     bool,
     typer.Option("--fixed/--no-fixed", rich_help_panel=RUN_PANEL, help="Also time speculation that always drafts --draft-tokens."),
@@ -147,6 +156,7 @@ def bench(
     drafters: Drafters = None,
     exact: Exact = False,
     mlx_lm: MlxLm = True,
+    llama_cpp: LlamaCpp = None,
     fixed: Fixed = True,
     per_prompt: PerPrompt = False,
     json_path: JsonPath = None,
@@ -154,7 +164,7 @@ def bench(
 ) -> None:
     """Measure speculative against plain decoding, and against mlx-lm, on realistic prompts.
 
-    For every prompt, in one process and alternating order: plain decoding, speculative decoding (adaptive draft length), speculative with a fixed draft length, and mlx-lm's plain stream_generate. Decode tok/s excludes prefill; speedups are medians of per-prompt ratios.
+    For every prompt, in one process and alternating order: plain decoding, speculative decoding (adaptive draft length), speculative with a fixed draft length, mlx-lm's plain stream_generate and, for a GGUF model with llama-cpp-python installed, llama.cpp's plain decoding. Decode tok/s excludes prefill; speedups are medians of per-prompt ratios.
 
     At temperature 0 the speculative tokens must equal the plain tokens: a mismatch is printed and makes the command exit with status 1.
     """
@@ -172,18 +182,23 @@ def bench(
     loaded = runtime.load(model, dtype)
     sampling = "greedy" if temp == 0 else f"temp {temp}"
     config = f"{sampling} · {max_tokens} new tokens · {repeats} repeat(s) after a warm-up · drafts ≤ {draft_tokens} ({draft_length.value})"
-    machine = print_header(loaded, config)
+    llama_version, llama_line = _llama_cpp_status(loaded, llama_cpp, temp)
+    machine = print_header(loaded, config, llama_line)
     engine = ModelEngine(
         loaded.model, loaded.tokenizer, max_tokens=max_tokens, temp=temp, draft_tokens=draft_tokens, draft_length=draft_length,
         costs=runtime.cost_curve(loaded, draft_tokens), context_length=loaded.context_length, seed=seed,
     )  # fmt: skip
+    if llama_version:
+        engine.llama_cpp = _open_llama_cpp(loaded, engine, prompts, max_tokens, seed)
     methods = _methods(loaded, fixed=fixed, mlx_lm=mlx_lm, drafters=drafters, exact=exact)
+    methods += [lib.LLAMA_CPP] if engine.llama_cpp is not None else []
     result = _run_with_progress(prompts, engine, methods, repeats, check_tokens=temp == 0)
     summaries = _print_tables(result, methods, per_prompt=per_prompt, temp=temp)
     settings = {
         "max_tokens": max_tokens, "repeats": repeats, "temp": temp, "seed": seed, "draft_tokens": draft_tokens,
         "draft_length": draft_length.value, "methods": methods, "workload": str(workload) if workload else "shipped",
         "prompts": len(prompts), "command": " ".join(["akunu", *sys.argv[1:]]),
+        "llama_cpp": {"version": llama_version, "threads": engine.llama_cpp.threads} if engine.llama_cpp else None,
     }  # fmt: skip
     _write_files(result, summaries, machine, settings, json_path=json_path, plot_path=plot_path, name=loaded.name)
     if result.failing_mismatches:
@@ -214,6 +229,41 @@ def _methods(loaded, *, fixed: bool, mlx_lm: bool, drafters: list[str] | None, e
     return methods + ([lib.PLAIN_EXACT, lib.SPEC_EXACT] if exact else [])
 
 
+def _llama_cpp_status(loaded, wanted: bool | None, temp: float) -> tuple[str | None, str]:
+    """llama-cpp-python's version when llama.cpp will run (else None), and the header's line about it."""
+    from akunu.bench.llama_cpp import llama_cpp_version, machine_threads
+
+    if wanted is False:
+        return None, "llama.cpp: not run (--no-llama-cpp)"
+    version = llama_cpp_version()
+    if version is None:
+        if wanted:
+            raise OptionsError("--llama-cpp needs llama-cpp-python: pip install llama-cpp-python")
+        return None, "llama.cpp: not found (pip install llama-cpp-python to compare with it)"
+    if loaded.path.suffix.lower() != ".gguf" or not loaded.path.is_file():
+        return None, f"llama.cpp: llama-cpp-python {version} found; not run: the model is not a GGUF file"
+    if temp != 0:
+        return None, f"llama.cpp: llama-cpp-python {version} found; not run: it is timed greedy, this run samples"
+    line = f"llama.cpp: llama-cpp-python {version} found; its plain greedy decoding of {loaded.path.name}"
+    return version, line + f" on {machine_threads()} threads runs in turn"
+
+
+def _open_llama_cpp(loaded, engine, prompts, max_tokens: int, seed: int | None):
+    """llama.cpp on the model's GGUF, loaded now with room for the longest prompt; None (and a note) if it cannot load it."""
+    from akunu.bench.llama_cpp import LlamaCppEngine
+
+    llama = LlamaCppEngine(
+        loaded.path, max_tokens=max_tokens, stop_ids=loaded.tokenizer.eos_ids, context_length=loaded.context_length,
+        seed=seed or 0,
+    )  # fmt: skip
+    try:
+        llama.open(max((len(engine.encode(p)) for p in prompts), default=0))
+    except Exception as error:  # llama.cpp's loader raises ValueError, among others
+        print_note(f"no llama.cpp column: it could not load {loaded.path.name} ({error})")
+        return None
+    return llama
+
+
 def _print_tables(result, methods: list[str], *, per_prompt: bool, temp: float):
     """The summary (and per-prompt, drafter and exact-mode tables where asked for) and the greedy checks."""
     from akunu import bench as lib
@@ -223,7 +273,7 @@ def _print_tables(result, methods: list[str], *, per_prompt: bool, temp: float):
     out = table_console()
     if per_prompt:
         out.print(per_prompt_table(result))
-    out.print(summary_table(summaries, has_mlx=lib.MLX_LM in methods))
+    out.print(summary_table(summaries, has_mlx=lib.MLX_LM in methods, has_llama_cpp=lib.LLAMA_CPP in methods))
     if any(method.startswith(DRAFTER_PREFIX) for method in methods):
         out.print(drafter_table(lib.summarize_drafters(result)))
     if lib.SPEC_EXACT in methods:

@@ -10,14 +10,14 @@ from rich.markup import escape
 from rich.table import Table
 
 # Wide enough for every column when the table goes to a file or a pipe.
-FILE_WIDTH = 185
+FILE_WIDTH = 240
 
 
 def table_console() -> Console:
     return Console(file=sys.stdout, highlight=False, width=None if sys.stdout.isatty() else FILE_WIDTH)
 
 
-def print_header(loaded, config: str) -> dict:
+def print_header(loaded, config: str, llama_cpp: str = "") -> dict:
     from akunu.bench.machine import describe_machine
 
     machine = describe_machine(loaded.name, loaded.dtype, getattr(loaded, "dtype_reason", ""))
@@ -32,6 +32,8 @@ def print_header(loaded, config: str) -> dict:
     )
     if config:
         out.print(f"[dim]{config}[/]")
+    if llama_cpp:
+        out.print(f"[dim]{escape(llama_cpp)}[/]")
     return machine
 
 
@@ -51,13 +53,17 @@ def _bounds(bound: float | None, anchored: float | None) -> str:
     return "–" if bound is None else f"{bound:.2f} ({_number(anchored, '.2f')})"
 
 
-def summary_table(summaries, *, has_mlx: bool) -> Table:
-    table = Table(title="decode tok/s (prefill excluded); speedups are medians of per-prompt ratios", title_justify="left")
+def summary_table(summaries, *, has_mlx: bool, has_llama_cpp: bool = False) -> Table:
+    title = "decode tok/s (prefill excluded); speedups are medians of per-prompt ratios"
+    title += "; ours vs llama.cpp: plain / speculative against its plain" if has_llama_cpp else ""
+    table = Table(title=title, title_justify="left")
     for name, justify in (
         ("category", "left"), ("prompts", "right"), ("plain tok/s", "right"), ("spec tok/s", "right"),
         ("speedup", "right"), ("accept", "right"), ("tok/pass", "right"), ("copy bound", "right"), ("drafting", "right"),
         ("fixed-draft speedup", "right"),
-        ("mlx-lm tok/s", "right"), ("ours vs mlx-lm", "right"), ("prefill tok/s", "right"), ("mismatches", "right"),
+        ("mlx-lm tok/s", "right"), ("ours vs mlx-lm", "right"),
+        *((("llama.cpp tok/s", "right"), ("ours vs llama.cpp", "right")) if has_llama_cpp else ()),
+        ("prefill tok/s", "right"), ("mismatches", "right"),
     ):  # fmt: skip
         table.add_column(name, justify=justify, no_wrap=True)
     for s in summaries:
@@ -77,6 +83,8 @@ def summary_table(summaries, *, has_mlx: bool) -> Table:
             _speedup(s.fixed_speedup),
             _number(s.mlx_tps, ".1f") if has_mlx else "–",
             _speedup(s.vs_mlx) if has_mlx else "–",
+            *((_number(s.llama_cpp_tps, ".1f"), f"{_speedup(s.vs_llama_cpp)} / {_speedup(s.spec_vs_llama_cpp, 2.0)}")
+              if has_llama_cpp else ()),
             _number(s.prefill_tps, ".0f"),
             f"[bold red]{s.mismatches}[/]" if s.mismatches else "0",
         )
@@ -103,10 +111,10 @@ def drafter_table(rows) -> Table:
 
 
 def per_prompt_table(result) -> Table:
-    from akunu.bench import MLX_LM, PLAIN, SPEC, SPEC_FIXED
+    from akunu.bench import LLAMA_CPP, MLX_LM, PLAIN, SPEC, SPEC_FIXED
 
     table = Table(title="per prompt (median over passes)", title_justify="left")
-    for name in ("prompt", "prompt tok", "plain", "spec", "speedup", "accept", "tok/pass", "fixed", "mlx-lm"):
+    for name in ("prompt", "prompt tok", "plain", "spec", "speedup", "accept", "tok/pass", "fixed", "mlx-lm", "llama.cpp"):
         table.add_column(name, justify="left" if name == "prompt" else "right", no_wrap=True)
     by_prompt: dict[str, dict[str, list]] = {}
     for m in result.measurements:
@@ -126,6 +134,7 @@ def per_prompt_table(result) -> Table:
             f"{sum(r.generated - 1 for r in spec_runs) / passes:.2f}" if passes else "–",
             _number(tps.get(SPEC_FIXED), ".1f"),
             _number(tps.get(MLX_LM), ".1f"),
+            _number(tps.get(LLAMA_CPP), ".1f"),
         )
     return table
 
@@ -147,14 +156,20 @@ def print_checks(out: Console, result, temp: float) -> None:
             out.print(f"[{'yellow' if m.near_tie else 'red'}]  {m.prompt_id} pass {m.repeat}: {describe_mismatch(m)}[/]")
     else:
         out.print("[green]✓ 0 greedy mismatches: speculative tokens equal plain tokens on every prompt[/]")
-    informational = [m for m in result.mismatches if m.informational]
-    if informational:
+    for baseline in ("mlx-lm", "llama.cpp"):
+        _print_baseline_check(out, result, baseline)
+
+
+def _print_baseline_check(out: Console, result, baseline: str) -> None:
+    """Whether a baseline's greedy tokens equal our plain ones (information: another engine may round differently)."""
+    differing = [m for m in result.mismatches if m.informational and m.method == baseline]
+    if differing:
         out.print(
-            f"[dim]information: mlx-lm's tokens differ from ours on {len(informational)} generation(s)"
-            f" (first at token {min(m.index for m in informational)}); the same model can round differently[/]"
+            f"[dim]information: {baseline}'s tokens differ from ours on {len(differing)} generation(s)"
+            f" (first at token {min(m.index for m in differing)}); the same model can round differently[/]"
         )
-    elif any(m.method == "mlx-lm" for m in result.measurements):
-        out.print("[dim]information: mlx-lm's tokens equal ours on every prompt[/]")
+    elif any(m.method == baseline for m in result.measurements):
+        out.print(f"[dim]information: {baseline}'s tokens equal ours on every prompt[/]")
 
 
 def describe_mismatch(m) -> str:

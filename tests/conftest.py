@@ -1,6 +1,7 @@
 """Shared fixtures. `akunu` is imported first so OpenBLAS loads before MLX."""
 
 import os
+import sys
 from pathlib import Path
 
 import akunu  # noqa: F401  (must precede mlx)
@@ -63,6 +64,7 @@ def fake_engine(monkeypatch, isolated_home):
 
     monkeypatch.setattr(akunu.models, "load_model", load_model)
     monkeypatch.setattr(akunu.generate, "stream_generate", stream_generate)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # an installed llama.cpp never joins a test; tests/fakes.py has a fake
     monkeypatch.setattr(akunu.cost_curve, "cached", cached_cost_curve)
     return calls
 

@@ -5,6 +5,7 @@ rich, and the runner takes its engine as a parameter so tests can run it without
 """
 
 from akunu.bench.runner import (
+    LLAMA_CPP,
     METHODS,
     MLX_LM,
     PLAIN,
@@ -28,6 +29,7 @@ from akunu.bench.workloads import CATEGORIES, Prompt, WorkloadError, load_worklo
 
 __all__ = [
     "CATEGORIES",
+    "LLAMA_CPP",
     "METHODS",
     "MLX_LM",
     "PLAIN",

@@ -1,4 +1,4 @@
-"""The real engine for the runner: akunu's decoding (plain, adaptive and fixed speculation) and mlx-lm's.
+"""The real engine for the runner: akunu's decoding (plain, adaptive and fixed speculation), mlx-lm's and llama.cpp's.
 
 Every method is timed by the same code, from the tokens as they stream out: prefill ends at the
 first token, decode tok/s counts the tokens after it over the time after it.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 
-from akunu.bench.runner import DRAFTER_PREFIX, MLX_LM, PLAIN, PLAIN_EXACT, SPEC, SPEC_EXACT, SPEC_FIXED, Run
+from akunu.bench.runner import DRAFTER_PREFIX, LLAMA_CPP, MLX_LM, PLAIN, PLAIN_EXACT, SPEC, SPEC_EXACT, SPEC_FIXED, Run
 from akunu.bench.workloads import Prompt
 from akunu.drafters.specs import DraftLengthPolicy
 
@@ -41,12 +41,14 @@ class ModelEngine:
         costs=None,  # akunu.cost_curve.CostCurves, or one relative curve
         context_length: int | None = None,
         seed: int | None = None,
+        llama_cpp=None,  # an akunu.bench.llama_cpp.LlamaCppEngine for the LLAMA_CPP method
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.max_tokens, self.temp, self.draft_tokens = max_tokens, temp, draft_tokens
         self.draft_length = draft_length  # the policy of the speculative runs other than the fixed one
         self.costs, self.context_length = costs, context_length
         self.seed = seed if seed is not None else 0
+        self.llama_cpp = llama_cpp
         self._mlx_tokenizer = None
         self._drafters: dict = {}
 
@@ -59,6 +61,8 @@ class ModelEngine:
     def run(self, method: str, prompt_ids: list[int]) -> Run:
         if method == MLX_LM:
             return self._run_mlx_lm(prompt_ids)
+        if method == LLAMA_CPP and self.llama_cpp is not None:
+            return self.llama_cpp.run(prompt_ids)
         if method.startswith(DRAFTER_PREFIX):
             return self._run_akunu(prompt_ids, self.draft_length, self._drafter(method[len(DRAFTER_PREFIX) :]))
         fixed = DraftLengthPolicy.fixed

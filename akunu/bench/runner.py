@@ -16,10 +16,11 @@ from akunu.exact import NEAR_TIE_GAP
 
 PLAIN, SPEC, SPEC_FIXED, MLX_LM = "plain", "spec", "spec-fixed", "mlx-lm"
 METHODS = (PLAIN, SPEC, SPEC_FIXED, MLX_LM)
+LLAMA_CPP = "llama.cpp"  # llama.cpp's plain decoding of the same GGUF, when llama-cpp-python is installed
 # Exact mode (akunu.exact): its speculative tokens are compared with its own plain decoding.
 PLAIN_EXACT, SPEC_EXACT = "plain-exact", "spec-exact"
 REFERENCES = (PLAIN, PLAIN_EXACT)
-# Methods whose greedy tokens must equal PLAIN's; MLX_LM is compared for information only.
+# Methods whose greedy tokens must equal PLAIN's; MLX_LM and LLAMA_CPP are compared for information only.
 MUST_MATCH_PLAIN = (SPEC, SPEC_FIXED)
 # "drafter:SPEC" runs speculative decoding (adaptive) with another drafter (akunu.drafters); it must match too.
 DRAFTER_PREFIX = "drafter:"
@@ -87,7 +88,7 @@ class Mismatch:
     index: int  # the first token that differs
     expected: int | None  # the reference's token there (None: the reference ended)
     got: int | None
-    informational: bool  # True for comparisons that may legitimately differ (mlx-lm)
+    informational: bool  # True for comparisons that may legitimately differ (mlx-lm, llama.cpp)
     top2_gap: float | None = None  # the reference's top-two logit gap at `index` (None: not measured)
 
     @property
@@ -142,7 +143,7 @@ def first_difference(reference: Sequence[int], other: Sequence[int]) -> int | No
 
 
 def compare_tokens(prompt: Prompt, repeat: int, runs: dict[str, Run]) -> list[Mismatch]:
-    """Mismatches of this pass against the plain tokens of the same mode: counted for speculation, informational for mlx-lm."""
+    """Mismatches of this pass against the plain tokens of the same mode: counted for speculation, informational for baselines."""
     found = []
     for method, run in runs.items():
         reference = reference_of(method)

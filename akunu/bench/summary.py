@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 from akunu.bench.copy_bound import ANCHOR, bound_tokens_per_pass
 from akunu.bench.runner import (
-    DRAFTER_PREFIX, MLX_LM, PLAIN, PLAIN_EXACT, SPEC, SPEC_EXACT, SPEC_FIXED, BenchResult, Measurement,
+    DRAFTER_PREFIX, LLAMA_CPP, MLX_LM, PLAIN, PLAIN_EXACT, SPEC, SPEC_EXACT, SPEC_FIXED, BenchResult, Measurement,
 )  # fmt: skip
 
 OVERALL = "overall"
@@ -36,8 +36,12 @@ class CategorySummary:
     vs_mlx: float | None  # our plain vs mlx-lm plain
     prefill_tps: float | None  # our plain prefill
     mlx_prefill_tps: float | None
+    llama_cpp_tps: float | None  # llama.cpp's plain decoding of the same GGUF
+    vs_llama_cpp: float | None  # our plain vs llama.cpp
+    spec_vs_llama_cpp: float | None  # our speculative vs llama.cpp's plain
     mismatches: int
     mlx_mismatches: int  # information only
+    llama_cpp_mismatches: int  # information only
 
     def to_dict(self) -> dict:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
@@ -122,8 +126,12 @@ def summarize_group(name: str, result: BenchResult, measurements: Sequence[Measu
         vs_mlx=median_of_ratios(per_prompt_ratios(measurements, PLAIN, MLX_LM).values()),
         prefill_tps=median(per_prompt_tps(measurements, PLAIN, prefill=True).values()),
         mlx_prefill_tps=median(per_prompt_tps(measurements, MLX_LM, prefill=True).values()),
+        llama_cpp_tps=median(per_prompt_tps(measurements, LLAMA_CPP).values()),
+        vs_llama_cpp=median_of_ratios(per_prompt_ratios(measurements, PLAIN, LLAMA_CPP).values()),
+        spec_vs_llama_cpp=median_of_ratios(per_prompt_ratios(measurements, SPEC, LLAMA_CPP).values()),
         mismatches=sum(not m.informational for m in mismatches),
-        mlx_mismatches=sum(m.informational for m in mismatches),
+        mlx_mismatches=sum(m.method == MLX_LM for m in mismatches),
+        llama_cpp_mismatches=sum(m.method == LLAMA_CPP for m in mismatches),
     )
 
 
