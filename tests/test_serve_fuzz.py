@@ -37,6 +37,20 @@ field_values = {"messages": messages | json_values, "tools": tools | json_values
 requests = st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=8).flatmap(
     lambda base: st.fixed_dictionaries({k: field_values.get(k, st.just(v)) for k, v in base.items()})
 )
+# Requests a server should answer: random but well-typed fields on a valid chat or completion request.
+weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+# A few texts, so prompt shapes repeat: each new shape costs MLX a first run, which would dominate the test's time.
+texts = st.sampled_from(["write the alphabet", "hi", "ÑîÃã \x00 <|im_end|>"])
+sampling = {"temperature": st.floats(0, 2), "top_p": st.floats(0, 1), "top_k": st.integers(0, 10), "seed": st.integers(0, 2**32),
+            "stream": st.booleans(), "stop": st.lists(st.text(min_size=1, max_size=3), max_size=4), "model": st.just("tiny")}  # fmt: skip
+plausible_chat = st.fixed_dictionaries(
+    {"messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": texts}), min_size=1, max_size=2)},
+    optional={**sampling, "logprobs": st.booleans(), "tools": st.just([weather]), "tool_choice": st.sampled_from(["auto", "none"])},
+)  # fmt: skip
+plausible_completion = st.fixed_dictionaries(
+    {"prompt": texts | st.lists(st.integers(0, 63), min_size=4, max_size=4)},
+    optional={**sampling, "logprobs": st.integers(0, 5)},
+)
 headers = st.dictionaries(
     st.sampled_from(["Content-Type", "Authorization", "Accept", "X-Anything", "Accept-Encoding", "Expect"]),
     st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=30), max_size=3,
@@ -48,6 +62,12 @@ bodies = st.one_of(
     requests.map(lambda r: ("truncated", r)),
     st.integers(LIMIT + 1, 50 * 2**20).map(lambda n: ("oversized", n)),
 )
+plausible = st.one_of(
+    plausible_chat.map(lambda b: ("/v1/chat/completions", ("json", b))),
+    plausible_completion.map(lambda b: ("/v1/completions", ("json", b))),
+)
+# About one case in ten a well-formed generation (each costs a forward pass or more), the rest malformed.
+cases = st.integers(0, 9).flatmap(lambda i: plausible if i == 0 else st.tuples(st.sampled_from(PATHS), bodies))
 
 
 def capped(body):
@@ -92,8 +112,9 @@ def test_random_requests_never_get_a_500_nor_a_traceback(fake_engine, serve, cap
 
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
-    @given(path=st.sampled_from(PATHS), body=bodies, extra_headers=headers)
-    def check(path, body, extra_headers):
+    @given(case=cases, extra_headers=headers)
+    def check(case, extra_headers):
+        path, body = case
         status = request(server.base_url, path, *body, extra_headers)
         statuses.append((path, status))
         assert status is None or status < 500, (path, body, extra_headers, status)
