@@ -100,7 +100,7 @@ def test_a_failed_pull_is_one_line(isolated_home, monkeypatch):
 def test_a_corrupt_cached_model_is_listed_refused_and_pulled_again(isolated_home, monkeypatch):
     path = place_cached("smollm2-135m", recorded=False)  # zeros: not the pinned sha256
     listed = runner.invoke(app, ["models"]).stdout.splitlines()
-    assert "smollm2-135m (default)    98.4 MB  corrupt (akunu models pull smollm2-135m fetches it again)" in listed
+    assert "smollm2-135m (default)          98.4 MB  corrupt (akunu models pull smollm2-135m fetches it again)" in listed
     generate = runner.invoke(app, ["generate", "Name three rivers."])
     assert generate.exit_code == 1 and generate.stdout == ""
     assert generate.stderr == (
@@ -112,7 +112,7 @@ def test_a_corrupt_cached_model_is_listed_refused_and_pulled_again(isolated_home
     pulled = runner.invoke(app, ["models", "pull", "smollm2-135m"])
     assert (pulled.exit_code, pulled.stdout) == (0, f"smollm2-135m was corrupt; fetched again: {path} (98.4 MB)\n")
     assert len(calls) == 1
-    assert "smollm2-135m (default)    98.4 MB  cached" in runner.invoke(app, ["models"]).stdout.splitlines()
+    assert "smollm2-135m (default)          98.4 MB  cached" in runner.invoke(app, ["models"]).stdout.splitlines()
 
 
 def test_verify_hashes_again_and_fails_on_a_corrupt_model(isolated_home):
