@@ -126,9 +126,9 @@ def test_forced_tokens_are_drafted_and_forbidden_drafts_cut(tokenizer):
     draft, own = grammar_draft(constraint, Draft(tokenizer.encode("[1,2]")), limit=10)
     assert tokenizer.decode(draft.tokens).startswith('{"'), "what the grammar forces is drafted"
     assert own == 0, "a proposal that disagrees with the forced tokens is dropped"
-    ok = tokenizer.encode('{"name":"x"}')
+    ok = tokenizer.encode('{"name": "x"}')
     draft, own = grammar_draft(constraint, Draft(ok + tokenizer.encode("zz")), limit=20)
-    assert tokenizer.decode(draft.tokens) == '{"name":"x"}' and own == len(ok), "cut at the first forbidden token"
+    assert tokenizer.decode(draft.tokens) == '{"name": "x"}' and own == len(ok), "cut at the first forbidden token"
     assert constraint.matcher.compute_ff_bytes().startswith(b'{"'), "drafting left the grammar state alone"
 
 
