@@ -19,7 +19,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <vector>
 
@@ -50,6 +52,13 @@ typedef float vf __attribute__((vector_size(LANES * 4), aligned(4)));
 inline vf load(const float* p) {
   vf v;
   std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Keeps a loaded vector in a register: otherwise GCC folds the load into every FMA that uses it,
+// loading each x vector once per weight row instead of once per tile.
+inline vf in_register(vf v) {
+  asm("" : "+v"(v));
   return v;
 }
 
@@ -190,9 +199,9 @@ void tile(const float* x, int x_apart, const float* w, int width, vf* acc, bool 
     for (int n = 0; n < NR; n++) a[m][n] = first_chunk ? vf{} : acc[m * OUT_BLOCK + n];
   for (int k = 0; k < width; k += LANES) {
     vf wv[NR];
-    for (int n = 0; n < NR; n++) wv[n] = load(w + size_t(n) * width + k);
+    for (int n = 0; n < NR; n++) wv[n] = in_register(load(w + size_t(n) * width + k));
     for (int m = 0; m < MR; m++) {
-      const vf xv = load(x + size_t(m) * x_apart + k);
+      const vf xv = in_register(load(x + size_t(m) * x_apart + k));
       for (int n = 0; n < NR; n++) a[m][n] += xv * wv[n];
     }
   }
@@ -208,9 +217,21 @@ void rows_times_chunk(const float* x, int rows, int columns, const float* w, int
   for (; m < rows; m++) tile<1, NR>(x + size_t(m) * columns, columns, w, width, acc + m * OUT_BLOCK, first_chunk);
 }
 
+// x copied to start on a 64-byte line (rows stay on lines: columns is a multiple of 32), or null if it
+// does already or has one row. MLX's arrays start 24 bytes past a line, so every load of x would straddle two.
+float* line_aligned(const float* x, int rows, int columns) {
+  if (rows == 1 || reinterpret_cast<uintptr_t>(x) % 64 == 0) return nullptr;
+  const size_t bytes = size_t(rows) * columns * sizeof(float);
+  float* copy = static_cast<float*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+  if (copy) std::memcpy(copy, x, bytes);
+  return copy;
+}
+
 // Blocks of OUT_BLOCK weight rows, each unpacked CHUNK columns at a time into a buffer that stays in L1
 // with the chunk of x's rows it meets; every block's weights are read from memory once.
 void quantized_product(const float* x, int rows, const Weights& w, float* y) {
+  const std::unique_ptr<float, decltype(&std::free)> copy(line_aligned(x, rows, w.columns), &std::free);
+  if (copy) x = copy.get();
   const Unpacker unpack(w.bits);
   const int blocks = (w.outputs + OUT_BLOCK - 1) / OUT_BLOCK;
 #pragma omp parallel if (size_t(w.outputs) * w.columns >= PARALLEL_FROM)
