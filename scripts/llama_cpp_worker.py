@@ -13,12 +13,13 @@ import json
 import sys
 
 import numpy as np
-from llama_cpp import Llama
+from llama_cpp import GGML_TYPE_F16, GGML_TYPE_F32, Llama
 
 
-def open_llama(path: str, context: int) -> Llama:
+def open_llama(path: str, context: int, f32_cache: bool = False) -> Llama:
+    cache_type = GGML_TYPE_F32 if f32_cache else GGML_TYPE_F16
     return Llama(model_path=path, n_ctx=context, n_batch=min(context, 512), logits_all=True, n_threads=2,
-                 verbose=False, seed=0)
+                 verbose=False, seed=0, type_k=cache_type, type_v=cache_type)
 
 
 def greedy(llm: Llama, prompt: list[int], count: int) -> list[int]:
@@ -51,7 +52,7 @@ def teacher_forced(llm: Llama, ids: list[int], chunk: int = 256) -> dict[str, np
 
 def main() -> None:
     request = json.loads(open(sys.argv[1]).read())
-    llm = open_llama(request["gguf"], request.get("context", 512))
+    llm = open_llama(request["gguf"], request.get("context", 512), request.get("f32_cache", False))
     ids = request.get("ids")
     if ids is None:
         ids = llm.tokenize(request["text"].encode(), add_bos=False, special=True)

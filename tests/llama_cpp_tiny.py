@@ -30,6 +30,14 @@ MLP = {"ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, 
 NORMS = {"attn_norm": (HIDDEN,), "ffn_norm": (HIDDEN,)}
 QK_NORMS = {"attn_q_norm": (HEAD_DIM,), "attn_k_norm": (HEAD_DIM,)}
 GEMMA_NORMS = {"attn_norm": (HIDDEN,), "post_attention_norm": (HIDDEN,), "ffn_norm": (HIDDEN,), "post_ffw_norm": (HIDDEN,)}
+# gemma4: sliding layers have their own (smaller) head size; full layers rotate a quarter of each head.
+SWA_HEAD_DIM, GEMMA4_ROTATED_PAIRS = 8, HEAD_DIM // 8
+GEMMA4_SWA = (True, False, True, True, False)
+GEMMA4_FULL = {**ATTENTION, **MLP, **GEMMA_NORMS, **QK_NORMS, "layer_output_scale": (1,)}
+GEMMA4_SLIDING = {**GEMMA4_FULL, "attn_q": (HEADS * SWA_HEAD_DIM, HIDDEN), "attn_k": (KV_HEADS * SWA_HEAD_DIM, HIDDEN),
+                  "attn_v": (KV_HEADS * SWA_HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HEADS * SWA_HEAD_DIM),
+                  "attn_q_norm": (SWA_HEAD_DIM,), "attn_k_norm": (SWA_HEAD_DIM,)}
+GEMMA4_ROPE_FREQS = np.array([1.0] * GEMMA4_ROTATED_PAIRS + [1e30] * (HEAD_DIM // 2 - GEMMA4_ROTATED_PAIRS), np.float32)
 
 
 @dataclass(frozen=True)
@@ -39,8 +47,14 @@ class TinyArch:
     layer: dict[str, tuple[int, ...]]
     layers: int = 2
     tied: bool = True
-    keys: dict[str, float | int] = field(default_factory=dict)  # extra `<arch>.<key>` values
+    keys: dict[str, float | int | list] = field(default_factory=dict)  # extra `<arch>.<key>` values
     rope_freqs: bool = False  # llama 3.x: per-frequency rope divisors as a tensor
+    top_level: dict[str, np.ndarray] = field(default_factory=dict)  # extra tensors outside the blocks, as given
+    sliding_layer: dict[str, tuple[int, ...]] | None = None  # shapes of layers marked sliding in `swa_pattern`
+    swa_pattern: tuple[bool, ...] = ()
+
+    def layer_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        return self.sliding_layer if self.sliding_layer and self.swa_pattern[layer] else self.layer
 
     def seed(self) -> int:
         return sum(map(ord, self.name))
@@ -72,6 +86,12 @@ ARCHS = {
         TinyArch("smollm3", "smollm3", {**ATTENTION, **MLP, **NORMS}, layers=4),  # layer 3 skips rope
         TinyArch("granite", "granite", {**ATTENTION, **MLP, **NORMS},
                  keys={"logit_scale": 4.0, "residual_scale": 0.5, "embedding_scale": 6.0, "attention.scale": 0.125}),
+        TinyArch("gemma4", "gemma4", GEMMA4_FULL, layers=len(GEMMA4_SWA), sliding_layer=GEMMA4_SLIDING,
+                 swa_pattern=GEMMA4_SWA, top_level={"rope_freqs.weight": GEMMA4_ROPE_FREQS},
+                 keys={"attention.sliding_window": 512, "attention.sliding_window_pattern": list(GEMMA4_SWA),
+                       "attention.key_length_swa": SWA_HEAD_DIM, "attention.value_length_swa": SWA_HEAD_DIM,
+                       "rope.dimension_count_swa": SWA_HEAD_DIM, "rope.freq_base_swa": 1000.0,
+                       "embedding_length_per_layer_input": 0, "final_logit_softcapping": 30.0}),
     )
 }
 
@@ -104,7 +124,10 @@ def _add_hyperparameters(writer: GGUFWriter, arch: TinyArch) -> None:
     writer.add_rope_freq_base(ROPE_BASE)
     for key, value in arch.keys.items():
         full = f"{arch.gguf_arch}.{key}"
-        writer.add_float32(full, value) if isinstance(value, float) else writer.add_uint32(full, value)
+        if isinstance(value, list):
+            writer.add_array(full, value)
+        else:
+            writer.add_float32(full, value) if isinstance(value, float) else writer.add_uint32(full, value)
 
 
 def _tensors(arch: TinyArch, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -112,12 +135,12 @@ def _tensors(arch: TinyArch, rng: np.random.Generator) -> dict[str, np.ndarray]:
     if not arch.tied:
         shapes["output.weight"] = (VOCAB, HIDDEN)
     for layer in range(arch.layers):
-        for stem, shape in arch.layer.items():
+        for stem, shape in arch.layer_shapes(layer).items():
             shapes[f"blk.{layer}.{stem}" + ("" if stem.endswith(".bias") else ".weight")] = shape
     tensors = {name: _random(shape, rng, bias=name.endswith(".bias")) for name, shape in shapes.items()}
     if arch.rope_freqs:
         tensors["rope_freqs.weight"] = llama3_rope_divisors(HEAD_DIM, ROPE_BASE, LLAMA3_ROPE)
-    return tensors
+    return {**tensors, **arch.top_level}
 
 
 def _random(shape: tuple[int, ...], rng: np.random.Generator, *, bias: bool) -> np.ndarray:

@@ -263,7 +263,7 @@ def test_garbled_header(tmp_path):
 def test_unknown_architecture(tmp_path):
     path = tmp_path / "mamba.gguf"
     write_tiny_gguf(path, arch="mamba")
-    with pytest.raises(ModelError, match="'mamba'.*supports.*gemma3, granite, llama, olmo2, phi3, qwen2, qwen3, qwen3moe"):
+    with pytest.raises(ModelError, match="'mamba'.*supports.*gemma3, gemma4, .*llama, olmo2, phi3, qwen2, qwen3"):
         load_model(str(path))
 
 

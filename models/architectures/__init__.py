@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from akunu.errors import ModelError
 from akunu.models.architectures.base import Architecture
-from akunu.models.architectures.gemma import GEMMA2, GEMMA3
+from akunu.models.architectures.gemma import GEMMA2, GEMMA3, GEMMA4
 from akunu.models.architectures.llama import GRANITE, LLAMA, SMOLLM3
 from akunu.models.architectures.metadata import llama3_rope_divisors
 from akunu.models.architectures.olmo import OLMO2
@@ -19,7 +19,7 @@ from akunu.models.architectures.qwen import QWEN2, QWEN3, QWEN3MOE
 from akunu.models.gguf_file import GGUFFile
 
 SUPPORTED = {arch.gguf_name: arch for arch in (LLAMA, GRANITE, SMOLLM3, QWEN2, QWEN3, QWEN3MOE, PHI3,
-                                                GEMMA2, GEMMA3, OLMO2)}
+                                                GEMMA2, GEMMA3, GEMMA4, OLMO2)}
 
 
 def architecture_of(gguf_file: GGUFFile) -> Architecture:
