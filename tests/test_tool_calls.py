@@ -39,6 +39,10 @@ def test_the_family_is_read_from_the_chat_template(template, family):
 def test_hermes_calls_and_the_text_around_them():
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
     assert calls_of(HERMES, text) == ("Let me check.", [("get_weather", {"city": "Paris"}), ("get_time", {})])
+    bare = '{"name": "get_weather", "arguments": {"city": "Paris"}}'  # <tool_call> hidden as a special token
+    assert calls_of(HERMES, bare) == (None, [("get_weather", {"city": "Paris"})])
+    stream = CallStream(HERMES)
+    assert stream.feed(bare[:10]) == ("", []) and stream.feed(bare[10:]) == ("", []) and stream.finish()[1][0].name == "get_weather"
     unclosed = '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}'  # the model stopped before the closing tag
     assert calls_of(HERMES, unclosed) == (None, [("f", {"a": [1, 2]})])
 

@@ -96,6 +96,8 @@ _HARMONY_MARKUP = re.compile(r"<\|start\|>assistant|<\|channel\|>\w+<\|message\|
 
 
 def _hermes(text: str) -> tuple[str, list[ToolCall]]:
+    if _OPEN not in text:  # a tokenizer that hides <tool_call> as a special token leaves the bare JSON
+        return _llama3(text)
     calls, kept = [], []
     for match in _HERMES_CALL.finditer(text):
         call = _call_from_json(match.group(1), "arguments")
@@ -238,9 +240,11 @@ class CallStream:
         return () if self.family == LLAMA3 and self.started else self._OPENINGS[self.family]
 
     def _opening(self) -> int:
+        body = self.pending.lstrip()
         if self.family == LLAMA3:  # a call is the whole answer: it opens before anything else
-            body = self.pending.lstrip()
             return len(self.pending) - len(body) if not self.started and body.startswith(self._openings()) else -1
+        if self.family == HERMES and not self.started and body.startswith("{"):  # bare JSON: see _hermes
+            return len(self.pending) - len(body)
         found = [i for i in (self.pending.find(o) for o in self._openings()) if i >= 0]
         return min(found, default=-1)
 
@@ -250,6 +254,8 @@ class CallStream:
             body = self.pending.lstrip()
             undecided = not self.started and any(o.startswith(body) for o in self._openings())
             return len(self.pending) if undecided else 0
+        if self.family == HERMES and not self.started and not self.pending.strip():
+            return len(self.pending)
         return max((k for o in self._openings() for k in range(1, min(len(o), len(self.pending)) + 1)
                     if self.pending.endswith(o[:k])), default=0)  # fmt: skip
 
