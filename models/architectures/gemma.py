@@ -9,7 +9,12 @@ import numpy as np
 from akunu.errors import ModelError
 from akunu.models.architectures.base import PROJECTIONS, QK_NORMS, Architecture, Config, Weights, gemma_norms
 from akunu.models.architectures.metadata import (
-    check_against_tensors, common_config, integer, number, rope_scaling, vocab_size,
+    check_against_tensors,
+    common_config,
+    integer,
+    number,
+    rope_scaling,
+    vocab_size,
 )
 from akunu.models.gguf_file import GGUFFile
 
