@@ -29,6 +29,23 @@ ATTENTION = {"attn_q": (Q, HIDDEN), "attn_k": (K, HIDDEN), "attn_v": (V, HIDDEN)
 MLP = {"ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
 NORMS = {"attn_norm": (HIDDEN,), "ffn_norm": (HIDDEN,)}
 QK_NORMS = {"attn_q_norm": (HEAD_DIM,), "attn_k_norm": (HEAD_DIM,)}
+# qwen35: gated delta-net layers, with twice as many value heads as key heads (the converter tiles them).
+SSM_STATE, SSM_KEY_HEADS, SSM_VALUE_HEADS, SSM_KERNEL = 16, 2, 4, 4
+SSM_KEYS, SSM_VALUES = SSM_STATE * SSM_KEY_HEADS, SSM_STATE * SSM_VALUE_HEADS
+QWEN35_NORMS = {"attn_norm": (HIDDEN,), "post_attention_norm": (HIDDEN,)}
+QWEN35_ATTENTION = {**ATTENTION, "attn_q": (2 * Q, HIDDEN), **QK_NORMS}  # attn_q holds query and gate per head
+DELTA_NET = {"attn_qkv": (2 * SSM_KEYS + SSM_VALUES, HIDDEN), "attn_gate": (SSM_VALUES, HIDDEN),
+             "ssm_conv1d": (2 * SSM_KEYS + SSM_VALUES, SSM_KERNEL), "ssm_dt.bias": (SSM_VALUE_HEADS,),
+             "ssm_a": (SSM_VALUE_HEADS,), "ssm_alpha": (SSM_VALUE_HEADS, HIDDEN), "ssm_beta": (SSM_VALUE_HEADS, HIDDEN),
+             "ssm_norm": (SSM_STATE,), "ssm_out": (HIDDEN, SSM_VALUES)}
+QWEN35_KEYS = {"ssm.conv_kernel": SSM_KERNEL, "ssm.state_size": SSM_STATE, "ssm.group_count": SSM_KEY_HEADS,
+               "ssm.time_step_rank": SSM_VALUE_HEADS, "ssm.inner_size": SSM_VALUES, "full_attention_interval": 2,
+               "rope.dimension_count": HEAD_DIM // 2, "rope.dimension_sections": [2, 1, 1, 0]}
+SHARED_EXPERT = {"ffn_gate_inp_shexp": (HIDDEN,), "ffn_gate_shexp": (EXPERT_FFN, HIDDEN),
+                 "ffn_up_shexp": (EXPERT_FFN, HIDDEN), "ffn_down_shexp": (HIDDEN, EXPERT_FFN)}
+MOE = {"ffn_gate_inp": (EXPERTS, HIDDEN), "ffn_gate_exps": (EXPERTS, EXPERT_FFN, HIDDEN),
+       "ffn_up_exps": (EXPERTS, EXPERT_FFN, HIDDEN), "ffn_down_exps": (EXPERTS, HIDDEN, EXPERT_FFN)}
+MOE_KEYS = {"expert_count": EXPERTS, "expert_used_count": EXPERTS_USED, "expert_feed_forward_length": EXPERT_FFN}
 GEMMA_NORMS = {"attn_norm": (HIDDEN,), "post_attention_norm": (HIDDEN,), "ffn_norm": (HIDDEN,), "post_ffw_norm": (HIDDEN,)}
 # gemma4: sliding layers have their own (smaller) head size; full layers rotate a quarter of each head.
 SWA_HEAD_DIM, GEMMA4_ROTATED_PAIRS = 8, HEAD_DIM // 8
@@ -52,8 +69,12 @@ class TinyArch:
     top_level: dict[str, np.ndarray] = field(default_factory=dict)  # extra tensors outside the blocks, as given
     sliding_layer: dict[str, tuple[int, ...]] | None = None  # shapes of layers marked sliding in `swa_pattern`
     swa_pattern: tuple[bool, ...] = ()
+    # Hybrids: the shapes of recurrent layers, every layer but each full_attention_interval-th.
+    recurrent_layer: dict[str, tuple[int, ...]] | None = None
 
     def layer_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        if self.recurrent_layer and (layer + 1) % self.keys["full_attention_interval"]:
+            return self.recurrent_layer
         return self.sliding_layer if self.sliding_layer and self.swa_pattern[layer] else self.layer
 
     def seed(self) -> int:
@@ -69,11 +90,12 @@ ARCHS = {
         TinyArch("qwen2", "qwen2", {**ATTENTION, **MLP, **NORMS,
                                      "attn_q.bias": (Q,), "attn_k.bias": (K,), "attn_v.bias": (V,)}),
         TinyArch("qwen3", "qwen3", {**ATTENTION, **MLP, **NORMS, **QK_NORMS}),
-        TinyArch("qwen3moe", "qwen3moe", {
-            **ATTENTION, **NORMS, **QK_NORMS, "ffn_gate_inp": (EXPERTS, HIDDEN),
-            "ffn_gate_exps": (EXPERTS, EXPERT_FFN, HIDDEN), "ffn_up_exps": (EXPERTS, EXPERT_FFN, HIDDEN),
-            "ffn_down_exps": (EXPERTS, HIDDEN, EXPERT_FFN)},
-            keys={"expert_count": EXPERTS, "expert_used_count": EXPERTS_USED, "expert_feed_forward_length": EXPERT_FFN}),
+        TinyArch("qwen3moe", "qwen3moe", {**ATTENTION, **NORMS, **QK_NORMS, **MOE}, keys=MOE_KEYS),
+        TinyArch("qwen35", "qwen35", {**QWEN35_ATTENTION, **QWEN35_NORMS, **MLP}, layers=4, keys=QWEN35_KEYS,
+                 recurrent_layer={**DELTA_NET, **QWEN35_NORMS, **MLP}),
+        TinyArch("qwen35moe", "qwen35moe", {**QWEN35_ATTENTION, **QWEN35_NORMS, **MOE, **SHARED_EXPERT}, layers=4,
+                 keys={**QWEN35_KEYS, **MOE_KEYS, "expert_shared_feed_forward_length": EXPERT_FFN},
+                 recurrent_layer={**DELTA_NET, **QWEN35_NORMS, **MOE, **SHARED_EXPERT}),
         TinyArch("phi3", "phi3", {"attn_qkv": (Q + K + V, HIDDEN), "attn_output": (HIDDEN, Q),
                                    "ffn_up": (2 * FFN, HIDDEN), "ffn_down": (HIDDEN, FFN), **NORMS},
                  tied=False, keys={"rope.dimension_count": HEAD_DIM}),
@@ -136,8 +158,11 @@ def _tensors(arch: TinyArch, rng: np.random.Generator) -> dict[str, np.ndarray]:
         shapes["output.weight"] = (VOCAB, HIDDEN)
     for layer in range(arch.layers):
         for stem, shape in arch.layer_shapes(layer).items():
-            shapes[f"blk.{layer}.{stem}" + ("" if stem.endswith(".bias") else ".weight")] = shape
+            shapes[f"blk.{layer}.{stem}" + ("" if stem.endswith((".bias", "ssm_a")) else ".weight")] = shape
     tensors = {name: _random(shape, rng, bias=name.endswith(".bias")) for name, shape in shapes.items()}
+    for name in shapes:
+        if name.endswith(".ssm_a"):  # llama.cpp stores -exp(A_log)
+            tensors[name] = -np.exp(tensors[name] - 1.0).astype(np.float32)
     if arch.rope_freqs:
         tensors["rope_freqs.weight"] = llama3_rope_divisors(HEAD_DIM, ROPE_BASE, LLAMA3_ROPE)
     return {**tensors, **arch.top_level}

@@ -11,15 +11,17 @@ from __future__ import annotations
 from akunu.errors import ModelError
 from akunu.models.architectures.base import Architecture
 from akunu.models.architectures.gemma import GEMMA2, GEMMA3, GEMMA4
+from akunu.models.architectures.gpt_oss import GPT_OSS
 from akunu.models.architectures.llama import GRANITE, LLAMA, SMOLLM3
 from akunu.models.architectures.metadata import llama3_rope_divisors
 from akunu.models.architectures.olmo import OLMO2
 from akunu.models.architectures.phi import PHI3
 from akunu.models.architectures.qwen import QWEN2, QWEN3, QWEN3MOE
+from akunu.models.architectures.qwen35 import QWEN35, QWEN35MOE
 from akunu.models.gguf_file import GGUFFile
 
-SUPPORTED = {arch.gguf_name: arch for arch in (LLAMA, GRANITE, SMOLLM3, QWEN2, QWEN3, QWEN3MOE, PHI3,
-                                                GEMMA2, GEMMA3, GEMMA4, OLMO2)}
+SUPPORTED = {arch.gguf_name: arch for arch in (LLAMA, GRANITE, SMOLLM3, QWEN2, QWEN3, QWEN3MOE, QWEN35,
+                                                QWEN35MOE, PHI3, GEMMA2, GEMMA3, GEMMA4, GPT_OSS, OLMO2)}
 
 
 def architecture_of(gguf_file: GGUFFile) -> Architecture:

@@ -42,15 +42,19 @@ class Architecture:
     # Layout fixes after renaming (un-permuting rows, norm offsets), given the built config.
     fix_layout: Callable[[Weights, Config], Weights] = unchanged
     top_level: dict[str, str] = field(default_factory=lambda: dict(TOP_LEVEL))
+    # Layer tensors llama.cpp names without a `.weight` suffix (qwen35's `blk.N.ssm_a`).
+    bare_tensors: frozenset[str] = frozenset()
 
     def mlx_name(self, gguf_name: str) -> str | None:
         """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None to drop."""
         stem, _, suffix = gguf_name.rpartition(".")
+        if suffix in self.bare_tensors:
+            stem, suffix = gguf_name, ""
         if stem.startswith("blk."):
             _, index, rest = (stem.split(".", 2) + ["", ""])[:3]
             if rest not in self.layer_names or not index.isdigit():
                 raise ModelError(f"unexpected tensor {gguf_name} in a {self.gguf_name} GGUF file")
-            return f"model.layers.{index}.{self.layer_names[rest]}.{suffix}"
+            return f"model.layers.{index}.{self.layer_names[rest]}" + (f".{suffix}" if suffix else "")
         if stem in IGNORED:
             return None
         if stem not in self.top_level:
@@ -60,7 +64,7 @@ class Architecture:
     def check_names(self, gguf_names) -> None:
         """Refuse a file with a tensor this architecture has no place for, before reading any weight."""
         for name in gguf_names:
-            if not name.endswith((".weight", ".bias")):
+            if not name.endswith((".weight", ".bias")) and name.rpartition(".")[2] not in self.bare_tensors:
                 raise ModelError(f"unexpected tensor {name!r:.80} in a {self.gguf_name} GGUF file")
             self.mlx_name(name)
 
