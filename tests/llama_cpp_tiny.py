@@ -54,6 +54,13 @@ GEMMA4_FULL = {**ATTENTION, **MLP, **GEMMA_NORMS, **QK_NORMS, "layer_output_scal
 GEMMA4_SLIDING = {**GEMMA4_FULL, "attn_q": (HEADS * SWA_HEAD_DIM, HIDDEN), "attn_k": (KV_HEADS * SWA_HEAD_DIM, HIDDEN),
                   "attn_v": (KV_HEADS * SWA_HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HEADS * SWA_HEAD_DIM),
                   "attn_q_norm": (SWA_HEAD_DIM,), "attn_k_norm": (SWA_HEAD_DIM,)}
+GPT_OSS_LAYER = {
+    **ATTENTION, "attn_q.bias": (Q,), "attn_k.bias": (K,), "attn_v.bias": (V,), "attn_output.bias": (HIDDEN,),
+    "attn_sinks": (HEADS,), "attn_norm": (HIDDEN,), "post_attention_norm": (HIDDEN,),
+    "ffn_gate_inp": (EXPERTS, HIDDEN), "ffn_gate_inp.bias": (EXPERTS,),
+    "ffn_gate_exps": (EXPERTS, EXPERT_FFN, HIDDEN), "ffn_gate_exps.bias": (EXPERTS, EXPERT_FFN),
+    "ffn_up_exps": (EXPERTS, EXPERT_FFN, HIDDEN), "ffn_up_exps.bias": (EXPERTS, EXPERT_FFN),
+    "ffn_down_exps": (EXPERTS, HIDDEN, EXPERT_FFN), "ffn_down_exps.bias": (EXPERTS, HIDDEN)}
 GEMMA4_ROPE_FREQS = np.array([1.0] * GEMMA4_ROTATED_PAIRS + [1e30] * (HEAD_DIM // 2 - GEMMA4_ROTATED_PAIRS), np.float32)
 
 
@@ -64,7 +71,7 @@ class TinyArch:
     layer: dict[str, tuple[int, ...]]
     layers: int = 2
     tied: bool = True
-    keys: dict[str, float | int | list] = field(default_factory=dict)  # extra `<arch>.<key>` values
+    keys: dict[str, float | int | str | list] = field(default_factory=dict)  # extra `<arch>.<key>` values
     rope_freqs: bool = False  # llama 3.x: per-frequency rope divisors as a tensor
     top_level: dict[str, np.ndarray] = field(default_factory=dict)  # extra tensors outside the blocks, as given
     sliding_layer: dict[str, tuple[int, ...]] | None = None  # shapes of layers marked sliding in `swa_pattern`
@@ -114,6 +121,10 @@ ARCHS = {
                        "attention.key_length_swa": SWA_HEAD_DIM, "attention.value_length_swa": SWA_HEAD_DIM,
                        "rope.dimension_count_swa": SWA_HEAD_DIM, "rope.freq_base_swa": 1000.0,
                        "embedding_length_per_layer_input": 0, "final_logit_softcapping": 30.0}),
+        TinyArch("gpt-oss", "gpt-oss", GPT_OSS_LAYER, tied=False,
+                 keys={"expert_count": EXPERTS, "expert_used_count": EXPERTS_USED, "expert_feed_forward_length": EXPERT_FFN,
+                       "attention.sliding_window": 128, "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                       "rope.scaling.original_context_length": 32}),
     )
 }
 
@@ -148,6 +159,8 @@ def _add_hyperparameters(writer: GGUFWriter, arch: TinyArch) -> None:
         full = f"{arch.gguf_arch}.{key}"
         if isinstance(value, list):
             writer.add_array(full, value)
+        elif isinstance(value, str):
+            writer.add_string(full, value)
         else:
             writer.add_float32(full, value) if isinstance(value, float) else writer.add_uint32(full, value)
 
