@@ -41,6 +41,8 @@ DELTA_NET = {"attn_qkv": (2 * SSM_KEYS + SSM_VALUES, HIDDEN), "attn_gate": (SSM_
 QWEN35_KEYS = {"ssm.conv_kernel": SSM_KERNEL, "ssm.state_size": SSM_STATE, "ssm.group_count": SSM_KEY_HEADS,
                "ssm.time_step_rank": SSM_VALUE_HEADS, "ssm.inner_size": SSM_VALUES, "full_attention_interval": 2,
                "rope.dimension_count": HEAD_DIM // 2, "rope.dimension_sections": [2, 1, 1, 0]}
+PREDICTION_BLOCK = {"nextn.eh_proj": (HIDDEN, 2 * HIDDEN), "nextn.enorm": (HIDDEN,), "nextn.hnorm": (HIDDEN,),
+                    "nextn.shared_head_norm": (HIDDEN,)}
 SHARED_EXPERT = {"ffn_gate_inp_shexp": (HIDDEN,), "ffn_gate_shexp": (EXPERT_FFN, HIDDEN),
                  "ffn_up_shexp": (EXPERT_FFN, HIDDEN), "ffn_down_shexp": (HIDDEN, EXPERT_FFN)}
 MOE = {"ffn_gate_inp": (EXPERTS, HIDDEN), "ffn_gate_exps": (EXPERTS, EXPERT_FFN, HIDDEN),
@@ -78,8 +80,11 @@ class TinyArch:
     swa_pattern: tuple[bool, ...] = ()
     # Hybrids: the shapes of recurrent layers, every layer but each full_attention_interval-th.
     recurrent_layer: dict[str, tuple[int, ...]] | None = None
+    prediction_blocks: int = 0  # qwen35's multi-token prediction blocks, after the trunk (akunu ignores them)
 
     def layer_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        if layer >= self.layers:
+            return {**self.layer, **PREDICTION_BLOCK}
         if self.recurrent_layer and (layer + 1) % self.keys["full_attention_interval"]:
             return self.recurrent_layer
         return self.sliding_layer if self.sliding_layer and self.swa_pattern[layer] else self.layer
@@ -145,7 +150,9 @@ def write(arch: TinyArch, path: Path) -> Path:
 
 
 def _add_hyperparameters(writer: GGUFWriter, arch: TinyArch) -> None:
-    writer.add_block_count(arch.layers)
+    writer.add_block_count(arch.layers + arch.prediction_blocks)
+    if arch.prediction_blocks:
+        writer.add_nextn_predict_layers(arch.prediction_blocks)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(FFN)
@@ -169,7 +176,7 @@ def _tensors(arch: TinyArch, rng: np.random.Generator) -> dict[str, np.ndarray]:
     shapes = {"token_embd.weight": (VOCAB, HIDDEN), "output_norm.weight": (HIDDEN,)}
     if not arch.tied:
         shapes["output.weight"] = (VOCAB, HIDDEN)
-    for layer in range(arch.layers):
+    for layer in range(arch.layers + arch.prediction_blocks):
         for stem, shape in arch.layer_shapes(layer).items():
             shapes[f"blk.{layer}.{stem}" + ("" if stem.endswith((".bias", "ssm_a")) else ".weight")] = shape
     tensors = {name: _random(shape, rng, bias=name.endswith(".bias")) for name, shape in shapes.items()}

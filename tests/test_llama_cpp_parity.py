@@ -5,6 +5,7 @@ an MLX folder and loaded by mlx-lm gives the same logits."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -92,3 +93,12 @@ def test_mlx_folder_route_gives_the_same_logits(case, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     folder_model, _ = mlx_lm_load_model(tmp_path)
     np.testing.assert_allclose(prompt_logits(folder_model), prompt_logits(model), atol=1e-5, rtol=1e-5)
+
+
+def test_qwen35_prediction_blocks_are_ignored(tmp_path):
+    """Converted Qwen3.5 files carry multi-token prediction blocks after the trunk; akunu runs the trunk alone."""
+    trunk = tiny.ARCHS["qwen35"]
+    with_blocks = dataclasses.replace(trunk, prediction_blocks=1)  # the same name: the same seed, the same trunk
+    plain = load_model(str(tiny.write(trunk, tmp_path / "trunk.gguf")), dtype="float32").model
+    extended = load_model(str(tiny.write(with_blocks, tmp_path / "mtp.gguf")), dtype="float32").model
+    np.testing.assert_array_equal(prompt_logits(extended), prompt_logits(plain))

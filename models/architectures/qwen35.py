@@ -2,7 +2,8 @@
 
 llama.cpp's converter stores A_log as -exp(A_log), the conv kernel without its middle axis, dt_bias as
 `ssm_dt.bias`, and (when there are more value heads than key heads) the value heads tiled by key head
-instead of grouped. Norms already carry Qwen3.5's +1, as mlx-lm's sanitized weights do.
+instead of grouped. Norms already carry Qwen3.5's +1, as mlx-lm's sanitized weights do. Multi-token
+prediction blocks (`nextn_predict_layers`, after the trunk) are dropped: akunu drafts without them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from akunu.models.gguf_file import GGUFFile
 
 def qwen35_config(gguf_file: GGUFFile) -> Config:
     common = common_config(gguf_file)
+    common["num_hidden_layers"] -= integer(gguf_file, "nextn_predict_layers", 0, minimum=0)
+    if common["num_hidden_layers"] < 1:
+        inconsistent(gguf_file, "nextn_predict_layers leaves no trunk layers")
     if common.pop("rope_scaling") is not None:
         raise ModelError(f"{gguf_file.path.name}: rope scaling on a qwen35 model is not supported yet")
     head_dim = common["head_dim"]
@@ -61,7 +65,7 @@ def _full_attention_interval(gguf_file: GGUFFile, layers: int) -> int:
     recurrent = gguf_file.arch_value("attention.recurrent_layers")
     if recurrent is None:
         return integer(gguf_file, "full_attention_interval", 4)
-    recurrent = [bool(flag) for flag in recurrent]
+    recurrent = [bool(flag) for flag in recurrent][:layers]
     interval = next((i + 1 for i, flag in enumerate(recurrent) if not flag), len(recurrent) + 1)
     if recurrent != [(i + 1) % interval != 0 for i in range(layers)]:
         raise ModelError(f"{gguf_file.path.name}: a qwen35 layer pattern other than full attention every n-th "
@@ -72,6 +76,8 @@ def _full_attention_interval(gguf_file: GGUFFile, layers: int) -> int:
 def qwen35_layout(weights: Weights, config: Config) -> Weights:
     fixed = {}
     for name, array in weights.items():
+        if _is_prediction_block(name, config):
+            continue
         if name.endswith(".A_log"):
             array = mx.log(-array)
         elif name.endswith(".conv1d.weight"):
@@ -82,6 +88,10 @@ def qwen35_layout(weights: Weights, config: Config) -> Weights:
     if config["linear_num_value_heads"] != config["linear_num_key_heads"]:
         fixed = {name: _group_value_heads(name, array, config) for name, array in fixed.items()}
     return fixed
+
+
+def _is_prediction_block(name: str, config: Config) -> bool:
+    return name.startswith("model.layers.") and int(name.split(".")[2]) >= config["num_hidden_layers"]
 
 
 # Where the value-head axis sits in each delta-net tensor, and the value channels' offset along it.
@@ -115,6 +125,8 @@ DELTA_NET = {
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
 }
+NEXT_TOKENS = {f"nextn.{stem}": f"nextn.{stem}" for stem in
+               ("eh_proj", "embed_tokens", "enorm", "hnorm", "shared_head_head", "shared_head_norm")}
 NORMS = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm"}
 SHARED_EXPERT = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
@@ -125,7 +137,8 @@ SHARED_EXPERT = {
 _ATTENTION = {stem: path for stem, path in PROJECTIONS.items() if stem.startswith("attn_")}
 _DENSE_MLP = {stem: path for stem, path in PROJECTIONS.items() if stem.startswith("ffn_")}
 
-QWEN35 = Architecture("qwen35", {**_ATTENTION, **QK_NORMS, **NORMS, **DELTA_NET, **_DENSE_MLP}, qwen35_config,
-                      qwen35_layout, bare_tensors=frozenset({"ssm_a"}))
-QWEN35MOE = Architecture("qwen35moe", {**_ATTENTION, **QK_NORMS, **NORMS, **DELTA_NET, **MOE, **SHARED_EXPERT},
-                         qwen35moe_config, qwen35_layout, bare_tensors=frozenset({"ssm_a"}))
+_SHARED = {**_ATTENTION, **QK_NORMS, **NORMS, **DELTA_NET, **NEXT_TOKENS}
+QWEN35 = Architecture("qwen35", {**_SHARED, **_DENSE_MLP}, qwen35_config, qwen35_layout,
+                      bare_tensors=frozenset({"ssm_a"}))
+QWEN35MOE = Architecture("qwen35moe", {**_SHARED, **MOE, **SHARED_EXPERT}, qwen35moe_config, qwen35_layout,
+                         bare_tensors=frozenset({"ssm_a"}))
