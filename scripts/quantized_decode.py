@@ -2,6 +2,7 @@
 
     for d in quantized float32 quantized float32; do .venv/bin/python scripts/quantized_decode.py --dtype $d; done
     .venv/bin/python scripts/quantized_decode.py --model /work/models/qwen2.5-coder-0.5b-instruct.gguf --dtype quantized
+    .venv/bin/python scripts/quantized_decode.py --llama-cpp     # then llama.cpp on the same GGUF and prompt ids
 
 Prints decode tok/s (best of --reps runs of --tokens tokens after a warm-up), the prefill rate, the
 weights' bytes in memory and the process's peak resident memory. Run the dtypes alternately: the
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="quantized", choices=["quantized", "float32", "auto"])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--llama-cpp", action="store_true", help="then time llama.cpp's plain decoding of the same GGUF")
     args = parser.parse_args()
     loaded = load_model(args.model, dtype=args.dtype)
     prompt = loaded.tokenizer.encode(PROMPT)
@@ -39,6 +41,19 @@ def main() -> None:
     best = max(runs, key=lambda s: s.decode_tps)  # a run that met EOS early says so in its token count
     print(f"{args.model} {loaded.dtype}: decode {best.decode_tps:.1f} tok/s ({best.generated_tokens} tokens), prefill {best.prefill_tps:.0f} tok/s, "
           f"weights {weights / 2**20:.0f} MiB, peak RSS {peak:.0f} MiB ({mx.default_device()})")
+    if args.llama_cpp:
+        print_llama_cpp(loaded, prompt, args.tokens, args.reps)
+
+
+def print_llama_cpp(loaded, prompt: list[int], tokens: int, reps: int) -> None:
+    """llama.cpp (llama-cpp-python) on the same file and prompt ids, timed like akunu's runs (best of `reps`)."""
+    from akunu.bench.llama_cpp import LlamaCppEngine, llama_cpp_version
+
+    llama = LlamaCppEngine(loaded.path, max_tokens=tokens, stop_ids=loaded.tokenizer.eos_ids)
+    llama.run(prompt)  # warm-up
+    best = max((llama.run(prompt) for _ in range(reps)), key=lambda r: r.decode_tps)
+    print(f"llama.cpp (llama-cpp-python {llama_cpp_version()}, {llama.threads} threads): decode {best.decode_tps:.1f} tok/s "
+          f"({best.generated} tokens), prefill {best.prefill_tps:.0f} tok/s")
 
 
 def _leaves(tree, prefix=""):
