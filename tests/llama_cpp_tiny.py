@@ -12,10 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter
+from gguf import GGUFWriter, quants
+from gguf.constants import GGMLQuantizationType
 
 from akunu.models.architectures.metadata import llama3_rope_divisors
 from tests.tiny_gguf import gpt2_byte_alphabet
+
+Q8_0 = GGMLQuantizationType.Q8_0
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 272, 64, 4, 2, 16, 128
 EXPERTS, EXPERTS_USED, EXPERT_FFN = 4, 2, 32
@@ -134,14 +137,22 @@ ARCHS = {
 }
 
 
-def write(arch: TinyArch, path: Path) -> Path:
-    """Write `arch`'s tiny GGUF to `path` (the same bytes for the same arch, every time)."""
+def write(arch: TinyArch, path: Path, *, matrices: str = "float32") -> Path:
+    """Write `arch`'s tiny GGUF to `path` (the same bytes for the same arch, every time).
+
+    `matrices` "q8_0" stores every matrix Q8_0 can hold as Q8_0; "q8_0-values" keeps float32 but rounds those
+    matrices through Q8_0, so both files hold the same weights."""
     rng = np.random.default_rng(arch.seed())
     writer = GGUFWriter(str(path), arch.gguf_arch)
     _add_hyperparameters(writer, arch)
     _add_tokenizer(writer)
     for name, values in _tensors(arch, rng).items():
-        writer.add_tensor(name, values)
+        if matrices == "float32" or values.ndim != 2 or values.shape[-1] % 32 or name.startswith("token_embd"):
+            writer.add_tensor(name, values)
+        elif matrices == "q8_0":
+            writer.add_tensor(name, quants.quantize(values, Q8_0), raw_dtype=Q8_0)
+        else:
+            writer.add_tensor(name, quants.dequantize(quants.quantize(values, Q8_0), Q8_0).astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -102,3 +102,12 @@ def test_qwen35_prediction_blocks_are_ignored(tmp_path):
     plain = load_model(str(tiny.write(trunk, tmp_path / "trunk.gguf")), dtype="float32").model
     extended = load_model(str(tiny.write(with_blocks, tmp_path / "mtp.gguf")), dtype="float32").model
     np.testing.assert_array_equal(prompt_logits(extended), prompt_logits(plain))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "quantized"])
+def test_qwen35_quantized_value_head_matrices(tmp_path, dtype):
+    """Q8_0 delta-net matrices whose value heads the converter tiled load as the same weights held in float32."""
+    arch = tiny.ARCHS["qwen35"]
+    stored = load_model(str(tiny.write(arch, tmp_path / "q8.gguf", matrices="q8_0")), dtype=dtype).model
+    values = load_model(str(tiny.write(arch, tmp_path / "f32.gguf", matrices="q8_0-values")), dtype="float32").model
+    np.testing.assert_allclose(prompt_logits(stored), prompt_logits(values), atol=1e-4, rtol=1e-4)

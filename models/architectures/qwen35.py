@@ -15,6 +15,7 @@ from akunu.models.architectures.base import PROJECTIONS, QK_NORMS, Architecture,
 from akunu.models.architectures.metadata import common_config, inconsistent, integer, number
 from akunu.models.architectures.qwen import MOE
 from akunu.models.gguf_file import GGUFFile
+from akunu.models.gguf_weights import GROUP_SIZE, quantized_stems
 
 
 def qwen35_config(gguf_file: GGUFFile) -> Config:
@@ -86,6 +87,7 @@ def qwen35_layout(weights: Weights, config: Config) -> Weights:
             array = array.reshape(1, -1)
         fixed[name.replace(".linear_attn.dt.bias", ".linear_attn.dt_bias")] = array
     if config["linear_num_value_heads"] != config["linear_num_key_heads"]:
+        fixed = _dequantize_value_head_matrices(fixed)
         fixed = {name: _group_value_heads(name, array, config) for name, array in fixed.items()}
     return fixed
 
@@ -97,6 +99,16 @@ def _is_prediction_block(name: str, config: Config) -> bool:
 # Where the value-head axis sits in each delta-net tensor, and the value channels' offset along it.
 _VALUE_HEAD_AXES = {"in_proj_z.weight": 0, "in_proj_a.weight": 0, "in_proj_b.weight": 0, "A_log": 0,
                     "dt_bias": 0, "out_proj.weight": 1, "in_proj_qkv.weight": 0, "conv1d.weight": 0}
+
+
+def _dequantize_value_head_matrices(weights: Weights) -> Weights:
+    """A quantized triple's rows and columns cannot move one head at a time; the delta-net matrices that
+    must move are dequantized (they then load as float Linear layers)."""
+    for stem, bits in quantized_stems(weights).items():
+        if f"{stem.rpartition('.linear_attn.')[2]}.weight" in _VALUE_HEAD_AXES and ".linear_attn." in stem:
+            packed, scales, biases = (weights.pop(f"{stem}.{part}") for part in ("weight", "scales", "biases"))
+            weights[f"{stem}.weight"] = mx.dequantize(packed, scales, biases, group_size=GROUP_SIZE, bits=bits)
+    return weights
 
 
 def _group_value_heads(name: str, array: mx.array, config: Config) -> mx.array:
