@@ -45,7 +45,7 @@ constexpr int GROUP = 32;
 constexpr int LANES = 16;
 constexpr int OUT_BLOCK = 4;  // weight rows unpacked together (one register tile's width)
 constexpr int ROW_TILE = 4;   // rows of x in one register tile
-constexpr int CHUNK = 256;    // columns unpacked at a time (a multiple of GROUP)
+constexpr int CHUNK = 1024;   // columns unpacked at a time (a multiple of GROUP)
 constexpr size_t PARALLEL_FROM = size_t(1) << 18;  // weights: smaller matrices are not worth waking a second thread
 typedef float vf __attribute__((vector_size(LANES * 4), aligned(4)));
 
