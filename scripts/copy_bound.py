@@ -32,6 +32,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
+# isort: split
 from akunu.bench.copy_bound import (
     ANCHOR,
     bound_tokens_per_pass,

@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 import akunu  # noqa: F401  (loads the kernel library ahead of OpenBLAS)
+# isort: split
 from akunu.backends.cpu import blas
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of one layer's products

@@ -15,6 +15,7 @@ import argparse
 import resource
 
 import akunu  # noqa: F401  (must precede mlx)
+# isort: split
 import mlx.core as mx
 
 from akunu.generate import GenerationConfig, SpecConfig, generate

@@ -17,6 +17,7 @@ import argparse
 import time
 
 import akunu  # noqa: F401  (must precede mlx)
+# isort: split
 import mlx.core as mx
 import numpy as np
 

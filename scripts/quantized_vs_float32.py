@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 import akunu  # noqa: F401  (must precede mlx)
+# isort: split
 import mlx.core as mx
 import numpy as np
 

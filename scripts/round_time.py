@@ -23,6 +23,7 @@ import time
 from collections import defaultdict
 
 import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
+# isort: split
 import akunu.decode
 from akunu import cost_curve
 from akunu.bench.workloads import select, shipped_workload

@@ -19,6 +19,7 @@ import json
 import time
 
 import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
+# isort: split
 import mlx.core as mx
 from mlx_lm.models import qwen3_next
 
