@@ -34,8 +34,12 @@ CONTEXTS = (64, CONTEXT, 2048)  # tokens already in the cache while timing; gene
 
 
 def measure(
-    model: nn.Module, max_width: int = MAX_WIDTH, sweeps: int = 7, context: int = CONTEXT,
-    widths: Sequence[int] | None = None, on_pass: Callable[[], None] | None = None,
+    model: nn.Module,
+    max_width: int = MAX_WIDTH,
+    sweeps: int = 7,
+    context: int = CONTEXT,
+    widths: Sequence[int] | None = None,
+    on_pass: Callable[[], None] | None = None,
 ) -> list[float]:
     """Seconds of a k-token pass, k = 1..max_width, after `context` tokens (only `widths` timed, if given;
     the rest read off straight lines between them). `on_pass` is called after each timed pass.
@@ -161,8 +165,12 @@ def contexts_within(context_length: int | None) -> tuple[int, ...]:
 
 
 def measure_curves(
-    model: nn.Module, max_width: int = MAX_WIDTH, sweeps: int = 7, contexts: Sequence[int] = CONTEXTS,
-    widths: Sequence[int] | None = None, progress: Progress | None = None,
+    model: nn.Module,
+    max_width: int = MAX_WIDTH,
+    sweeps: int = 7,
+    contexts: Sequence[int] = CONTEXTS,
+    widths: Sequence[int] | None = None,
+    progress: Progress | None = None,
 ) -> CostCurves:
     """`measure` after each of `contexts`; `progress(done, total)` hears of every timed pass."""
     total = len(contexts) * (sweeps + 1) * len(timed_widths(max_width, widths))
@@ -197,7 +205,11 @@ def read_curves(path: Path) -> CostCurves:
 
 
 def cached(
-    model: nn.Module, key: str, directory: Path, max_width: int = MAX_WIDTH, contexts: Sequence[int] = CONTEXTS,
+    model: nn.Module,
+    key: str,
+    directory: Path,
+    max_width: int = MAX_WIDTH,
+    contexts: Sequence[int] = CONTEXTS,
     progress: Progress | None = None,
 ) -> CostCurves:
     """Pass costs for k = 1..max_width (or more) after each of `contexts`, measured once and then

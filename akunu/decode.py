@@ -20,7 +20,6 @@ from akunu.sampling import SamplingParams, target_logprobs
 from akunu.stats import GenerationStats
 from akunu.verify import Verdict, verify_greedy, verify_sampled
 
-
 # Rejections on a model with state layers leave accepted tokens owed to the next pass (`verify_round`);
 # past this many, a round drafts nothing, so its pass feeds them and the debt is settled.
 MAX_OWED = 16
@@ -49,7 +48,12 @@ def pick_token(logits: mx.array, params: SamplingParams) -> mx.array:
 
 
 def plain_decode(
-    model: nn.Module, cache: list, logits: mx.array, *, params: SamplingParams, stats: GenerationStats,
+    model: nn.Module,
+    cache: list,
+    logits: mx.array,
+    *,
+    params: SamplingParams,
+    stats: GenerationStats,
     rows: list | None = None,
 ) -> Iterator[tuple[int, bool]]:
     """One token per forward pass; the next pass is queued before this token is read.
@@ -73,8 +77,14 @@ def plain_decode(
 
 
 def constrained_decode(
-    model: nn.Module, cache: list, logits: mx.array, *, params: SamplingParams, stats: GenerationStats,
-    constraint: Constraint, rows: list | None = None,
+    model: nn.Module,
+    cache: list,
+    logits: mx.array,
+    *,
+    params: SamplingParams,
+    stats: GenerationStats,
+    constraint: Constraint,
+    rows: list | None = None,
 ) -> Iterator[tuple[int, bool]]:
     """`plain_decode` under a grammar: each token is chosen from its logits masked by the grammar
     after the tokens before it; the grammar computes that mask while the token's pass runs."""  # fmt: skip
@@ -122,7 +132,9 @@ def speculative_decode(
     keep(logits)
     yield token, False
     while True:
-        room = max(budget - produced - 1, 0) if len(getattr(cache, "owed", ())) < MAX_OWED else 0  # a plain step settles the debt
+        room = (
+            max(budget - produced - 1, 0) if len(getattr(cache, "owed", ())) < MAX_OWED else 0
+        )  # a plain step settles the debt
         with stats.drafting():
             draft = propose(drafter, draft_length, room)
             own = draft.depth
@@ -150,7 +162,12 @@ def propose(drafter: Drafter, draft_length: DraftLength | EntropyDraftLength, ro
 
 
 def verify_round(
-    model: nn.Module, cache: list, token: int, draft: Draft, params: SamplingParams, constraint: Constraint | None = None
+    model: nn.Module,
+    cache: list,
+    token: int,
+    draft: Draft,
+    params: SamplingParams,
+    constraint: Constraint | None = None,
 ):
     """One forward pass over `token` and the draft; the cache keeps only what was accepted.
 

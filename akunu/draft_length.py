@@ -193,4 +193,3 @@ def make_draft_length(
     if policy is DraftLengthPolicy.entropy:
         return EntropyDraftLength(max_draft)
     return DraftLength(max_draft, costs, adaptive=varies, draft_cost=draft_cost, refeed=refeed)
-

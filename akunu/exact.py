@@ -39,7 +39,9 @@ def _attention_per_row(queries, keys, values, cache, scale, mask, sinks=None, *,
     for j in range(length):
         end = key_length - length + j + 1
         row_mask = mask[..., j : j + 1, :end] if isinstance(mask, mx.array) else None  # "causal" is the slicing itself
-        rows.append(attend(queries[..., j : j + 1, :], keys[..., :end, :], values[..., :end, :], cache, scale, row_mask, sinks))
+        rows.append(
+            attend(queries[..., j : j + 1, :], keys[..., :end, :], values[..., :end, :], cache, scale, row_mask, sinks)
+        )
     return mx.concatenate(rows, axis=-2)
 
 

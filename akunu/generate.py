@@ -36,7 +36,9 @@ class SpecConfig:
     draft_length: DraftLengthPolicy = DraftLengthPolicy.adaptive  # how many of them a round drafts
     ngram_order: int = 4
     window: int = 512
-    exact: bool = False  # exact mode (akunu.exact): passes padded to draft_tokens + 1, so logits never depend on the pass
+    exact: bool = (
+        False  # exact mode (akunu.exact): passes padded to draft_tokens + 1, so logits never depend on the pass
+    )
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,12 @@ class _StopStrings:
             out, self.pending = self.pending[: min(hits)], ""
             return out, True
         hold = max(
-            (k for s in self.stops for k in range(1, min(len(s), len(self.pending)) + 1) if self.pending.endswith(s[:k])),
+            (
+                k
+                for s in self.stops
+                for k in range(1, min(len(s), len(self.pending)) + 1)
+                if self.pending.endswith(s[:k])
+            ),
             default=0,
         )
         out = self.pending[: len(self.pending) - hold]
@@ -204,7 +211,9 @@ def _decode_loop(
     )  # fmt: skip
 
 
-def generate(model: nn.Module, tokenizer, prompt: Sequence[int], config: GenerationConfig = GenerationConfig(), **kwargs):
+def generate(
+    model: nn.Module, tokenizer, prompt: Sequence[int], config: GenerationConfig = GenerationConfig(), **kwargs
+):
     """Run `stream_generate` to the end; return (text, token ids, stats)."""
     text, ids, stats = [], [], None
     for response in stream_generate(model, tokenizer, prompt, config, **kwargs):

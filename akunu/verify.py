@@ -27,9 +27,7 @@ def verify_greedy(logits: mx.array, draft: list[int]) -> Verdict:
     return Verdict(accepted, choices[accepted])
 
 
-def verify_sampled(
-    target_logprobs: mx.array, draft: list[int], draft_probs: mx.array | None = None
-) -> Verdict:
+def verify_sampled(target_logprobs: mx.array, draft: list[int], draft_probs: mx.array | None = None) -> Verdict:
     """Speculative sampling (Leviathan et al. 2023), exact in distribution.
 
     target_logprobs: (n+1, V), the processed target distribution p at each position.

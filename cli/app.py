@@ -67,7 +67,12 @@ class AkunuGroup(TyperGroup):
         except UnicodeEncodeError as error:  # text that slipped past the checks above: still one line
             if debug_enabled():
                 raise
-            code = _fail(f"text that is not valid UTF-8 (byte {ord(error.object[error.start]) & 0xFF:#04x})", "usage", json_target, 2)
+            code = _fail(
+                f"text that is not valid UTF-8 (byte {ord(error.object[error.start]) & 0xFF:#04x})",
+                "usage",
+                json_target,
+                2,
+            )
         except OSError as error:  # the machine's refusal (a full disk, a file where a folder should be), not a bug
             if debug_enabled():
                 raise

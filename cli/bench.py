@@ -46,8 +46,8 @@ Workload = Annotated[
     Path | None,
     typer.Option(
         rich_help_panel=WORKLOAD_PANEL,
-        help="A JSONL file of your own prompts, one {\"category\": ..., \"prompt\": ...} object per line"
-        " (\"id\" optional). Default: the shipped workloads.",
+        help='A JSONL file of your own prompts, one {"category": ..., "prompt": ...} object per line'
+        ' ("id" optional). Default: the shipped workloads.',
     ),
 ]
 Categories = Annotated[
@@ -59,9 +59,13 @@ Categories = Annotated[
         help="Only these categories, comma-separated or repeated (shipped: code-edit, summarize, rag, json, chat).",
     ),
 ]
-Limit = Annotated[int | None, typer.Option(min=1, rich_help_panel=WORKLOAD_PANEL, help="At most N prompts per category.")]
+Limit = Annotated[
+    int | None, typer.Option(min=1, rich_help_panel=WORKLOAD_PANEL, help="At most N prompts per category.")
+]
 MaxTokens = Annotated[int, typer.Option(min=2, rich_help_panel=RUN_PANEL, help="New tokens per generation.")]
-Repeats = Annotated[int, typer.Option(min=1, rich_help_panel=RUN_PANEL, help="Measured passes per prompt, after one warm-up.")]
+Repeats = Annotated[
+    int, typer.Option(min=1, rich_help_panel=RUN_PANEL, help="Measured passes per prompt, after one warm-up.")
+]
 DraftTokens = Annotated[
     int,
     typer.Option(
@@ -111,12 +115,18 @@ LlamaCpp = Annotated[
 ]
 Fixed = Annotated[
     bool,
-    typer.Option("--fixed/--no-fixed", rich_help_panel=RUN_PANEL, help="Also time speculation that always drafts --draft-tokens."),
+    typer.Option(
+        "--fixed/--no-fixed", rich_help_panel=RUN_PANEL, help="Also time speculation that always drafts --draft-tokens."
+    ),
 ]
-PerPrompt = Annotated[bool, typer.Option("--per-prompt", rich_help_panel=OUTPUT_PANEL, help="Also print a row for every prompt.")]
+PerPrompt = Annotated[
+    bool, typer.Option("--per-prompt", rich_help_panel=OUTPUT_PANEL, help="Also print a row for every prompt.")
+]
 JsonPath = Annotated[
     Path | None,
-    typer.Option("--json", rich_help_panel=OUTPUT_PANEL, help="Write every raw measurement (and token ids) to this file."),
+    typer.Option(
+        "--json", rich_help_panel=OUTPUT_PANEL, help="Write every raw measurement (and token ids) to this file."
+    ),
 ]
 PlotPath = Annotated[
     Path | None,
@@ -215,7 +225,9 @@ def cost_curve(
     """Time a forward pass of 1..33 tokens after 64, 512 and 2048 tokens of context, show it, and store it for adaptive drafting."""
     loaded = runtime.load(model, dtype)
     if context is not None and loaded.context_length and context + 33 > loaded.context_length:
-        raise OptionsError(f"--context {context} leaves no room for a 33-token pass in the model's {loaded.context_length}")
+        raise OptionsError(
+            f"--context {context} leaves no room for a 33-token pass in the model's {loaded.context_length}"
+        )
     print_header(loaded, "")
     show_cost_curve(loaded, draft_tokens, context)
 
@@ -282,7 +294,9 @@ def _print_tables(result, methods: list[str], *, per_prompt: bool, temp: float):
     return summaries
 
 
-def _write_files(result, summaries, machine: dict, settings: dict, *, json_path: Path | None, plot_path: Path | None, name: str):
+def _write_files(
+    result, summaries, machine: dict, settings: dict, *, json_path: Path | None, plot_path: Path | None, name: str
+):
     if json_path is not None:
         from akunu.bench.report import result_record, write_json
 
@@ -320,7 +334,9 @@ def _run_with_progress(prompts, engine, methods, repeats, *, check_tokens: bool)
         task = progress.add_task("warm-up", total=len(prompts) * repeats * len(methods))
 
         def measured(m) -> None:
-            progress.update(task, advance=1, description=f"{m.category:>10} {m.prompt_id} · {m.method} {m.run.decode_tps:.1f} tok/s")
+            progress.update(
+                task, advance=1, description=f"{m.category:>10} {m.prompt_id} · {m.method} {m.run.decode_tps:.1f} tok/s"
+            )
 
         def mismatch(m) -> None:
             if m.informational:
@@ -358,4 +374,6 @@ def show_cost_curve(loaded, draft_tokens: int, context: int | None = None) -> No
         out.print(f"[dim]saved to {path}; adaptive drafting reads it at each generation's context[/]")
     else:
         usual = ", ".join(map(str, cost_curve.CONTEXTS))
-        out.print(f"[dim]not stored: adaptive drafting reads curves measured at {usual} tokens (akunu bench cost-curve)[/]")
+        out.print(
+            f"[dim]not stored: adaptive drafting reads curves measured at {usual} tokens (akunu bench cost-curve)[/]"
+        )

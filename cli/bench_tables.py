@@ -83,8 +83,11 @@ def summary_table(summaries, *, has_mlx: bool, has_llama_cpp: bool = False) -> T
             _speedup(s.fixed_speedup),
             _number(s.mlx_tps, ".1f") if has_mlx else "–",
             _speedup(s.vs_mlx) if has_mlx else "–",
-            *((_number(s.llama_cpp_tps, ".1f"), f"{_speedup(s.vs_llama_cpp)} / {_speedup(s.spec_vs_llama_cpp, 2.0)}")
-              if has_llama_cpp else ()),
+            *(
+                (_number(s.llama_cpp_tps, ".1f"), f"{_speedup(s.vs_llama_cpp)} / {_speedup(s.spec_vs_llama_cpp, 2.0)}")
+                if has_llama_cpp
+                else ()
+            ),
             _number(s.prefill_tps, ".0f"),
             f"[bold red]{s.mismatches}[/]" if s.mismatches else "0",
         )
@@ -93,7 +96,9 @@ def summary_table(summaries, *, has_mlx: bool, has_llama_cpp: bool = False) -> T
 
 def drafter_table(rows) -> Table:
     """Other drafters per category: tok/s, speedup over plain and over the default drafter."""
-    table = Table(title="drafters (adaptive draft length; speedups are medians of per-prompt ratios)", title_justify="left")
+    table = Table(
+        title="drafters (adaptive draft length; speedups are medians of per-prompt ratios)", title_justify="left"
+    )
     for name in ("category", "drafter", "tok/s", "vs plain", "vs default", "accept", "tok/pass", "mismatches"):
         table.add_column(name, justify="left" if name in ("category", "drafter") else "right", no_wrap=True)
     for r in rows:
@@ -114,7 +119,18 @@ def per_prompt_table(result) -> Table:
     from akunu.bench import LLAMA_CPP, MLX_LM, PLAIN, SPEC, SPEC_FIXED
 
     table = Table(title="per prompt (median over passes)", title_justify="left")
-    for name in ("prompt", "prompt tok", "plain", "spec", "speedup", "accept", "tok/pass", "fixed", "mlx-lm", "llama.cpp"):
+    for name in (
+        "prompt",
+        "prompt tok",
+        "plain",
+        "spec",
+        "speedup",
+        "accept",
+        "tok/pass",
+        "fixed",
+        "mlx-lm",
+        "llama.cpp",
+    ):
         table.add_column(name, justify="left" if name == "prompt" else "right", no_wrap=True)
     by_prompt: dict[str, dict[str, list]] = {}
     for m in result.measurements:
@@ -153,7 +169,9 @@ def print_checks(out: Console, result, temp: float) -> None:
             f" (top-two gap ≤ {NEAR_TIE_GAP:g}, which the default mode allows; see README 'exactness')[/]"
         )
         for m in counted:
-            out.print(f"[{'yellow' if m.near_tie else 'red'}]  {m.prompt_id} pass {m.repeat}: {describe_mismatch(m)}[/]")
+            out.print(
+                f"[{'yellow' if m.near_tie else 'red'}]  {m.prompt_id} pass {m.repeat}: {describe_mismatch(m)}[/]"
+            )
     else:
         out.print("[green]✓ 0 greedy mismatches: speculative tokens equal plain tokens on every prompt[/]")
     for baseline in ("mlx-lm", "llama.cpp"):
@@ -173,7 +191,11 @@ def _print_baseline_check(out: Console, result, baseline: str) -> None:
 
 
 def describe_mismatch(m) -> str:
-    gap = "" if m.top2_gap is None else f"; top-two logit gap there {m.top2_gap:.3g}{', a near-tie' if m.near_tie else ''}"
+    gap = (
+        ""
+        if m.top2_gap is None
+        else f"; top-two logit gap there {m.top2_gap:.3g}{', a near-tie' if m.near_tie else ''}"
+    )
     return f"{m.method} differs from {m.reference} at token {m.index} ({m.got} instead of {m.expected}{gap})"
 
 
@@ -200,7 +222,9 @@ def cost_table(curves, key: str, after: str) -> Table:
     from akunu.bench.cost_table import cost_table_rows
 
     contexts = sorted(curves.seconds)
-    table = Table(title=f"forward-pass time by width k, after {after} tokens of context", caption=key, title_justify="left")
+    table = Table(
+        title=f"forward-pass time by width k, after {after} tokens of context", caption=key, title_justify="left"
+    )
     table.add_column("k", justify="right")
     for name in [f"ms @{c}" for c in contexts] + [f"relative @{c}" for c in contexts]:
         table.add_column(name, justify="right")

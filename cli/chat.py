@@ -54,7 +54,9 @@ def chat(
     exact: options.Exact = False,
     save: Annotated[
         Path | None,
-        typer.Option(rich_help_panel=CONVERSATION_PANEL, help="Save the conversation to this JSON file after every answer."),
+        typer.Option(
+            rich_help_panel=CONVERSATION_PANEL, help="Save the conversation to this JSON file after every answer."
+        ),
     ] = None,
     load: Annotated[
         Path | None,
@@ -102,14 +104,20 @@ class ChatSession:
             self.config = dataclasses.replace(config, stop=(*config.stop, PLAIN_USER_PREFIX))
 
     def greet(self, loaded_from: Path | None = None) -> None:
-        self.view.say(f"[bold]akunu chat[/] · {escape(self.loaded.describe())} · speculative decoding {self._spec_state()}")
+        self.view.say(
+            f"[bold]akunu chat[/] · {escape(self.loaded.describe())} · speculative decoding {self._spec_state()}"
+        )
         if not self.loaded.tokenizer.has_chat_template:
-            self.view.say("[yellow]note:[/] this model has no chat template; the conversation is sent as a plain transcript")
+            self.view.say(
+                "[yellow]note:[/] this model has no chat template; the conversation is sent as a plain transcript"
+            )
         if loaded_from:
             self.view.dim(f"resumed {len(self.conversation.turns)} messages from {loaded_from}")
             saved_with = self.conversation.model
             if saved_with and saved_with != self.loaded.name:
-                self.view.warn(f"{loaded_from} was saved with the model {saved_with}; it goes on with {self.loaded.name}")
+                self.view.warn(
+                    f"{loaded_from} was saved with the model {saved_with}; it goes on with {self.loaded.name}"
+                )
         self.view.dim("/help for commands · Ctrl-C stops an answer · Ctrl-D or /exit quits")
 
     def run(self, read: Callable[[str], str] | None = None) -> None:
@@ -155,7 +163,9 @@ class ChatSession:
         self.conversation.add("user", text)
         try:
             prompt_ids = self._prompt_ids()
-            responses = runtime.stream(self.loaded, prompt_ids, self.config, prompt_cache=self.prompt_cache, costs=self._costs_now())
+            responses = runtime.stream(
+                self.loaded, prompt_ids, self.config, prompt_cache=self.prompt_cache, costs=self._costs_now()
+            )
             answer = self.view.stream(responses)
         except AkunuError as error:
             self._forget_question(first)
@@ -209,7 +219,13 @@ class ChatSession:
         argument = argument.strip()
         if name in ("/exit", "/quit", "/bye"):
             return False
-        handlers = {"/help": self._help, "/reset": self._reset, "/stats": self._stats, "/spec": self._spec, "/save": self._save}
+        handlers = {
+            "/help": self._help,
+            "/reset": self._reset,
+            "/stats": self._stats,
+            "/spec": self._spec,
+            "/save": self._save,
+        }
         handler = handlers.get(name)
         if handler is None:
             self.view.echo(f"unknown command {name}; /help lists them", style="yellow")
@@ -236,7 +252,9 @@ class ChatSession:
             f"session: {self.totals['answers']} answers, {self.totals['generated']} tokens generated, "
             f"{self.totals['prefilled']} prefilled; context {len(self.prompt_cache.tokens)}/{self.loaded.context_length} tokens"
         )
-        self.view.dim(f"{self.loaded.describe()} · BLAS: {backends.describe()['blas']} · speculative decoding {self._spec_state()}")
+        self.view.dim(
+            f"{self.loaded.describe()} · BLAS: {backends.describe()['blas']} · speculative decoding {self._spec_state()}"
+        )
 
     def _spec(self, argument: str) -> None:
         if argument not in ("on", "off", ""):

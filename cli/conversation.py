@@ -89,7 +89,7 @@ class Conversation:
         if not isinstance(messages, list) or not all(_is_message(m) for m in messages):
             raise AkunuError(f"{path} is not a conversation: expected a list of {{'role', 'content'}} messages")
         if system is not None and not isinstance(system, str):
-            raise AkunuError(f"{path} is not a conversation: its \"system\" must be text, not {type(system).__name__}")
+            raise AkunuError(f'{path} is not a conversation: its "system" must be text, not {type(system).__name__}')
         turns = []
         for message in messages:
             if message["role"] == "system":

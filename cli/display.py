@@ -112,7 +112,11 @@ def result_json(model_name: str, text: str, tokens: list[int], stats, finish_rea
         "tokens": tokens,
         **{key: numbers[key] for key in flat},
         "finish_reason": finish_reason,
-        "spec": {"enabled": config.spec.enabled, "draft_tokens": config.spec.draft_tokens, "draft_length": config.spec.draft_length.value},
+        "spec": {
+            "enabled": config.spec.enabled,
+            "draft_tokens": config.spec.draft_tokens,
+            "draft_length": config.spec.draft_length.value,
+        },
         "stats": {
             "prefill": {
                 "prompt_tokens": numbers["prompt_tokens"],

@@ -43,7 +43,11 @@ def generate(
     system: options.System = None,
     raw: Annotated[
         bool,
-        typer.Option("--raw", rich_help_panel=OUTPUT_PANEL, help="Send the prompt verbatim, special tokens included: no chat template."),
+        typer.Option(
+            "--raw",
+            rich_help_panel=OUTPUT_PANEL,
+            help="Send the prompt verbatim, special tokens included: no chat template.",
+        ),
     ] = False,
     parse_special: Annotated[
         bool | None,
@@ -55,7 +59,9 @@ def generate(
             " off otherwise, where the chat template alone writes them.",
         ),
     ] = None,
-    max_tokens: Annotated[int, typer.Option(min=1, rich_help_panel=options.SAMPLING_PANEL, help="The most tokens to generate.")] = 256,
+    max_tokens: Annotated[
+        int, typer.Option(min=1, rich_help_panel=options.SAMPLING_PANEL, help="The most tokens to generate.")
+    ] = 256,
     temp: options.Temp = 0.0,
     top_k: options.TopK = 0,
     top_p: options.TopP = 1.0,
@@ -88,12 +94,16 @@ def generate(
         bool, typer.Option("--json-object", rich_help_panel=OUTPUT_PANEL, help="Constrain the output to a JSON object.")
     ] = False,
     json_output: Annotated[
-        bool, typer.Option("--json", rich_help_panel=OUTPUT_PANEL, help="Print one JSON object: text, token ids and stats.")
+        bool,
+        typer.Option("--json", rich_help_panel=OUTPUT_PANEL, help="Print one JSON object: text, token ids and stats."),
     ] = False,
     verbose: Annotated[
         bool,
         typer.Option(
-            "--verbose", "-v", rich_help_panel=OUTPUT_PANEL, help="Highlight accepted draft tokens; print every statistic."
+            "--verbose",
+            "-v",
+            rich_help_panel=OUTPUT_PANEL,
+            help="Highlight accepted draft tokens; print every statistic.",
         ),
     ] = False,
 ) -> None:
@@ -125,7 +135,9 @@ def generate(
     if verbose:
         describe_run(loaded, config)
     try:
-        run(loaded, prompt_ids, config, json_output=json_output, verbose=verbose, drafter=drafter, constraint=constraint)
+        run(
+            loaded, prompt_ids, config, json_output=json_output, verbose=verbose, drafter=drafter, constraint=constraint
+        )
     finally:
         if drafter is not None:  # the persistent n-gram cache learns from this run
             _save_ngram_cache(drafter, ngram_cache)
@@ -152,7 +164,9 @@ def _save_ngram_cache(drafter, path: Path) -> None:
         print_note(str(error))
 
 
-def make_drafter_for(loaded, config, draft: str, draft_model: str | None, ngram_cache: Path | None, tree: int | None, load=None):
+def make_drafter_for(
+    loaded, config, draft: str, draft_model: str | None, ngram_cache: Path | None, tree: int | None, load=None
+):
     """The drafter the options ask for; None keeps the engine's default (suffix+ngram). `load` loads a draft model."""
     from akunu.drafters import make_drafter
 
@@ -230,7 +244,9 @@ def check_fits(loaded, **texts: str | None) -> None:
             text_input.check_length(text, limit, source)
 
 
-def run(loaded, prompt_ids: list[int], config, *, json_output: bool, verbose: bool, drafter=None, constraint=None) -> None:
+def run(
+    loaded, prompt_ids: list[int], config, *, json_output: bool, verbose: bool, drafter=None, constraint=None
+) -> None:
     """Stream one generation to stdout; Ctrl-C keeps what was generated and exits 130."""
     out = stdout_console()
     pieces, tokens, stats, finish = [], [], None, None
@@ -255,7 +271,9 @@ def run(loaded, prompt_ids: list[int], config, *, json_output: bool, verbose: bo
         if stats is None and finish == "interrupted":
             raise Interrupted("interrupted")
         if stats is not None:
-            typer.echo(json.dumps(display.result_json(loaded.name, text, tokens, stats, finish, config), ensure_ascii=False))
+            typer.echo(
+                json.dumps(display.result_json(loaded.name, text, tokens, stats, finish, config), ensure_ascii=False)
+            )
     else:
         if not text.endswith("\n"):
             sys.stdout.write("\n")

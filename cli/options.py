@@ -52,6 +52,8 @@ Dtype = Annotated[
 System = Annotated[
     str | None, typer.Option("--system", "-s", rich_help_panel=MODEL_PANEL, help="System prompt for the chat template.")
 ]
+
+
 def _finite(value: float) -> float:
     if not math.isfinite(value):
         raise typer.BadParameter(f"{value} is not a finite number")
@@ -64,7 +66,9 @@ Temp = Annotated[
         "--temp", "-t", min=0.0, callback=_finite, rich_help_panel=SAMPLING_PANEL, help="Temperature; 0 is greedy."
     ),
 ]
-TopK = Annotated[int, typer.Option(min=0, rich_help_panel=SAMPLING_PANEL, help="Keep the k likeliest tokens; 0 keeps all.")]
+TopK = Annotated[
+    int, typer.Option(min=0, rich_help_panel=SAMPLING_PANEL, help="Keep the k likeliest tokens; 0 keeps all.")
+]
 TopP = Annotated[
     float,
     typer.Option(
@@ -155,11 +159,15 @@ Draft = Annotated[
 ]
 DraftModel = Annotated[
     str | None,
-    typer.Option(rich_help_panel=SPEC_PANEL, help="A draft model with the same tokenizer (same as --draft model:NAME)."),
+    typer.Option(
+        rich_help_panel=SPEC_PANEL, help="A draft model with the same tokenizer (same as --draft model:NAME)."
+    ),
 ]
 Tree = Annotated[
     int | None,
-    typer.Option(min=1, max=32, rich_help_panel=SPEC_PANEL, help="Verify n-gram drafts as token trees of up to N nodes."),
+    typer.Option(
+        min=1, max=32, rich_help_panel=SPEC_PANEL, help="Verify n-gram drafts as token trees of up to N nodes."
+    ),
 ]
 
 

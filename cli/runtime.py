@@ -105,7 +105,11 @@ def cost_curve(loaded, max_draft: int):
     middling = min(contexts, key=lambda c: abs(c - cost_curve.CONTEXT))  # one context: a few seconds per run
     with pass_cost_progress("for this run") as progress:
         return cost_curve.measure_curves(
-            loaded.model, max_draft + 1, cost_curve.QUICK_SWEEPS, (middling,), widths=cost_curve.QUICK_WIDTHS,
+            loaded.model,
+            max_draft + 1,
+            cost_curve.QUICK_SWEEPS,
+            (middling,),
+            widths=cost_curve.QUICK_WIDTHS,
             progress=progress,
         )
 

@@ -29,18 +29,54 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def serve(
     model: options.Model = None,
     dtype: options.Dtype = options.WeightsDtype.auto,
-    host: Annotated[str, typer.Option(rich_help_panel=SERVER_PANEL, help="Address to listen on; anything but loopback exposes the model to the network.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=0, max=65535, rich_help_panel=SERVER_PANEL, help="Port to listen on.")] = 8080,
+    host: Annotated[
+        str,
+        typer.Option(
+            rich_help_panel=SERVER_PANEL,
+            help="Address to listen on; anything but loopback exposes the model to the network.",
+        ),
+    ] = "127.0.0.1",
+    port: Annotated[
+        int, typer.Option(min=0, max=65535, rich_help_panel=SERVER_PANEL, help="Port to listen on.")
+    ] = 8080,
     api_key: Annotated[
         str | None,
-        typer.Option(envvar="AKUNU_API_KEY", show_default=False, rich_help_panel=SERVER_PANEL, help="Require 'Authorization: Bearer KEY' on every request."),
+        typer.Option(
+            envvar="AKUNU_API_KEY",
+            show_default=False,
+            rich_help_panel=SERVER_PANEL,
+            help="Require 'Authorization: Bearer KEY' on every request.",
+        ),
     ] = None,
-    queue_depth: Annotated[int, typer.Option(min=0, rich_help_panel=SERVER_PANEL, help="Requests that may wait behind the running one; more get 429 with Retry-After.")] = 32,
+    queue_depth: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            rich_help_panel=SERVER_PANEL,
+            help="Requests that may wait behind the running one; more get 429 with Retry-After.",
+        ),
+    ] = 32,
     max_body: Annotated[
-        str, typer.Option(rich_help_panel=SERVER_PANEL, help="Largest request body, in bytes or with a K/M suffix; larger ones get 413.")
+        str,
+        typer.Option(
+            rich_help_panel=SERVER_PANEL,
+            help="Largest request body, in bytes or with a K/M suffix; larger ones get 413.",
+        ),
     ] = "4M",
-    cache_slots: Annotated[int, typer.Option(min=1, rich_help_panel=SERVER_PANEL, help="KV caches kept for recent conversations (LRU), each at most the context long.")] = 4,
-    max_tokens: Annotated[int, typer.Option(min=1, rich_help_panel=options.SAMPLING_PANEL, help="Tokens per answer when a request gives no max_tokens.")] = 512,
+    cache_slots: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            rich_help_panel=SERVER_PANEL,
+            help="KV caches kept for recent conversations (LRU), each at most the context long.",
+        ),
+    ] = 4,
+    max_tokens: Annotated[
+        int,
+        typer.Option(
+            min=1, rich_help_panel=options.SAMPLING_PANEL, help="Tokens per answer when a request gives no max_tokens."
+        ),
+    ] = 512,
     spec: options.Spec = True,
     draft_tokens: options.DraftTokens = 32,
     draft_length: options.DraftLength = options.DraftLengthPolicy.adaptive,
@@ -60,11 +96,16 @@ def serve(
     if api_key is None and os.environ.get("AKUNU_API_KEY") == "":  # click reads an empty variable as unset
         api_key = ""
     if api_key is not None and not api_key.strip():
-        raise OptionsError("--api-key is empty; give a key, or leave the option (and AKUNU_API_KEY) out to serve without one")
+        raise OptionsError(
+            "--api-key is empty; give a key, or leave the option (and AKUNU_API_KEY) out to serve without one"
+        )
     body_limit = parse_size(max_body)
     check_port_free(host, port)  # before the model loads, which may take minutes
     if host not in LOOPBACK:
-        print_note(f"listening on {host}: anyone who can reach this address can use the model" + ("" if api_key else " (no --api-key)"))
+        print_note(
+            f"listening on {host}: anyone who can reach this address can use the model"
+            + ("" if api_key else " (no --api-key)")
+        )
     base_config = options.generation_config(
         max_tokens=max_tokens, temp=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, stop=None, spec=spec,
         draft_tokens=draft_tokens, draft_length=draft_length, exact=exact,
@@ -80,7 +121,12 @@ def serve(
     configure_logging()
     stderr_console().print(f"[bold]akunu serve[/] · {loaded.describe()} · http://{host}:{port}/v1 · Ctrl-C stops")
     try:
-        uvicorn.run(create_app(worker, base_config, api_key=api_key, max_body=body_limit), host=host, port=port, log_level="warning")
+        uvicorn.run(
+            create_app(worker, base_config, api_key=api_key, max_body=body_limit),
+            host=host,
+            port=port,
+            log_level="warning",
+        )
     finally:
         worker.stop()
 
@@ -137,7 +183,9 @@ class Drafting:
     def stream(self, loaded, job, prompt_cache, costs):
         """The engine's response stream for one request (the worker's `run`)."""
         drafter = self.drafter(loaded, job.config)
-        return runtime.stream(loaded, job.prompt_ids, job.config, prompt_cache=prompt_cache, costs=costs, drafter=drafter)
+        return runtime.stream(
+            loaded, job.prompt_ids, job.config, prompt_cache=prompt_cache, costs=costs, drafter=drafter
+        )
 
 
 def configure_logging() -> None:

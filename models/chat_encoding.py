@@ -90,7 +90,10 @@ def _marked(message: dict[str, Any], opening: str, closing: str) -> dict[str, An
         if isinstance(value, str):
             return f"{opening}{value}{closing}"
         if isinstance(value, list):
-            return [{**part, "text": mark(part["text"])} if isinstance(part, dict) and "text" in part else mark(part) for part in value]
+            return [
+                {**part, "text": mark(part["text"])} if isinstance(part, dict) and "text" in part else mark(part)
+                for part in value
+            ]
         return value
 
     marked = {**message, "content": mark(message.get("content"))}

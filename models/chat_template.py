@@ -125,7 +125,9 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
     @staticmethod
     def bounded(value: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > MAX_INT_BITS:
-            raise SecurityError(f"the template built a number of {value.bit_length()} bits (the limit is {MAX_INT_BITS})")
+            raise SecurityError(
+                f"the template built a number of {value.bit_length()} bits (the limit is {MAX_INT_BITS})"
+            )
         if isinstance(value, (str, list, tuple, dict)) and _weight(value) > MAX_LENGTH:
             raise SecurityError(f"the template built a value of over {MAX_LENGTH} characters")
         return value
@@ -158,7 +160,9 @@ def _check_binop(operator_: str, left: Any, right: Any) -> None:
     else:
         estimate = 0
     if estimate > MAX_LENGTH:
-        raise SecurityError(f"the template's {operator_!r} would build a value beyond the limit ({MAX_LENGTH} characters)")
+        raise SecurityError(
+            f"the template's {operator_!r} would build a value beyond the limit ({MAX_LENGTH} characters)"
+        )
 
 
 def _check_call(name: str, args: tuple, kwargs: dict) -> None:
@@ -171,7 +175,9 @@ def _check_call(name: str, args: tuple, kwargs: dict) -> None:
     if name == "replace":
         text = [v for v in values if isinstance(v, str)]
         if len(text) >= 3 and _replaced_length(*text[:3]) > MAX_LENGTH:
-            raise SecurityError(f"the template's replace would build a value beyond the limit ({MAX_LENGTH} characters)")
+            raise SecurityError(
+                f"the template's replace would build a value beyond the limit ({MAX_LENGTH} characters)"
+            )
 
 
 def _replaced_length(text: str, old: str, new: str) -> int:

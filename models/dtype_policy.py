@@ -49,7 +49,9 @@ def choose_dtype(requested: str = "auto", *, float32_bytes: int | None = None) -
     if mx.metal.is_available():
         return DtypeChoice("quantized", "Metal GPU: MLX quantized kernels are fastest")
     if backends.quantized_kernel_available():
-        return DtypeChoice("quantized", "CPU backend with akunu's quantized kernel: 4-8x fewer bytes per token than float32")
+        return DtypeChoice(
+            "quantized", "CPU backend with akunu's quantized kernel: 4-8x fewer bytes per token than float32"
+        )
     if sys.platform == "darwin":
         return DtypeChoice("float32", "CPU backend: float32 matmuls through Accelerate beat quantized kernels")
     if backends.optimized_blas_loaded():

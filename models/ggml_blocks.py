@@ -43,7 +43,11 @@ def affine_parts(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> tuple[np.n
     layout = LAYOUTS[ggml_type]
     _, type_size = GGML_QUANT_SIZES[ggml_type]
     values, scales, biases = layout.unpack(np.ascontiguousarray(raw).reshape(-1, type_size))
-    return values.reshape(-1, layout.group), scales.reshape(-1).astype(np.float32), biases.reshape(-1).astype(np.float32)
+    return (
+        values.reshape(-1, layout.group),
+        scales.reshape(-1).astype(np.float32),
+        biases.reshape(-1).astype(np.float32),
+    )
 
 
 def exact_triple(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> AffineTriple | None:
@@ -59,8 +63,12 @@ def exact_triple(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[
     scales = np.concatenate([part[1] for part in parts])
     biases = np.concatenate([part[2] for part in parts])
     *rows, cols = shape
-    return AffineTriple(packed.reshape(*rows, cols * layout.bits // 32), scales.reshape(*rows, cols // GROUP),
-                        biases.reshape(*rows, cols // GROUP), layout.bits)
+    return AffineTriple(
+        packed.reshape(*rows, cols * layout.bits // 32),
+        scales.reshape(*rows, cols // GROUP),
+        biases.reshape(*rows, cols // GROUP),
+        layout.bits,
+    )
 
 
 def dequantize_exact(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
@@ -138,7 +146,9 @@ def _k_scales(blocks):
 
 def _nibble_chunks(qs: np.ndarray) -> np.ndarray:
     """K-quant nibbles: each 32 bytes hold sub-block 2i in low nibbles and 2i+1 in high ones."""
-    return (qs.reshape(len(qs), -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)).reshape(len(qs), -1, 32) & 0x0F
+    return (qs.reshape(len(qs), -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)).reshape(
+        len(qs), -1, 32
+    ) & 0x0F
 
 
 def _q4_k(blocks):
@@ -155,7 +165,11 @@ def _q2_k(blocks):
     scales, d, dmin = blocks[:, :16], _half(blocks, 80)[:, None], _half(blocks, 82)[:, None]
     shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
     q = (blocks[:, 16:80].reshape(len(blocks), 2, 1, 32) >> shifts) & 3
-    return q.reshape(len(blocks), 16, 16), d * (scales & 0x0F).astype(np.float32), -(dmin * (scales >> 4).astype(np.float32))
+    return (
+        q.reshape(len(blocks), 16, 16),
+        d * (scales & 0x0F).astype(np.float32),
+        -(dmin * (scales >> 4).astype(np.float32)),
+    )
 
 
 def _q3_k(blocks):
@@ -163,7 +177,9 @@ def _q3_k(blocks):
     n = len(blocks)
     hmask, qs, packed_scales, d = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108], _half(blocks, 108)[:, None]
     low = (packed_scales[:, :8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(n, 16)
-    high = (packed_scales[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(n, 16)
+    high = (packed_scales[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(
+        n, 16
+    )
     sc = ((low & 0x0F) | ((high & 0x03) << 4)).astype(np.float32) - 32.0
     ql = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)).reshape(n, 16, 16) & 3
     qh = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)).reshape(n, 16, 16) & 1
@@ -207,10 +223,18 @@ def _mxfp4(blocks):
 
 T = GGMLQuantizationType
 LAYOUTS: dict[GGMLQuantizationType, Layout] = {
-    T.Q4_0: Layout(_q4_0, 4, 32), T.Q4_1: Layout(_q4_1, 4, 32), T.Q4_K: Layout(_q4_k, 4, 32),
-    T.Q5_0: Layout(_q5_0, 5, 32), T.Q5_1: Layout(_q5_1, 5, 32), T.Q5_K: Layout(_q5_k, 5, 32),
+    T.Q4_0: Layout(_q4_0, 4, 32),
+    T.Q4_1: Layout(_q4_1, 4, 32),
+    T.Q4_K: Layout(_q4_k, 4, 32),
+    T.Q5_0: Layout(_q5_0, 5, 32),
+    T.Q5_1: Layout(_q5_1, 5, 32),
+    T.Q5_K: Layout(_q5_k, 5, 32),
     T.MXFP4: Layout(_mxfp4, 5, 32),
-    T.Q8_0: Layout(_q8_0, 8, 32), T.IQ4_NL: Layout(_iq4_nl, 8, 32), T.IQ4_XS: Layout(_iq4_xs, 8, 32),
-    T.Q2_K: Layout(_q2_k, 2, 16), T.Q3_K: Layout(_q3_k, 3, 16), T.Q6_K: Layout(_q6_k, 6, 16),
+    T.Q8_0: Layout(_q8_0, 8, 32),
+    T.IQ4_NL: Layout(_iq4_nl, 8, 32),
+    T.IQ4_XS: Layout(_iq4_xs, 8, 32),
+    T.Q2_K: Layout(_q2_k, 2, 16),
+    T.Q3_K: Layout(_q3_k, 3, 16),
+    T.Q6_K: Layout(_q6_k, 6, 16),
 }
 del T

@@ -25,8 +25,19 @@ DEFAULT_ALIGNMENT = 32
 
 # GGUF metadata value types -> struct format (scalars) or numpy dtype (arrays).
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY_TYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
-                10: "<u8", 11: "<i8", 12: "<f8"}
+_NUMPY_TYPES = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "?",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
 _STRING, _ARRAY = 8, 9
 _FLOAT64 = 12
 _MX_LOAD_CRASHES = {_FLOAT64}  # mlx 0.32 (gguflib) segfaults on float64 values
@@ -120,8 +131,13 @@ def _parse(view: mmap.mmap, path: Path) -> GGUFFile:
         if name in tensors:
             raise ModelError(f"{path} is a corrupt GGUF file (tensor {name!r:.60} appears twice)")
         tensors[name] = _tensor_info(path, name, ne, type_id, data_start + offset)
-    return GGUFFile(path=path, version=version, metadata=metadata, tensors=tensors,
-                    mx_loadable=not reader.types_seen & _MX_LOAD_CRASHES)
+    return GGUFFile(
+        path=path,
+        version=version,
+        metadata=metadata,
+        tensors=tensors,
+        mx_loadable=not reader.types_seen & _MX_LOAD_CRASHES,
+    )
 
 
 def _is_text_list(value: Any) -> bool:
@@ -144,14 +160,18 @@ _KEY_TYPES = {
     "tokenizer.ggml.scores": ("a number array", _is_array_of("iuf")),
     "tokenizer.ggml.add_bos_token": ("a boolean", lambda v: isinstance(v, (bool, int))),
     "tokenizer.ggml.add_space_prefix": ("a boolean", lambda v: isinstance(v, (bool, int))),
-    **{f"tokenizer.ggml.{name}_token_id": ("an integer", lambda v: isinstance(v, int))
-       for name in ("bos", "eos", "eot", "eom", "unknown", "padding", "seperator")},
+    **{
+        f"tokenizer.ggml.{name}_token_id": ("an integer", lambda v: isinstance(v, int))
+        for name in ("bos", "eos", "eot", "eom", "unknown", "padding", "seperator")
+    },
 }
 
 
 def _check_key_types(metadata: dict[str, Any]) -> None:
     for key, value in metadata.items():
-        rule = _KEY_TYPES.get(key) or (_KEY_TYPES["general.architecture"] if key.endswith(".rope.scaling.type") else None)
+        rule = _KEY_TYPES.get(key) or (
+            _KEY_TYPES["general.architecture"] if key.endswith(".rope.scaling.type") else None
+        )
         if rule and not rule[1](value):
             raise _Corrupt(f"metadata {key} should be {rule[0]}")
 

@@ -39,8 +39,13 @@ FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizat
 # file's quantized weights (a K-quant mix's Q6_K tensors); past it (a Q6_K file) memory wins: re-quantized.
 MAX_FLOAT_SHARE = 0.25
 # Types MLX's own GGUF reader turns into exact MLX-quantized (or float) arrays.
-MX_LOAD_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16,
-                 GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
+MX_LOAD_TYPES = {
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q8_0,
+}
 
 
 def requantize_bits(ggml_type: GGMLQuantizationType) -> int:
@@ -67,8 +72,10 @@ def check_supported_types(gguf_file: GGUFFile) -> None:
 def read_weights(gguf_file: GGUFFile, *, keep_quantized: bool, progress: Progress | None = None) -> dict[str, mx.array]:
     """All tensors, keyed like `mx.load` keys them: `x.weight` plus `x.scales`/`x.biases` if quantized."""
     check_supported_types(gguf_file)
-    if gguf_file.mx_loadable and all(t.ggml_type in MX_LOAD_TYPES and (t.ggml_type in FLOAT_TYPES or len(t.shape) == 2)
-                                     for t in gguf_file.tensors.values()):
+    if gguf_file.mx_loadable and all(
+        t.ggml_type in MX_LOAD_TYPES and (t.ggml_type in FLOAT_TYPES or len(t.shape) == 2)
+        for t in gguf_file.tensors.values()
+    ):
         if progress:
             progress("load", 0, len(gguf_file.tensors))
         weights = _read_with_mx_load(gguf_file)
@@ -119,11 +126,18 @@ def _decode_tensor(gguf_file: GGUFFile, info: TensorInfo, requantize_inexact: bo
     if triple:
         # Exact in both modes: `to_float32` dequantizes it later in float32 mode.
         _check_finite(info, triple.scales, triple.biases)
-        return {info.name: mx.array(triple.packed), f"{stem}.scales": mx.array(triple.scales),
-                f"{stem}.biases": mx.array(triple.biases)}
+        return {
+            info.name: mx.array(triple.packed),
+            f"{stem}.scales": mx.array(triple.scales),
+            f"{stem}.biases": mx.array(triple.biases),
+        }
     array = mx.array(_to_float32(raw, info), dtype=mx.float32)
-    requantize = (requantize_inexact and info.ggml_type not in FLOAT_TYPES
-                  and array.ndim == 2 and array.shape[-1] % GROUP_SIZE == 0)
+    requantize = (
+        requantize_inexact
+        and info.ggml_type not in FLOAT_TYPES
+        and array.ndim == 2
+        and array.shape[-1] % GROUP_SIZE == 0
+    )
     if not requantize:
         return {info.name: array}
     packed, scales, biases = mx.quantize(array, group_size=GROUP_SIZE, bits=requantize_bits(info.ggml_type))
@@ -173,8 +187,11 @@ def to_float32(weights: dict[str, mx.array]) -> dict[str, mx.array]:
         elif suffix == "weight":
             # float32 scales make the result float32 directly (twice as fast as via float16 on CPU).
             out[name] = mx.dequantize(
-                array, weights[f"{stem}.scales"].astype(mx.float32), weights[f"{stem}.biases"].astype(mx.float32),
-                group_size=GROUP_SIZE, bits=stems[stem],
+                array,
+                weights[f"{stem}.scales"].astype(mx.float32),
+                weights[f"{stem}.biases"].astype(mx.float32),
+                group_size=GROUP_SIZE,
+                bits=stems[stem],
             )
     return out
 

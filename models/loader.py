@@ -89,8 +89,10 @@ def _load_gguf(path: Path, name: str, dtype: str, progress: Progress | None) -> 
     model, config = load_gguf_model(gguf_file, quantized=choice.dtype == "quantized", progress=progress)
     tokenizer = Tokenizer.from_gguf_metadata(gguf_file.metadata, source=str(path))
     if tokenizer.vocab_size > config["vocab_size"]:  # ids past the embedding would read out of bounds
-        raise ModelError(f"{Path(path).name}: the vocabulary has {tokenizer.vocab_size} tokens, but "
-                         f"token_embd.weight has only {config['vocab_size']} rows")
+        raise ModelError(
+            f"{Path(path).name}: the vocabulary has {tokenizer.vocab_size} tokens, but "
+            f"token_embd.weight has only {config['vocab_size']} rows"
+        )
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -48,8 +48,10 @@ def hold(folder: Path, *, wait: bool = True, on_wait: Callable[[], None] | None 
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             if not wait:
-                raise EntryBusy(f"{folder.name} is in use by another akunu process{_holder(handle)} "
-                                "(a pull or a load); try again when it has finished") from None
+                raise EntryBusy(
+                    f"{folder.name} is in use by another akunu process{_holder(handle)} "
+                    "(a pull or a load); try again when it has finished"
+                ) from None
             if on_wait:
                 on_wait()
             fcntl.flock(handle, fcntl.LOCK_EX)
@@ -105,8 +107,9 @@ def _recorded(path: Path, sha256: str) -> bool:
         return False
 
 
-def check(path: Path, size: int, sha256: str, *, rehash: bool = False,
-          progress: Callable[[int, int], None] | None = None) -> str:
+def check(
+    path: Path, size: int, sha256: str, *, rehash: bool = False, progress: Callable[[int, int], None] | None = None
+) -> str:
     """OK, CORRUPT or MISSING; hashes the file when its record no longer matches (or `rehash`)."""
     try:
         actual_size = path.stat().st_size

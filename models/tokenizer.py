@@ -197,7 +197,11 @@ class Tokenizer:
         )
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, parse_special: bool = False,
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        parse_special: bool = False,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The prompt ids of a conversation inside the chat template (check `has_chat_template` first).
@@ -205,7 +209,9 @@ class Tokenizer:
         Control tokens come from the template's markup only, unless `parse_special` reads them in messages too.
         """  # fmt: skip
         if parse_special:
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools))
+            return self.encode(
+                self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+            )
         from akunu.models.chat_encoding import encode_conversation
 
         return encode_conversation(self, messages, add_generation_prompt=add_generation_prompt, tools=tools)

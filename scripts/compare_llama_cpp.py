@@ -58,19 +58,21 @@ def main() -> None:
     from akunu.models import load_model
 
     text = args.text.read_text()
-    reference = run_llama_cpp(args.llama_python, {"gguf": str(args.gguf), "context": 4096, "text": text,
-                                                  "teacher_forced": True})
+    reference = run_llama_cpp(
+        args.llama_python, {"gguf": str(args.gguf), "context": 4096, "text": text, "teacher_forced": True}
+    )
     ids = reference["ids"].tolist()
     loaded = load_model(str(args.gguf), dtype=args.dtype)
     own_ids = loaded.tokenizer.encode(text)
     top, logprob = akunu_teacher_forced(loaded.model, ids)
     agreement = float(np.mean(top == reference["top"]))
     ours, theirs = perplexity(logprob), perplexity(reference["logprob"])
-    print(f"text: {args.text.name}, {len(ids)} tokens ({len(ids) - 1} positions); akunu's tokenizer "
-          f"{'gives the same ids' if own_ids == ids else 'differs'}")
+    print(
+        f"text: {args.text.name}, {len(ids)} tokens ({len(ids) - 1} positions); akunu's tokenizer "
+        f"{'gives the same ids' if own_ids == ids else 'differs'}"
+    )
     print(f"akunu dtype: {loaded.dtype}")
-    print(f"next-token agreement with llama.cpp: {agreement:.2%} ({int(np.sum(top == reference['top']))}"
-          f"/{len(top)})")
+    print(f"next-token agreement with llama.cpp: {agreement:.2%} ({int(np.sum(top == reference['top']))}/{len(top)})")
     print(f"perplexity: akunu {ours:.4f}, llama.cpp {theirs:.4f} ({(ours / theirs - 1):+.2%})")
 
 

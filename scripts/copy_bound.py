@@ -32,6 +32,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
+
 # isort: split
 from akunu.bench.copy_bound import (
     ANCHOR,
@@ -57,7 +58,9 @@ def main() -> None:
     parser.add_argument("bench_json")
     parser.add_argument("--draft-tokens", type=int, default=16)
     parser.add_argument("--drafters", default="suffix+ngram,lookup+ngram,ngram")
-    parser.add_argument("--curve", help="relative pass costs (JSON list), or stored cost curves, for the adaptive replay")
+    parser.add_argument(
+        "--curve", help="relative pass costs (JSON list), or stored cost curves, for the adaptive replay"
+    )
     parser.add_argument("--policy-context", type=int, help="the context whose curve the policy drafts against")
     args = parser.parse_args()
     record = json.load(open(args.bench_json))
@@ -82,7 +85,9 @@ def main() -> None:
                 widths = replay(make_drafter(spec), context, answer, make_draft_length("adaptive", CEILING, policy))
                 row[f"{spec}/adaptive"].append(len(answer) / len(widths))
                 row[f"{spec}/modelled"].append(modelled(answer, widths, costs))
-                row[f"{spec}/foreseen"].append(modelled(answer, foreseen_widths(make_drafter(spec), context, answer, CEILING), costs))
+                row[f"{spec}/foreseen"].append(
+                    modelled(answer, foreseen_widths(make_drafter(spec), context, answer, CEILING), costs)
+                )
         if costs:
             row["ceiling"].append(modelled(answer, copier_widths(context, answer, CEILING, ANCHOR), costs))
     overall: dict[str, list[float]] = defaultdict(list)

@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 import akunu  # noqa: F401  (loads the kernel library ahead of OpenBLAS)
+
 # isort: split
 from akunu.backends.cpu import blas
 
@@ -28,8 +29,16 @@ def kernel() -> ctypes._CFuncPtr:
         raise SystemExit("akunu's decode matmuls are not built here (pip install -e . builds them)")
     sgemm = ctypes.CDLL(blas.matvec_path).cblas_sgemm
     sgemm.restype = None
-    sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                          ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    sgemm.argtypes = [ctypes.c_int] * 6 + [
+        ctypes.c_float,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_float,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
     return sgemm
 
 
@@ -43,8 +52,22 @@ def seconds(sgemm, weights: list[np.ndarray], rows: int, reps: int) -> float:
         start = time.perf_counter()
         for w in weights:
             n, k = w.shape
-            sgemm(ROW_MAJOR, NO_TRANS, TRANS, rows, n, k, 1.0, xs[k].ctypes.data, k, w.ctypes.data, k, 0.0,
-                  out.ctypes.data, n)
+            sgemm(
+                ROW_MAJOR,
+                NO_TRANS,
+                TRANS,
+                rows,
+                n,
+                k,
+                1.0,
+                xs[k].ctypes.data,
+                k,
+                w.ctypes.data,
+                k,
+                0.0,
+                out.ctypes.data,
+                n,
+            )
         best = min(best, time.perf_counter() - start)
     return best
 

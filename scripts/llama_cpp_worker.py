@@ -18,8 +18,17 @@ from llama_cpp import GGML_TYPE_F16, GGML_TYPE_F32, Llama
 
 def open_llama(path: str, context: int, f32_cache: bool = False) -> Llama:
     cache_type = GGML_TYPE_F32 if f32_cache else GGML_TYPE_F16
-    return Llama(model_path=path, n_ctx=context, n_batch=min(context, 512), logits_all=True, n_threads=2,
-                 verbose=False, seed=0, type_k=cache_type, type_v=cache_type)
+    return Llama(
+        model_path=path,
+        n_ctx=context,
+        n_batch=min(context, 512),
+        logits_all=True,
+        n_threads=2,
+        verbose=False,
+        seed=0,
+        type_k=cache_type,
+        type_v=cache_type,
+    )
 
 
 def greedy(llm: Llama, prompt: list[int], count: int) -> list[int]:

@@ -42,7 +42,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def run(base_url: str, *, clients: int, requests: int, max_tokens: int, api_key: str = "none", timeout: float = 600) -> dict:
+def run(
+    base_url: str, *, clients: int, requests: int, max_tokens: int, api_key: str = "none", timeout: float = 600
+) -> dict:
     """Send the load, then each request alone; return the figures and whether every answer matched."""
     from openai import OpenAI
 
@@ -59,7 +61,9 @@ def run(base_url: str, *, clients: int, requests: int, max_tokens: int, api_key:
     wall = time.perf_counter() - started
     latencies = [seconds for answers in under_load for _, seconds, _ in answers]
     alone = [[ask(client, model, p, max_tokens)[0] for p in own] for own in asked]
-    mismatched = [(c, r) for c, answers in enumerate(under_load) for r, (text, _, _) in enumerate(answers) if text != alone[c][r]]
+    mismatched = [
+        (c, r) for c, answers in enumerate(under_load) for r, (text, _, _) in enumerate(answers) if text != alone[c][r]
+    ]
     passes = sum(stats["forward_passes"] for answers in under_load for _, _, stats in answers)
     return {
         "requests": clients * requests,
@@ -81,7 +85,18 @@ def start_server(model: str | None) -> tuple[subprocess.Popen, str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "akunu", "serve", "--host", "127.0.0.1", "--port", str(port), "--queue-depth", "64"]
+    command = [
+        sys.executable,
+        "-m",
+        "akunu",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--queue-depth",
+        "64",
+    ]
     process = subprocess.Popen(command + (["--model", model] if model else []))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

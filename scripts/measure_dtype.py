@@ -16,6 +16,7 @@ import statistics
 import time
 
 import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
+
 # isort: split
 from akunu import backends
 from akunu.bench import Prompt

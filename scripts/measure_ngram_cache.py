@@ -32,13 +32,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for category in args.categories.split(","):
             prompts = [encode(p.text) for p in select(shipped_workload(), [category], args.limit)]
-            outputs = [generate(loaded.model, loaded.tokenizer, ids, GenerationConfig(max_tokens=args.max_tokens))[1] for ids in prompts]
+            outputs = [
+                generate(loaded.model, loaded.tokenizer, ids, GenerationConfig(max_tokens=args.max_tokens))[1]
+                for ids in prompts
+            ]
             for index, ids in enumerate(prompts):
                 cache_file = Path(tmp) / f"{category}-{index}.ngrams"
                 learn_from_others(cache_file, prompts, outputs, index)
                 for method in ("ngram", "ngram-cache", "ngram", "ngram-cache"):
                     drafter = make_drafter("ngram", ngram_cache=cache_file if method == "ngram-cache" else None)
-                    _, tokens, stats = generate(loaded.model, loaded.tokenizer, ids, config, drafter=drafter, costs=costs)
+                    _, tokens, stats = generate(
+                        loaded.model, loaded.tokenizer, ids, config, drafter=drafter, costs=costs
+                    )
                     results[category, method].append((stats, tokens == outputs[index]))
     report(results, args.categories.split(","))
 

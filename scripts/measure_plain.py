@@ -19,6 +19,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
+
 # isort: split
 from akunu import backends
 from akunu.bench.engine import ModelEngine

@@ -199,7 +199,9 @@ def profile(model: nn.Module, context: int, reps: int) -> dict:
                 timings.setdefault(name, []).append(best_ms(run, 1))
     result = {name: round(min(values), 2) for name, values in timings.items()}
     for tag in ("mlx", "fast"):
-        parts = sum(result[k] for k in ("weight matmuls", "norms", "rope", "elementwise")) + result[f"attention ({tag})"]
+        parts = (
+            sum(result[k] for k in ("weight matmuls", "norms", "rope", "elementwise")) + result[f"attention ({tag})"]
+        )
         result[f"overhead ({tag})"] = round(result[f"step ({tag})"] - parts, 2)
         result[f"step/matmuls ({tag})"] = round(result[f"step ({tag})"] / result["weight matmuls"], 3)
     fast_step.enable(model)
@@ -220,7 +222,10 @@ def main() -> None:
     loaded = load_model(args.model, dtype=args.dtype)
     was = fast_step.is_enabled(loaded.model)
     for context in args.contexts:
-        print(json.dumps({"model": args.model, "dtype": loaded.dtype, **profile(loaded.model, context, args.reps)}), flush=True)
+        print(
+            json.dumps({"model": args.model, "dtype": loaded.dtype, **profile(loaded.model, context, args.reps)}),
+            flush=True,
+        )
     (fast_step.enable if was else fast_step.disable)(loaded.model)
 
 

@@ -15,6 +15,7 @@ import argparse
 import resource
 
 import akunu  # noqa: F401  (must precede mlx)
+
 # isort: split
 import mlx.core as mx
 
@@ -30,7 +31,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="quantized", choices=["quantized", "float32", "auto"])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--llama-cpp", action="store_true", help="then time llama.cpp's plain decoding of the same GGUF")
+    parser.add_argument(
+        "--llama-cpp", action="store_true", help="then time llama.cpp's plain decoding of the same GGUF"
+    )
     args = parser.parse_args()
     loaded = load_model(args.model, dtype=args.dtype)
     prompt = loaded.tokenizer.encode(PROMPT)
@@ -40,8 +43,10 @@ def main() -> None:
     weights = sum(a.nbytes for _, a in _leaves(loaded.model.parameters()))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
     best = max(runs, key=lambda s: s.decode_tps)  # a run that met EOS early says so in its token count
-    print(f"{args.model} {loaded.dtype}: decode {best.decode_tps:.1f} tok/s ({best.generated_tokens} tokens), prefill {best.prefill_tps:.0f} tok/s, "
-          f"weights {weights / 2**20:.0f} MiB, peak RSS {peak:.0f} MiB ({mx.default_device()})")
+    print(
+        f"{args.model} {loaded.dtype}: decode {best.decode_tps:.1f} tok/s ({best.generated_tokens} tokens), prefill {best.prefill_tps:.0f} tok/s, "
+        f"weights {weights / 2**20:.0f} MiB, peak RSS {peak:.0f} MiB ({mx.default_device()})"
+    )
     if args.llama_cpp:
         print_llama_cpp(loaded, prompt, args.tokens, args.reps)
 
@@ -53,8 +58,10 @@ def print_llama_cpp(loaded, prompt: list[int], tokens: int, reps: int) -> None:
     llama = LlamaCppEngine(loaded.path, max_tokens=tokens, stop_ids=loaded.tokenizer.eos_ids)
     llama.run(prompt)  # warm-up
     best = max((llama.run(prompt) for _ in range(reps)), key=lambda r: r.decode_tps)
-    print(f"llama.cpp (llama-cpp-python {llama_cpp_version()}, {llama.threads} threads): decode {best.decode_tps:.1f} tok/s "
-          f"({best.generated} tokens), prefill {best.prefill_tps:.0f} tok/s")
+    print(
+        f"llama.cpp (llama-cpp-python {llama_cpp_version()}, {llama.threads} threads): decode {best.decode_tps:.1f} tok/s "
+        f"({best.generated} tokens), prefill {best.prefill_tps:.0f} tok/s"
+    )
 
 
 def _leaves(tree, prefix=""):

@@ -17,6 +17,7 @@ import argparse
 import time
 
 import akunu  # noqa: F401  (must precede mlx)
+
 # isort: split
 import mlx.core as mx
 import numpy as np
@@ -87,11 +88,17 @@ def main() -> None:
         weights = quantized_layers(bits, args.layers)
         nbytes = sum(a.nbytes for triple in weights for a in triple)
         for rows in args.rows:
-            ours = seconds(lambda x, p, s, b, bits=bits, rows=rows: _ours(kernel, x, p, s, b, bits, rows), weights, rows, args.reps)
+            ours = seconds(
+                lambda x, p, s, b, bits=bits, rows=rows: _ours(kernel, x, p, s, b, bits, rows), weights, rows, args.reps
+            )
             mlx = ""
             if args.mlx:
-                theirs = seconds(lambda x, p, s, b, bits=bits: mx.quantized_matmul(x, p, s, b, group_size=32, bits=bits),
-                                 weights, rows, args.reps)
+                theirs = seconds(
+                    lambda x, p, s, b, bits=bits: mx.quantized_matmul(x, p, s, b, group_size=32, bits=bits),
+                    weights,
+                    rows,
+                    args.reps,
+                )
                 mlx = f"{theirs * 1e3:8.1f}"
             print(f"{bits:4d} {rows:4d} {ours * 1e3:7.1f} {nbytes / ours / 1e9:6.1f} {mlx}")
         del weights

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 import akunu  # noqa: F401  (must precede mlx)
+
 # isort: split
 import mlx.core as mx
 import numpy as np
@@ -37,9 +38,11 @@ def main() -> None:
     args = parser.parse_args()
     quantized, steps = logits(args.model, "quantized")
     float32, _ = logits(args.model, "float32")
-    print(f"{len(quantized)} positions: max |quantized - float32| {np.abs(quantized - float32).max():.3g}, "
-          f"argmax agreement {(quantized.argmax(-1) == float32.argmax(-1)).mean():.3f}, "
-          f"max |1-token steps - one pass| {np.abs(steps - quantized).max():.3g}")
+    print(
+        f"{len(quantized)} positions: max |quantized - float32| {np.abs(quantized - float32).max():.3g}, "
+        f"argmax agreement {(quantized.argmax(-1) == float32.argmax(-1)).mean():.3f}, "
+        f"max |1-token steps - one pass| {np.abs(steps - quantized).max():.3g}"
+    )
 
 
 if __name__ == "__main__":

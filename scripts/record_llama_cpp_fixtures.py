@@ -56,17 +56,25 @@ def record_tiny(names: list[str], llama_python: str) -> None:
     for name in names or list(tiny.ARCHS):
         with tempfile.TemporaryDirectory() as folder:
             path = tiny.write(tiny.ARCHS[name], Path(folder) / f"{name}.gguf")
-            request = {"gguf": str(path), "context": 64, "ids": tiny.PROMPT, "logits": True,
-                       "greedy": tiny.GREEDY_TOKENS, "f32_cache": name in F32_CACHE}
+            request = {
+                "gguf": str(path),
+                "context": 64,
+                "ids": tiny.PROMPT,
+                "logits": True,
+                "greedy": tiny.GREEDY_TOKENS,
+                "f32_cache": name in F32_CACHE,
+            }
             answer = run_llama_cpp(llama_python, request)
-        np.savez_compressed(FIXTURES / f"{name}.npz", logits=answer["logits"].astype(np.float16),
-                            tokens=answer["greedy"])
+        np.savez_compressed(
+            FIXTURES / f"{name}.npz", logits=answer["logits"].astype(np.float16), tokens=answer["greedy"]
+        )
         print(f"{name}: logits {answer['logits'].shape}, greedy {answer['greedy'].tolist()}")
 
 
 def record_real(path: Path, llama_python: str) -> None:
-    answer = run_llama_cpp(llama_python, {"gguf": str(path), "context": 256, "text": REAL_PROMPT,
-                                          "greedy": REAL_TOKENS})
+    answer = run_llama_cpp(
+        llama_python, {"gguf": str(path), "context": 256, "text": REAL_PROMPT, "greedy": REAL_TOKENS}
+    )
     record = {"prompt": REAL_PROMPT, "prompt_ids": answer["ids"].tolist(), "greedy": answer["greedy"].tolist()}
     FIXTURES.mkdir(parents=True, exist_ok=True)
     REAL_FIXTURE.write_text(json.dumps(record, indent=1) + "\n")

@@ -23,12 +23,14 @@ import time
 from collections import defaultdict
 
 import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
+
 # isort: split
+from shipped_runs import load_with_curves, options
+
 import akunu.decode
 from akunu import cost_curve
 from akunu.bench.workloads import select, shipped_workload
 from akunu.generate import GenerationConfig, SpecConfig, generate
-from shipped_runs import load_with_curves, options
 
 
 class PassTimer:
@@ -58,9 +60,10 @@ def main() -> None:
         timer.passes.clear()
         _, _, stats = generate(loaded.model, loaded.tokenizer, ids, config, costs=curves)
         rows[prompt.category].append({"decode": stats.decode_seconds, "passes": list(timer.passes)})
-    for category, runs in [*rows.items(), ("overall", [run for runs in rows.values() for run in runs])]:
+    everything = [run for category_runs in rows.values() for run in category_runs]
+    for category, runs in [*rows.items(), ("overall", everything)]:
         print(json.dumps({"category": category, **time_split(runs)}))
-    for record in by_draft_length([run["passes"] for runs in rows.values() for run in runs], curves):
+    for record in by_draft_length([run["passes"] for run in everything], curves):
         print(json.dumps(record))
 
 
@@ -70,7 +73,12 @@ def time_split(runs: list[dict]) -> dict:
     in_passes = sum(seconds for run in runs for _, seconds, _ in run["passes"])
     rounds = sum(len(run["passes"]) for run in runs)
     host_ms = (decode - in_passes) / rounds * 1e3
-    return {"prompts": len(runs), "rounds": rounds, "passes_share": round(in_passes / decode, 4), "host_ms_round": round(host_ms, 3)}
+    return {
+        "prompts": len(runs),
+        "rounds": rounds,
+        "passes_share": round(in_passes / decode, 4),
+        "host_ms_round": round(host_ms, 3),
+    }
 
 
 def by_draft_length(runs: list[list[tuple[int, float, int]]], curves) -> list[dict]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
+
 # isort: split
 from akunu.cli.runtime import cost_curve as stored_cost_curves
 from akunu.generate import SpecConfig

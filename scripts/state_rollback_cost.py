@@ -19,6 +19,7 @@ import json
 import time
 
 import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
+
 # isort: split
 import mlx.core as mx
 from mlx_lm.models import qwen3_next
@@ -77,9 +78,9 @@ def main() -> None:
         width, kept = drafts + 1, drafts // 2 + 1
         for w in (width, width + kept):
             pass_of(w)  # warm up the shapes
-        plain = timed(lambda: pass_of(width), options.repeats)
+        plain = timed(lambda width=width: pass_of(width), options.repeats)
         state = timed(rollback, options.repeats * 10)
-        wider = timed(lambda: pass_of(width + kept), options.repeats)
+        wider = timed(lambda width=width + kept: pass_of(width), options.repeats)
         print(json.dumps({
             "drafts": drafts, "pass_ms": round(plain, 3), "snapshot_restore_ms": round(state, 4),
             "refeed_ms": round(wider - plain, 3), "refeed_tokens": kept,

@@ -59,12 +59,16 @@ def fake_engine(monkeypatch, isolated_home):
             yield response
 
     def cached_cost_curve(model, key, directory, max_width=9, contexts=None, progress=None):
-        calls.cost_curves.append({"model": model, "key": key, "directory": directory, "max_width": max_width, "contexts": contexts})
+        calls.cost_curves.append(
+            {"model": model, "key": key, "directory": directory, "max_width": max_width, "contexts": contexts}
+        )
         return list(FAKE_COSTS)
 
     monkeypatch.setattr(akunu.models, "load_model", load_model)
     monkeypatch.setattr(akunu.generate, "stream_generate", stream_generate)
-    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # an installed llama.cpp never joins a test; tests/fakes.py has a fake
+    monkeypatch.setitem(
+        sys.modules, "llama_cpp", None
+    )  # an installed llama.cpp never joins a test; tests/fakes.py has a fake
     monkeypatch.setattr(akunu.cost_curve, "cached", cached_cost_curve)
     return calls
 

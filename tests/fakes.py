@@ -67,7 +67,9 @@ class FakeTokenizer:
         text += "".join(f"Q{m['role']}Q{m['content']}\n" for m in messages)
         return text + ("QassistantQ" if add_generation_prompt else "")
 
-    def encode_chat(self, messages, *, add_generation_prompt: bool = True, parse_special: bool = False, tools=None) -> list[int]:
+    def encode_chat(
+        self, messages, *, add_generation_prompt: bool = True, parse_special: bool = False, tools=None
+    ) -> list[int]:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools))
 
 
@@ -136,7 +138,13 @@ class FakeEngine:
         prompt_id = self.ids[tuple(prompt_ids)]
         self.calls.append((prompt_id, method))
         tps = self.speeds.get((prompt_id, method), self.default_tps)
-        spec = {"forward_passes": 5, "drafted": 8, "accepted": 6, "accepted_lengths": {0: 1, 2: 3}, "drafting_seconds": 0.01}
+        spec = {
+            "forward_passes": 5,
+            "drafted": 8,
+            "accepted": 6,
+            "accepted_lengths": {0: 1, 2: 3},
+            "drafting_seconds": 0.01,
+        }
         spec = spec if method in (SPEC, SPEC_FIXED) else {}
         if method == PLAIN:
             spec = {"forward_passes": 10}

@@ -59,8 +59,10 @@ def parse(path: Path) -> Layout:
         item_type = int(entry.types[1]) if type_id == ARRAY else None
         metadata[name] = Value(type_id, _python(entry.contents()), item_type)
     start = min(t.data_offset for t in reader.tensors) if reader.tensors else len(reader.data)
-    tensors = [TensorEntry(t.name, [int(n) for n in t.shape], int(t.tensor_type), int(t.data_offset) - start)
-               for t in reader.tensors]
+    tensors = [
+        TensorEntry(t.name, [int(n) for n in t.shape], int(t.tensor_type), int(t.data_offset) - start)
+        for t in reader.tensors
+    ]
     return Layout(version=3, metadata=metadata, tensors=tensors, data=bytes(reader.data[start:]))
 
 

@@ -37,35 +37,83 @@ SSM_STATE, SSM_KEY_HEADS, SSM_VALUE_HEADS, SSM_KERNEL = 16, 2, 4, 4
 SSM_KEYS, SSM_VALUES = SSM_STATE * SSM_KEY_HEADS, SSM_STATE * SSM_VALUE_HEADS
 QWEN35_NORMS = {"attn_norm": (HIDDEN,), "post_attention_norm": (HIDDEN,)}
 QWEN35_ATTENTION = {**ATTENTION, "attn_q": (2 * Q, HIDDEN), **QK_NORMS}  # attn_q holds query and gate per head
-DELTA_NET = {"attn_qkv": (2 * SSM_KEYS + SSM_VALUES, HIDDEN), "attn_gate": (SSM_VALUES, HIDDEN),
-             "ssm_conv1d": (2 * SSM_KEYS + SSM_VALUES, SSM_KERNEL), "ssm_dt.bias": (SSM_VALUE_HEADS,),
-             "ssm_a": (SSM_VALUE_HEADS,), "ssm_alpha": (SSM_VALUE_HEADS, HIDDEN), "ssm_beta": (SSM_VALUE_HEADS, HIDDEN),
-             "ssm_norm": (SSM_STATE,), "ssm_out": (HIDDEN, SSM_VALUES)}
-QWEN35_KEYS = {"ssm.conv_kernel": SSM_KERNEL, "ssm.state_size": SSM_STATE, "ssm.group_count": SSM_KEY_HEADS,
-               "ssm.time_step_rank": SSM_VALUE_HEADS, "ssm.inner_size": SSM_VALUES, "full_attention_interval": 2,
-               "rope.dimension_count": HEAD_DIM // 2, "rope.dimension_sections": [2, 1, 1, 0]}
-PREDICTION_BLOCK = {"nextn.eh_proj": (HIDDEN, 2 * HIDDEN), "nextn.enorm": (HIDDEN,), "nextn.hnorm": (HIDDEN,),
-                    "nextn.shared_head_norm": (HIDDEN,)}
-SHARED_EXPERT = {"ffn_gate_inp_shexp": (HIDDEN,), "ffn_gate_shexp": (EXPERT_FFN, HIDDEN),
-                 "ffn_up_shexp": (EXPERT_FFN, HIDDEN), "ffn_down_shexp": (HIDDEN, EXPERT_FFN)}
-MOE = {"ffn_gate_inp": (EXPERTS, HIDDEN), "ffn_gate_exps": (EXPERTS, EXPERT_FFN, HIDDEN),
-       "ffn_up_exps": (EXPERTS, EXPERT_FFN, HIDDEN), "ffn_down_exps": (EXPERTS, HIDDEN, EXPERT_FFN)}
+DELTA_NET = {
+    "attn_qkv": (2 * SSM_KEYS + SSM_VALUES, HIDDEN),
+    "attn_gate": (SSM_VALUES, HIDDEN),
+    "ssm_conv1d": (2 * SSM_KEYS + SSM_VALUES, SSM_KERNEL),
+    "ssm_dt.bias": (SSM_VALUE_HEADS,),
+    "ssm_a": (SSM_VALUE_HEADS,),
+    "ssm_alpha": (SSM_VALUE_HEADS, HIDDEN),
+    "ssm_beta": (SSM_VALUE_HEADS, HIDDEN),
+    "ssm_norm": (SSM_STATE,),
+    "ssm_out": (HIDDEN, SSM_VALUES),
+}
+QWEN35_KEYS = {
+    "ssm.conv_kernel": SSM_KERNEL,
+    "ssm.state_size": SSM_STATE,
+    "ssm.group_count": SSM_KEY_HEADS,
+    "ssm.time_step_rank": SSM_VALUE_HEADS,
+    "ssm.inner_size": SSM_VALUES,
+    "full_attention_interval": 2,
+    "rope.dimension_count": HEAD_DIM // 2,
+    "rope.dimension_sections": [2, 1, 1, 0],
+}
+PREDICTION_BLOCK = {
+    "nextn.eh_proj": (HIDDEN, 2 * HIDDEN),
+    "nextn.enorm": (HIDDEN,),
+    "nextn.hnorm": (HIDDEN,),
+    "nextn.shared_head_norm": (HIDDEN,),
+}
+SHARED_EXPERT = {
+    "ffn_gate_inp_shexp": (HIDDEN,),
+    "ffn_gate_shexp": (EXPERT_FFN, HIDDEN),
+    "ffn_up_shexp": (EXPERT_FFN, HIDDEN),
+    "ffn_down_shexp": (HIDDEN, EXPERT_FFN),
+}
+MOE = {
+    "ffn_gate_inp": (EXPERTS, HIDDEN),
+    "ffn_gate_exps": (EXPERTS, EXPERT_FFN, HIDDEN),
+    "ffn_up_exps": (EXPERTS, EXPERT_FFN, HIDDEN),
+    "ffn_down_exps": (EXPERTS, HIDDEN, EXPERT_FFN),
+}
 MOE_KEYS = {"expert_count": EXPERTS, "expert_used_count": EXPERTS_USED, "expert_feed_forward_length": EXPERT_FFN}
-GEMMA_NORMS = {"attn_norm": (HIDDEN,), "post_attention_norm": (HIDDEN,), "ffn_norm": (HIDDEN,), "post_ffw_norm": (HIDDEN,)}
+GEMMA_NORMS = {
+    "attn_norm": (HIDDEN,),
+    "post_attention_norm": (HIDDEN,),
+    "ffn_norm": (HIDDEN,),
+    "post_ffw_norm": (HIDDEN,),
+}
 # gemma4: sliding layers have their own (smaller) head size; full layers rotate a quarter of each head.
 SWA_HEAD_DIM, GEMMA4_ROTATED_PAIRS = 8, HEAD_DIM // 8
 GEMMA4_SWA = (True, False, True, True, False)
 GEMMA4_FULL = {**ATTENTION, **MLP, **GEMMA_NORMS, **QK_NORMS, "layer_output_scale": (1,)}
-GEMMA4_SLIDING = {**GEMMA4_FULL, "attn_q": (HEADS * SWA_HEAD_DIM, HIDDEN), "attn_k": (KV_HEADS * SWA_HEAD_DIM, HIDDEN),
-                  "attn_v": (KV_HEADS * SWA_HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HEADS * SWA_HEAD_DIM),
-                  "attn_q_norm": (SWA_HEAD_DIM,), "attn_k_norm": (SWA_HEAD_DIM,)}
+GEMMA4_SLIDING = {
+    **GEMMA4_FULL,
+    "attn_q": (HEADS * SWA_HEAD_DIM, HIDDEN),
+    "attn_k": (KV_HEADS * SWA_HEAD_DIM, HIDDEN),
+    "attn_v": (KV_HEADS * SWA_HEAD_DIM, HIDDEN),
+    "attn_output": (HIDDEN, HEADS * SWA_HEAD_DIM),
+    "attn_q_norm": (SWA_HEAD_DIM,),
+    "attn_k_norm": (SWA_HEAD_DIM,),
+}
 GPT_OSS_LAYER = {
-    **ATTENTION, "attn_q.bias": (Q,), "attn_k.bias": (K,), "attn_v.bias": (V,), "attn_output.bias": (HIDDEN,),
-    "attn_sinks": (HEADS,), "attn_norm": (HIDDEN,), "post_attention_norm": (HIDDEN,),
-    "ffn_gate_inp": (EXPERTS, HIDDEN), "ffn_gate_inp.bias": (EXPERTS,),
-    "ffn_gate_exps": (EXPERTS, EXPERT_FFN, HIDDEN), "ffn_gate_exps.bias": (EXPERTS, EXPERT_FFN),
-    "ffn_up_exps": (EXPERTS, EXPERT_FFN, HIDDEN), "ffn_up_exps.bias": (EXPERTS, EXPERT_FFN),
-    "ffn_down_exps": (EXPERTS, HIDDEN, EXPERT_FFN), "ffn_down_exps.bias": (EXPERTS, HIDDEN)}
+    **ATTENTION,
+    "attn_q.bias": (Q,),
+    "attn_k.bias": (K,),
+    "attn_v.bias": (V,),
+    "attn_output.bias": (HIDDEN,),
+    "attn_sinks": (HEADS,),
+    "attn_norm": (HIDDEN,),
+    "post_attention_norm": (HIDDEN,),
+    "ffn_gate_inp": (EXPERTS, HIDDEN),
+    "ffn_gate_inp.bias": (EXPERTS,),
+    "ffn_gate_exps": (EXPERTS, EXPERT_FFN, HIDDEN),
+    "ffn_gate_exps.bias": (EXPERTS, EXPERT_FFN),
+    "ffn_up_exps": (EXPERTS, EXPERT_FFN, HIDDEN),
+    "ffn_up_exps.bias": (EXPERTS, EXPERT_FFN),
+    "ffn_down_exps": (EXPERTS, HIDDEN, EXPERT_FFN),
+    "ffn_down_exps.bias": (EXPERTS, HIDDEN),
+}
 GEMMA4_ROPE_FREQS = np.array([1.0] * GEMMA4_ROTATED_PAIRS + [1e30] * (HEAD_DIM // 2 - GEMMA4_ROTATED_PAIRS), np.float32)
 
 
@@ -100,39 +148,117 @@ ARCHS = {
     arch.name: arch
     for arch in (
         TinyArch("llama", "llama", {**ATTENTION, **MLP, **NORMS}, tied=False),
-        TinyArch("llama3", "llama", {**ATTENTION, **MLP, **NORMS}, tied=False, rope_freqs=True,
-                 keys={"rope.scaling.original_context_length": LLAMA3_ROPE["original_max_position_embeddings"]}),
-        TinyArch("qwen2", "qwen2", {**ATTENTION, **MLP, **NORMS,
-                                     "attn_q.bias": (Q,), "attn_k.bias": (K,), "attn_v.bias": (V,)}),
+        TinyArch(
+            "llama3",
+            "llama",
+            {**ATTENTION, **MLP, **NORMS},
+            tied=False,
+            rope_freqs=True,
+            keys={"rope.scaling.original_context_length": LLAMA3_ROPE["original_max_position_embeddings"]},
+        ),
+        TinyArch(
+            "qwen2",
+            "qwen2",
+            {**ATTENTION, **MLP, **NORMS, "attn_q.bias": (Q,), "attn_k.bias": (K,), "attn_v.bias": (V,)},
+        ),
         TinyArch("qwen3", "qwen3", {**ATTENTION, **MLP, **NORMS, **QK_NORMS}),
         TinyArch("qwen3moe", "qwen3moe", {**ATTENTION, **NORMS, **QK_NORMS, **MOE}, keys=MOE_KEYS),
-        TinyArch("qwen35", "qwen35", {**QWEN35_ATTENTION, **QWEN35_NORMS, **MLP}, layers=4, keys=QWEN35_KEYS,
-                 recurrent_layer={**DELTA_NET, **QWEN35_NORMS, **MLP}),
-        TinyArch("qwen35moe", "qwen35moe", {**QWEN35_ATTENTION, **QWEN35_NORMS, **MOE, **SHARED_EXPERT}, layers=4,
-                 keys={**QWEN35_KEYS, **MOE_KEYS, "expert_shared_feed_forward_length": EXPERT_FFN},
-                 recurrent_layer={**DELTA_NET, **QWEN35_NORMS, **MOE, **SHARED_EXPERT}),
-        TinyArch("phi3", "phi3", {"attn_qkv": (Q + K + V, HIDDEN), "attn_output": (HIDDEN, Q),
-                                   "ffn_up": (2 * FFN, HIDDEN), "ffn_down": (HIDDEN, FFN), **NORMS},
-                 tied=False, keys={"rope.dimension_count": HEAD_DIM}),
-        TinyArch("gemma2", "gemma2", {**ATTENTION, **MLP, **GEMMA_NORMS},
-                 keys={"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "attention.sliding_window": 4096}),
-        TinyArch("gemma3", "gemma3", {**ATTENTION, **MLP, **GEMMA_NORMS, **QK_NORMS}, layers=6,
-                 keys={"attention.sliding_window": 512}),
-        TinyArch("olmo2", "olmo2", {**ATTENTION, **MLP, "attn_q_norm": (Q,), "attn_k_norm": (K,),
-                                     "post_attention_norm": (HIDDEN,), "post_ffw_norm": (HIDDEN,)}, tied=False),
+        TinyArch(
+            "qwen35",
+            "qwen35",
+            {**QWEN35_ATTENTION, **QWEN35_NORMS, **MLP},
+            layers=4,
+            keys=QWEN35_KEYS,
+            recurrent_layer={**DELTA_NET, **QWEN35_NORMS, **MLP},
+        ),
+        TinyArch(
+            "qwen35moe",
+            "qwen35moe",
+            {**QWEN35_ATTENTION, **QWEN35_NORMS, **MOE, **SHARED_EXPERT},
+            layers=4,
+            keys={**QWEN35_KEYS, **MOE_KEYS, "expert_shared_feed_forward_length": EXPERT_FFN},
+            recurrent_layer={**DELTA_NET, **QWEN35_NORMS, **MOE, **SHARED_EXPERT},
+        ),
+        TinyArch(
+            "phi3",
+            "phi3",
+            {
+                "attn_qkv": (Q + K + V, HIDDEN),
+                "attn_output": (HIDDEN, Q),
+                "ffn_up": (2 * FFN, HIDDEN),
+                "ffn_down": (HIDDEN, FFN),
+                **NORMS,
+            },
+            tied=False,
+            keys={"rope.dimension_count": HEAD_DIM},
+        ),
+        TinyArch(
+            "gemma2",
+            "gemma2",
+            {**ATTENTION, **MLP, **GEMMA_NORMS},
+            keys={"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "attention.sliding_window": 4096},
+        ),
+        TinyArch(
+            "gemma3",
+            "gemma3",
+            {**ATTENTION, **MLP, **GEMMA_NORMS, **QK_NORMS},
+            layers=6,
+            keys={"attention.sliding_window": 512},
+        ),
+        TinyArch(
+            "olmo2",
+            "olmo2",
+            {
+                **ATTENTION,
+                **MLP,
+                "attn_q_norm": (Q,),
+                "attn_k_norm": (K,),
+                "post_attention_norm": (HIDDEN,),
+                "post_ffw_norm": (HIDDEN,),
+            },
+            tied=False,
+        ),
         TinyArch("smollm3", "smollm3", {**ATTENTION, **MLP, **NORMS}, layers=4),  # layer 3 skips rope
-        TinyArch("granite", "granite", {**ATTENTION, **MLP, **NORMS},
-                 keys={"logit_scale": 4.0, "residual_scale": 0.5, "embedding_scale": 6.0, "attention.scale": 0.125}),
-        TinyArch("gemma4", "gemma4", GEMMA4_FULL, layers=len(GEMMA4_SWA), sliding_layer=GEMMA4_SLIDING,
-                 swa_pattern=GEMMA4_SWA, top_level={"rope_freqs.weight": GEMMA4_ROPE_FREQS},
-                 keys={"attention.sliding_window": 512, "attention.sliding_window_pattern": list(GEMMA4_SWA),
-                       "attention.key_length_swa": SWA_HEAD_DIM, "attention.value_length_swa": SWA_HEAD_DIM,
-                       "rope.dimension_count_swa": SWA_HEAD_DIM, "rope.freq_base_swa": 1000.0,
-                       "embedding_length_per_layer_input": 0, "final_logit_softcapping": 30.0}),
-        TinyArch("gpt-oss", "gpt-oss", GPT_OSS_LAYER, tied=False,
-                 keys={"expert_count": EXPERTS, "expert_used_count": EXPERTS_USED, "expert_feed_forward_length": EXPERT_FFN,
-                       "attention.sliding_window": 128, "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
-                       "rope.scaling.original_context_length": 32}),
+        TinyArch(
+            "granite",
+            "granite",
+            {**ATTENTION, **MLP, **NORMS},
+            keys={"logit_scale": 4.0, "residual_scale": 0.5, "embedding_scale": 6.0, "attention.scale": 0.125},
+        ),
+        TinyArch(
+            "gemma4",
+            "gemma4",
+            GEMMA4_FULL,
+            layers=len(GEMMA4_SWA),
+            sliding_layer=GEMMA4_SLIDING,
+            swa_pattern=GEMMA4_SWA,
+            top_level={"rope_freqs.weight": GEMMA4_ROPE_FREQS},
+            keys={
+                "attention.sliding_window": 512,
+                "attention.sliding_window_pattern": list(GEMMA4_SWA),
+                "attention.key_length_swa": SWA_HEAD_DIM,
+                "attention.value_length_swa": SWA_HEAD_DIM,
+                "rope.dimension_count_swa": SWA_HEAD_DIM,
+                "rope.freq_base_swa": 1000.0,
+                "embedding_length_per_layer_input": 0,
+                "final_logit_softcapping": 30.0,
+            },
+        ),
+        TinyArch(
+            "gpt-oss",
+            "gpt-oss",
+            GPT_OSS_LAYER,
+            tied=False,
+            keys={
+                "expert_count": EXPERTS,
+                "expert_used_count": EXPERTS_USED,
+                "expert_feed_forward_length": EXPERT_FFN,
+                "attention.sliding_window": 128,
+                "rope.scaling.type": "yarn",
+                "rope.scaling.factor": 4.0,
+                "rope.scaling.original_context_length": 32,
+            },
+        ),
     )
 }
 

@@ -60,7 +60,9 @@ def exact_model_probs(model, params: SamplingParams, length: int = 3, prompt: li
         prefixes = list(probs)
         batch = mx.array([prompt + list(p) for p in prefixes])
         step = mx.exp(target_logprobs(model(batch)[:, -1], params)).tolist()
-        probs = {p + (t,): probs[p] * step[i][t] for i, p in enumerate(prefixes) for t in range(vocab) if step[i][t] > 0}
+        probs = {
+            p + (t,): probs[p] * step[i][t] for i, p in enumerate(prefixes) for t in range(vocab) if step[i][t] > 0
+        }
     return probs
 
 

@@ -53,6 +53,7 @@ def _tensor(name: str, **changes):
         entry = next(t for t in layout.tensors if t.name == name)
         for attribute, value in changes.items():
             setattr(entry, attribute, value)
+
     return change
 
 
@@ -72,12 +73,16 @@ def _longer_vocabulary(layout):
 # Each fault the issue lists, and further bad inputs; (how to break the file, the one line expected).
 CRAFTED = {
     "head_count = 0": (_set("llama.attention.head_count", U32, 0), "head_count = 0 is out of range"),
-    "text layer_norm_rms_epsilon": (_set("llama.attention.layer_norm_rms_epsilon", STR, "tiny"),
-                                    "layer_norm_rms_epsilon should be a number, not 'tiny'"),
+    "text layer_norm_rms_epsilon": (
+        _set("llama.attention.layer_norm_rms_epsilon", STR, "tiny"),
+        "layer_norm_rms_epsilon should be a number, not 'tiny'",
+    ),
     "text general.alignment": (_set("general.alignment", STR, "thirty-two"), "general.alignment is 'thirty-two'"),
     "alignment 0": (_set("general.alignment", U32, 0), "general.alignment is 0, not a power of two"),
-    "weight relabelled IQ2_XXS": (_tensor("blk.0.ffn_down.weight", type_id=int(Q.IQ2_XXS)),
-                                  "quantization type IQ2_XXS, which akunu does not support"),
+    "weight relabelled IQ2_XXS": (
+        _tensor("blk.0.ffn_down.weight", type_id=int(Q.IQ2_XXS)),
+        "quantization type IQ2_XXS, which akunu does not support",
+    ),
     "big-endian file": (_big_endian, "big-endian GGUF file"),
     "dims overflowing memory": (_tensor("blk.0.attn_q.weight", ne=[2**40, 2**40]), "truncated or corrupt"),
     "dims wrapping int64": (_tensor("blk.0.attn_q.weight", ne=[2**32, 2**32]), "truncated or corrupt"),
@@ -89,8 +94,10 @@ CRAFTED = {
     "NaN epsilon": (_set("llama.attention.layer_norm_rms_epsilon", F32, math.nan), "should be a number, not nan"),
     "array as the tokenizer model": (_set("tokenizer.ggml.model", 9, [], U32), "tokenizer.ggml.model should be text"),
     "array as the rope scaling type": (_set("llama.rope.scaling.type", 9, [], U32), "rope.scaling.type should be text"),
-    "vocabulary longer than the embedding": (_longer_vocabulary,
-                                             f"vocabulary has {VOCAB + 50} tokens, but token_embd.weight has only"),
+    "vocabulary longer than the embedding": (
+        _longer_vocabulary,
+        f"vocabulary has {VOCAB + 50} tokens, but token_embd.weight has only",
+    ),
 }
 
 
@@ -159,6 +166,7 @@ def test_a_nonsense_cost_curve_file_is_measured_again(tmp_path, seconds):
 
 # Fuzzing ------------------------------------------------------------------------------------
 
+
 class Mutation:
     """One change to a layout, with a readable repr for hypothesis's falsifying examples."""
 
@@ -173,22 +181,47 @@ class Mutation:
 
 
 INTERESTING_INTS = [0, 1, 2, 3, 31, 32, 64, 256, 300, 2**31 - 1, 2**32 - 1, 2**40, 2**63 - 1, 2**64 - 1]
-KEYS = ["general.alignment", "general.architecture", "llama.block_count", "llama.context_length",
-        "llama.embedding_length", "llama.feed_forward_length", "llama.attention.head_count",
-        "llama.attention.head_count_kv", "llama.attention.key_length", "llama.attention.layer_norm_rms_epsilon",
-        "llama.rope.freq_base", "llama.rope.scaling.type", "llama.rope.scaling.factor",
-        "tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
-        "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.add_bos_token",
-        "tokenizer.chat_template"]
-_RANGES = {0: (0, 255), 1: (-128, 127), 2: (0, 2**16 - 1), 3: (-(2**15), 2**15 - 1), 4: (0, 2**32 - 1),
-           5: (-(2**31), 2**31 - 1), 10: (0, 2**64 - 1), 11: (-(2**63), 2**63 - 1)}
+KEYS = [
+    "general.alignment",
+    "general.architecture",
+    "llama.block_count",
+    "llama.context_length",
+    "llama.embedding_length",
+    "llama.feed_forward_length",
+    "llama.attention.head_count",
+    "llama.attention.head_count_kv",
+    "llama.attention.key_length",
+    "llama.attention.layer_norm_rms_epsilon",
+    "llama.rope.freq_base",
+    "llama.rope.scaling.type",
+    "llama.rope.scaling.factor",
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.add_bos_token",
+    "tokenizer.chat_template",
+]
+_RANGES = {
+    0: (0, 255),
+    1: (-128, 127),
+    2: (0, 2**16 - 1),
+    3: (-(2**15), 2**15 - 1),
+    4: (0, 2**32 - 1),
+    5: (-(2**31), 2**31 - 1),
+    10: (0, 2**64 - 1),
+    11: (-(2**63), 2**63 - 1),
+}
 
 
 def scalar(type_id: int) -> st.SearchStrategy:
     if type_id in _RANGES:
         low, high = _RANGES[type_id]
-        return st.one_of(st.sampled_from([v for v in INTERESTING_INTS + [-1] if low <= v <= high]),
-                         st.integers(low, high))
+        return st.one_of(
+            st.sampled_from([v for v in INTERESTING_INTS + [-1] if low <= v <= high]), st.integers(low, high)
+        )
     if type_id in (6, 12):
         return st.floats(width=32 if type_id == 6 else 64, allow_nan=True, allow_infinity=True)
     if type_id == 7:
@@ -221,6 +254,7 @@ def header_changes(draw):
         counts = [len(layout.tensors), len(layout.metadata)]
         counts[which] = max(counts[which] + extra, 0)
         layout.counts = tuple(counts)
+
     return Mutation(f"{['tensor', 'key'][which]} count {extra:+}", change)
 
 
@@ -238,6 +272,7 @@ def metadata_changes(draw):
             layout.metadata[key].value = layout.metadata[key].value[:cut]
         else:
             layout.metadata[key] = value
+
     return Mutation(f"{action} {key!r} ({value if action == 'set' else cut})", change)
 
 
@@ -246,9 +281,20 @@ def tensor_changes(draw):
     index = draw(st.integers(0, 30))
     field = draw(st.sampled_from(["name", "ne", "type_id", "offset"]))
     if field == "name":
-        value = draw(st.sampled_from(["token_embd.weight", "blk.0.attn_q.weight", "blk.9.attn_q.weight",
-                                      "blk.x.attn_q.weight", "output.weight", "rope_freqs.weight", ""])
-                     | st.text(max_size=20))
+        value = draw(
+            st.sampled_from(
+                [
+                    "token_embd.weight",
+                    "blk.0.attn_q.weight",
+                    "blk.9.attn_q.weight",
+                    "blk.x.attn_q.weight",
+                    "output.weight",
+                    "rope_freqs.weight",
+                    "",
+                ]
+            )
+            | st.text(max_size=20)
+        )
     elif field == "ne":
         value = draw(st.lists(st.sampled_from(INTERESTING_INTS) | st.integers(0, 4096), max_size=5))
     elif field == "type_id":
@@ -258,16 +304,25 @@ def tensor_changes(draw):
 
     def change(layout):
         setattr(layout.tensors[index % len(layout.tensors)], field, value)
+
     return Mutation(f"tensor #{index} {field}={value!r}", change)
 
 
 FUZZ_CASES = {"tried": 0, "one-line errors": 0, "loads": 0, "tracebacks": 0}
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(changes=st.lists(st.one_of(header_changes(), metadata_changes(), tensor_changes(), tensor_changes()),
-                        min_size=1, max_size=3))
+@settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    changes=st.lists(
+        st.one_of(header_changes(), metadata_changes(), tensor_changes(), tensor_changes()), min_size=1, max_size=3
+    )
+)
 def test_fuzzed_gguf_files_load_or_give_one_line(tiny_layout, tmp_path, changes):
     layout = copy.deepcopy(tiny_layout)
     for change in changes:
@@ -291,5 +346,7 @@ def test_fuzz_counts_are_reported(capsys):
     """Runs after the fuzz test (file order): prints its counts for the record (-s shows them)."""
     if FUZZ_CASES["tried"]:
         with capsys.disabled():
-            print(f"\nGGUF fuzz: {FUZZ_CASES['tried']} cases tried, {FUZZ_CASES['one-line errors']} one-line errors, "
-                  f"{FUZZ_CASES['loads']} correct loads, {FUZZ_CASES['tracebacks']} tracebacks")
+            print(
+                f"\nGGUF fuzz: {FUZZ_CASES['tried']} cases tried, {FUZZ_CASES['one-line errors']} one-line errors, "
+                f"{FUZZ_CASES['loads']} correct loads, {FUZZ_CASES['tracebacks']} tracebacks"
+            )

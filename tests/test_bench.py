@@ -28,7 +28,6 @@ from akunu.bench.runner import first_difference
 from akunu.bench.summary import OVERALL, accepted_length_histogram, per_prompt_ratios
 from tests.fakes import FakeEngine, make_run, prompts
 
-
 # Order -----------------------------------------------------------------------------------
 
 
@@ -70,9 +69,7 @@ def test_runner_without_warmup_and_bad_repeats():
 
 def test_progress_callbacks_see_every_measurement():
     seen, warmups = [], []
-    run_benchmark(
-        prompts("p1", "p2"), FakeEngine(), repeats=1, on_measurement=seen.append, on_warmup=warmups.append
-    )
+    run_benchmark(prompts("p1", "p2"), FakeEngine(), repeats=1, on_measurement=seen.append, on_warmup=warmups.append)
     assert warmups == list(METHODS)
     assert len(seen) == 2 * len(METHODS)
 
@@ -172,7 +169,12 @@ def test_mismatches_are_counted_for_speculation_and_informational_for_mlx_lm():
     reported = []
     result = run_benchmark(prompts("a", "b", "c"), FakeEngine(tokens=tokens), repeats=2, on_mismatch=reported.append)
     counted = result.counted_mismatches
-    assert [(m.prompt_id, m.method, m.repeat) for m in counted] == [("b", SPEC, 0), ("b", SPEC, 1), ("c", SPEC_FIXED, 0), ("c", SPEC_FIXED, 1)]
+    assert [(m.prompt_id, m.method, m.repeat) for m in counted] == [
+        ("b", SPEC, 0),
+        ("b", SPEC, 1),
+        ("c", SPEC_FIXED, 0),
+        ("c", SPEC_FIXED, 1),
+    ]
     assert (counted[0].index, counted[0].expected, counted[0].got) == (3, 3, 99)
     assert (counted[2].index, counted[2].expected, counted[2].got) == (3, 3, None)
     informational = [m for m in result.mismatches if m.informational]
@@ -192,11 +194,14 @@ def test_exact_speculation_is_compared_with_exact_plain_and_mismatches_carry_the
     }
     engine = FakeEngine(tokens=tokens)
     gaps = []
-    engine.top2_gap = lambda reference, ids, tokens, index: gaps.append((reference, index)) or {PLAIN: 1e-4, PLAIN_EXACT: 1e-4}[reference]
+    engine.top2_gap = lambda reference, ids, tokens, index: (
+        gaps.append((reference, index)) or {PLAIN: 1e-4, PLAIN_EXACT: 1e-4}[reference]
+    )
     result = run_benchmark(prompts("a", "b"), engine, methods=(PLAIN, SPEC, PLAIN_EXACT, SPEC_EXACT))
     mismatches = sorted(result.mismatches, key=lambda m: m.method)  # the run order alternates
     assert [(m.prompt_id, m.method, m.reference, m.index) for m in mismatches] == [
-        ("b", SPEC, PLAIN, 2), ("b", SPEC_EXACT, PLAIN_EXACT, 1)
+        ("b", SPEC, PLAIN, 2),
+        ("b", SPEC_EXACT, PLAIN_EXACT, 1),
     ]
     assert sorted(gaps) == [(PLAIN, 2), (PLAIN_EXACT, 1)]
     default, exact = mismatches
@@ -234,7 +239,9 @@ def test_json_record_holds_every_raw_measurement():
     assert len(record["measurements"]) == 2 * 2 * len(METHODS)
     first = record["measurements"][0]
     assert first["run"]["tokens"] == list(range(11))
-    assert {"decode_tps", "prefill_tps", "decode_seconds", "prefill_seconds", "generated", "position"} <= set(first["run"]) | set(first)
+    assert {"decode_tps", "prefill_tps", "decode_seconds", "prefill_seconds", "generated", "position"} <= set(
+        first["run"]
+    ) | set(first)
     spec = next(m for m in record["measurements"] if m["method"] == SPEC)
     assert spec["run"]["accepted_lengths"] == {"0": 1, "2": 3}
     assert record["mismatches"][0]["prompt_id"] == "a"
@@ -254,5 +261,7 @@ def test_best_draft_length_follows_acceptance_and_cost():
     assert best_draft_length(0.9, steep, 8) == 0
     rows = cost_table_rows(CostCurves({512: [0.2, 0.3, 0.5], 64: [0.1, 0.15, 0.2]}))
     assert [(k, pytest.approx(ms), pytest.approx(relative)) for k, ms, relative in rows] == [
-        (1, [100.0, 200.0], [1.0, 1.0]), (2, [150.0, 300.0], [1.5, 1.5]), (3, [200.0, 500.0], [2.0, 2.5])
+        (1, [100.0, 200.0], [1.0, 1.0]),
+        (2, [150.0, 300.0], [1.5, 1.5]),
+        (3, [200.0, 500.0], [2.0, 2.5]),
     ]  # k, then ms and relative cost by ascending context

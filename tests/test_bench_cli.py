@@ -49,14 +49,28 @@ def test_bench_prints_the_table_and_writes_every_measurement(fake_engine, worklo
     assert len(fake_engine.streams) == 3 + 18
     assert {s["config"].max_tokens for s in fake_engine.streams} == {12}
     assert {(s["config"].spec.enabled, s["config"].spec.draft_length) for s in fake_engine.streams} == {
-        (False, "adaptive"), (True, "adaptive"), (True, "fixed")
+        (False, "adaptive"),
+        (True, "adaptive"),
+        (True, "fixed"),
     }
     speculative = [s for s in fake_engine.streams if s["config"].spec.enabled]
     assert all(s["costs"] == FAKE_COSTS for s in speculative)
 
 
 def test_draft_length_policy_reaches_the_speculative_run_only(fake_engine, workload):
-    result = invoke("bench", "--workload", str(workload), "--limit", "1", "-c", "open", "--max-tokens", "4", "--draft-length", "entropy")
+    result = invoke(
+        "bench",
+        "--workload",
+        str(workload),
+        "--limit",
+        "1",
+        "-c",
+        "open",
+        "--max-tokens",
+        "4",
+        "--draft-length",
+        "entropy",
+    )
     text = ANSI.sub("", result.output)
     assert result.exit_code == 0, text
     policies = {s["config"].spec.draft_length for s in fake_engine.streams if s["config"].spec.enabled}
@@ -65,7 +79,9 @@ def test_draft_length_policy_reaches_the_speculative_run_only(fake_engine, workl
 
 
 def test_no_fixed_skips_the_fixed_length_run(fake_engine, workload):
-    result = invoke("bench", "--workload", str(workload), "--limit", "1", "-c", "open", "--max-tokens", "4", "--no-fixed")
+    result = invoke(
+        "bench", "--workload", str(workload), "--limit", "1", "-c", "open", "--max-tokens", "4", "--no-fixed"
+    )
     assert result.exit_code == 0, ANSI.sub("", result.output)
     policies = {s["config"].spec.draft_length for s in fake_engine.streams if s["config"].spec.enabled}
     assert policies == {"adaptive"}  # only the adaptive run speculates
@@ -84,7 +100,9 @@ def test_bench_uses_the_cli_cost_curve_key(fake_engine, workload):
 
 
 def test_categories_limit_and_per_prompt(fake_engine, workload):
-    result = invoke("bench", "--workload", str(workload), "-c", "copy,open", "--limit", "1", "--max-tokens", "4", "--per-prompt")
+    result = invoke(
+        "bench", "--workload", str(workload), "-c", "copy,open", "--limit", "1", "--max-tokens", "4", "--per-prompt"
+    )
     text = ANSI.sub("", result.output)
     assert result.exit_code == 0, text
     assert "copy-a" in text and "open-a" in text and "copy-b" not in text
@@ -128,12 +146,29 @@ def test_exact_runs_both_modes_on_the_same_prompts_and_compares_each_with_its_ow
     assert result.exit_code == 0, text
     assert "exact mode" in text and "exact plain" in text and "mismatches exact" in text
     exact = [s["config"].spec for s in fake_engine.streams if s["config"].spec.exact]
-    assert {(spec.enabled, spec.draft_tokens) for spec in exact} == {(False, 32), (True, 32)}  # the engine caps exact passes (akunu.exact.exact_width)
+    assert {(spec.enabled, spec.draft_tokens) for spec in exact} == {
+        (False, 32),
+        (True, 32),
+    }  # the engine caps exact passes (akunu.exact.exact_width)
     assert len(exact) == 2 * 2  # a warm-up and a measured run of each exact method
 
 
 def test_sampling_skips_the_token_check(fake_engine, workload):
-    result = invoke("bench", "--workload", str(workload), "--limit", "1", "-c", "open", "--max-tokens", "4", "--temp", "0.8", "--seed", "3")
+    result = invoke(
+        "bench",
+        "--workload",
+        str(workload),
+        "--limit",
+        "1",
+        "-c",
+        "open",
+        "--max-tokens",
+        "4",
+        "--temp",
+        "0.8",
+        "--seed",
+        "3",
+    )
     text = ANSI.sub("", result.output)
     assert result.exit_code == 0, text
     assert "tokens not compared" in text
@@ -190,7 +225,9 @@ def test_plot_draws_a_png(fake_engine, workload, tmp_path):
 def test_cost_curve_is_measured_shown_and_stored_where_adaptive_drafting_reads_it(fake_engine, monkeypatch):
     fake_engine.loaded = make_loaded(context_length=4096)  # room for every usual context
 
-    def measure(model, max_width=33, sweeps=7, context=512, widths=None, on_pass=None):  # a longer context makes every pass dearer
+    def measure(
+        model, max_width=33, sweeps=7, context=512, widths=None, on_pass=None
+    ):  # a longer context makes every pass dearer
         return [0.05 * (1 + context / 1024) + 0.005 * k for k in range(max_width)]
 
     monkeypatch.setattr(akunu.cost_curve, "measure", measure)
@@ -223,8 +260,10 @@ def test_cost_curve_at_another_context_is_shown_but_not_stored(fake_engine, monk
     assert not curve_path(curve_key("tiny", "float32"), default_dir()).exists()
 
 
-@pytest.mark.parametrize("args, message", [(["--context", "64"], "No such option: --context"),
-                                           (["cost-curve", "--context", "100000"], "leaves no room")])
+@pytest.mark.parametrize(
+    "args, message",
+    [(["--context", "64"], "No such option: --context"), (["cost-curve", "--context", "100000"], "leaves no room")],
+)
 def test_a_context_option_out_of_place_is_one_line(fake_engine, args, message):
     result = invoke("bench", *args)
     assert result.exit_code != 0 and message in ANSI.sub("", result.output) and "Traceback" not in result.output

@@ -140,7 +140,19 @@ def test_bench_runs_llama_cpp_in_turn_on_the_same_prompt_ids(gguf_model, fake_ll
 
 
 def test_no_llama_cpp_flag_leaves_it_out(gguf_model, fake_llama_cpp, workload):
-    result = invoke("bench", "--workload", str(workload), "--limit", "1", "-c", "open", "--max-tokens", "2", "--no-fixed", "--no-llama-cpp")
+    result = invoke(
+        "bench",
+        "--workload",
+        str(workload),
+        "--limit",
+        "1",
+        "-c",
+        "open",
+        "--max-tokens",
+        "2",
+        "--no-fixed",
+        "--no-llama-cpp",
+    )
     text = ANSI.sub("", result.output)
     assert result.exit_code == 0, text
     assert "llama.cpp: not run (--no-llama-cpp)" in text and "llama.cpp tok/s" not in text
@@ -155,14 +167,18 @@ def test_no_llama_cpp_flag_leaves_it_out(gguf_model, fake_llama_cpp, workload):
         ("broken", "no llama.cpp column: it could not load broken.gguf"),
     ],
 )
-def test_without_a_usable_llama_cpp_the_bench_runs_without_the_column(setup, line, gguf_model, fake_llama_cpp, workload, monkeypatch):
+def test_without_a_usable_llama_cpp_the_bench_runs_without_the_column(
+    setup, line, gguf_model, fake_llama_cpp, workload, monkeypatch
+):
     if setup == "missing":
         monkeypatch.setitem(sys.modules, "llama_cpp", None)
     elif setup == "not-gguf":
         gguf_model.loaded.path = gguf_model.loaded.path.parent  # an MLX folder
     else:
         gguf_model.loaded.path = gguf_model.loaded.path.rename(gguf_model.loaded.path.with_name("broken.gguf"))
-    result = invoke("bench", "--workload", str(workload), "--limit", "1", "-c", "open", "--max-tokens", "2", "--no-fixed")
+    result = invoke(
+        "bench", "--workload", str(workload), "--limit", "1", "-c", "open", "--max-tokens", "2", "--no-fixed"
+    )
     text = ANSI.sub("", result.output)
     assert result.exit_code == 0, text
     assert line in text and "llama.cpp tok/s" not in text
@@ -170,7 +186,9 @@ def test_without_a_usable_llama_cpp_the_bench_runs_without_the_column(setup, lin
 
 
 def test_asking_for_llama_cpp_without_it_is_one_clear_error(gguf_model, workload):
-    result = invoke("bench", "--workload", str(workload), "--limit", "1", "-c", "open", "--max-tokens", "2", "--llama-cpp")
+    result = invoke(
+        "bench", "--workload", str(workload), "--limit", "1", "-c", "open", "--max-tokens", "2", "--llama-cpp"
+    )
     text = ANSI.sub("", result.output)
     assert result.exit_code != 0 and "--llama-cpp needs llama-cpp-python" in text
     assert "Traceback" not in text and gguf_model.streams == []

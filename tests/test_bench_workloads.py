@@ -32,7 +32,11 @@ def test_load_workload_with_default_ids_and_blank_lines(tmp_path):
         line(category="rag", prompt="Q2", id="custom"),
         line(category="chat", prompt="Hi", extra="ignored"),
     )
-    assert load_workload(path) == [Prompt("rag-1", "rag", "Q1"), Prompt("custom", "rag", "Q2"), Prompt("chat-1", "chat", "Hi")]
+    assert load_workload(path) == [
+        Prompt("rag-1", "rag", "Q1"),
+        Prompt("custom", "rag", "Q2"),
+        Prompt("chat-1", "chat", "Hi"),
+    ]
 
 
 @pytest.mark.parametrize(

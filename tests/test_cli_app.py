@@ -47,7 +47,9 @@ def run_akunu(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["chat", "--help"], ["models", "--help"], ["--version"]])
+@pytest.mark.parametrize(
+    "args", [["--help"], ["generate", "--help"], ["chat", "--help"], ["models", "--help"], ["--version"]]
+)
 def test_help_does_not_import_mlx(args):
     result = run_akunu(*args)
     assert result.returncode == 0, result.stderr

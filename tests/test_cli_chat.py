@@ -157,7 +157,9 @@ def test_save_and_load_resume_the_conversation(fake_engine, tmp_path):
     assert "resumed 4 messages from" in result.stdout
     resumed = fake_engine.streams[-1]["prompt"]
     system = {"role": "system", "content": "sys"}
-    assert resumed == render(fake_engine.loaded, [system, user("one"), assistant(first), user("two"), assistant(second), user("three")])
+    assert resumed == render(
+        fake_engine.loaded, [system, user("one"), assistant(first), user("two"), assistant(second), user("three")]
+    )
     chat("--load", str(saved), "--system", "other", "--max-tokens", "2", input="four\n")
     other = {"role": "system", "content": "other"}
     history = [user("one"), assistant(first), user("two"), assistant(second), user("four")]
@@ -179,7 +181,9 @@ def test_a_bad_conversation_file_is_one_line(fake_engine, tmp_path):
     assert result.exit_code == 1
     assert result.stderr == f"error: {bad} is not a conversation: expected a list of {{'role', 'content'}} messages\n"
     missing = invoke("chat", "--load", str(tmp_path / "none.json"), input="")
-    assert missing.stderr == f"error: cannot read the conversation {tmp_path / 'none.json'}: No such file or directory\n"
+    assert (
+        missing.stderr == f"error: cannot read the conversation {tmp_path / 'none.json'}: No such file or directory\n"
+    )
     assert fake_engine.loads == []  # the file is checked before the model loads
 
 

@@ -5,9 +5,9 @@ import errno
 import json
 
 import pytest
+
 import akunu.cost_curve
 import akunu.files as files_module
-from akunu.cli import conversation as conversation_module
 from akunu.models.chat_template import ChatTemplate
 from tests.fakes import FakeTokenizer, invoke, make_loaded
 
@@ -74,7 +74,9 @@ def test_a_template_error_with_markup_is_one_line_and_the_chat_goes_on(fake_engi
     assert result.exit_code == 0, result.output
     assert "error: the model's chat template rejected the conversation: [/x] boom [/]\n" in result.stdout
     first, second = answers(fake_engine)
-    assert fake_engine.streams[-1]["prompt"] == render(fake_engine.loaded, [user("hi"), assistant(first), user("again")])
+    assert fake_engine.streams[-1]["prompt"] == render(
+        fake_engine.loaded, [user("hi"), assistant(first), user("again")]
+    )
 
 
 def test_no_failure_loses_the_chat_history(fake_engine, tmp_path, monkeypatch):
@@ -94,7 +96,9 @@ def test_no_failure_loses_the_chat_history(fake_engine, tmp_path, monkeypatch):
     lines = ["What does [/] mean?", "/save /nonexistent/x.json", "boom", "[bold]last[/bold]"]
     result = invoke("chat", "--max-tokens", "3", "--save", str(saved), input="\n".join(lines) + "\n")
     assert result.exit_code == 0, result.output
-    assert f"warning: cannot save the conversation to {saved}: No space left on device; the chat goes on" in result.stdout
+    assert (
+        f"warning: cannot save the conversation to {saved}: No space left on device; the chat goes on" in result.stdout
+    )
     assert "error: cannot save the conversation to /nonexistent/x.json" in result.stdout
     assert "error: the model's chat template rejected the conversation: [/x] boom" in result.stdout
     first, last = answers(fake_engine)
@@ -189,7 +193,9 @@ def test_a_full_context_drops_the_oldest_turns_and_keeps_the_system_prompt(fake_
     assert len(last["prompt"]) + 4 <= 96
     system = [{"role": "system", "content": "sys"}]
     # the prompt is the system prompt and the newest whole exchanges, the oldest left out
-    kept = next(k for k in range(0, len(history), 2) if last["prompt"] == render(fake_engine.loaded, system + history[k:-1]))
+    kept = next(
+        k for k in range(0, len(history), 2) if last["prompt"] == render(fake_engine.loaded, system + history[k:-1])
+    )
     assert kept > 0
     assert json.loads(saved.read_text())["messages"] == history  # the history itself is whole
 
@@ -201,7 +207,9 @@ def test_reset_after_a_context_shift_starts_afresh(fake_engine):
     assert result.exit_code == 0, result.output
     assert "error:" not in result.stdout and "outgrew the model's context" in result.stdout
     fresh = answers(fake_engine)[-2]
-    assert fake_engine.streams[-1]["prompt"] == render(fake_engine.loaded, [user("fresh"), assistant(fresh), user("again")])
+    assert fake_engine.streams[-1]["prompt"] == render(
+        fake_engine.loaded, [user("fresh"), assistant(fresh), user("again")]
+    )
 
 
 # -- 13: --load -----------------------------------------------------------------------------------
@@ -211,7 +219,7 @@ def test_a_history_with_a_non_text_system_prompt_is_refused_at_load(fake_engine,
     bad = tmp_path / "bad.json"
     bad.write_text('{"system": 5, "messages": []}')
     result = invoke("chat", "--load", str(bad), input="hi\n")
-    assert_one_line(result, 1, f"{bad} is not a conversation: its \"system\" must be text, not int")
+    assert_one_line(result, 1, f'{bad} is not a conversation: its "system" must be text, not int')
     assert fake_engine.loads == []
 
 

@@ -60,10 +60,15 @@ def test_draft_tokens_reaches_the_engine_with_spec_on(fake_engine):
 
 
 def test_exact_reaches_the_engine_and_its_speculation_prints_what_its_plain_decoding_prints(fake_engine):
-    results = [invoke("generate", "hello", "--exact", "--draft-tokens", "3", *flag, "--max-tokens", "24") for flag in ([], ["--no-spec"])]
+    results = [
+        invoke("generate", "hello", "--exact", "--draft-tokens", "3", *flag, "--max-tokens", "24")
+        for flag in ([], ["--no-spec"])
+    ]
     assert [r.exit_code for r in results] == [0, 0], results[0].output
     spec, plain = (call["config"].spec for call in fake_engine.streams)
-    assert spec == SpecConfig(enabled=True, draft_tokens=3, exact=True) and plain == SpecConfig(enabled=False, draft_tokens=3, exact=True)
+    assert spec == SpecConfig(enabled=True, draft_tokens=3, exact=True) and plain == SpecConfig(
+        enabled=False, draft_tokens=3, exact=True
+    )
     assert results[0].stdout == results[1].stdout
     assert fake_engine.cost_curves == []  # exact mode's passes all cost the same: nothing to measure
 
@@ -159,7 +164,9 @@ def test_prompt_from_file(fake_engine, tmp_path):
 def test_verbose_tints_accepted_drafts_and_prints_every_statistic(fake_engine):
     fake_engine.loaded = make_loaded(model=tiny_llama(vocab=64, seed=3, sharpness=4.0, attention=0.0))
     plain = json_of(invoke("generate", "abcabcabcabc", "--max-tokens", "40", "--json"))
-    result = invoke("generate", "abcabcabcabc", "--max-tokens", "40", "--verbose", env={"FORCE_COLOR": "1", "COLUMNS": "200"})
+    result = invoke(
+        "generate", "abcabcabcabc", "--max-tokens", "40", "--verbose", env={"FORCE_COLOR": "1", "COLUMNS": "200"}
+    )
     assert result.exit_code == 0, result.output
     assert "\x1b[30;42m" in result.stdout  # black on green: accepted draft tokens
     assert ANSI.sub("", result.stdout) == with_newline(plain["text"])
@@ -197,10 +204,18 @@ def one_error_line(result, code: int, message: str, stdout: str = "") -> None:
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [
-        (["hi", "--json", "--verbose"], 2, "--json and --verbose cannot be combined: --json already carries every statistic"),
+        (
+            ["hi", "--json", "--verbose"],
+            2,
+            "--json and --verbose cannot be combined: --json already carries every statistic",
+        ),
         (["hi", "--raw", "--system", "x"], 2, "--system needs the chat template, which --raw turns off"),
         (["hi", "--prompt-file", "p.txt"], 2, "give the prompt as an argument or with --prompt-file, not both"),
-        (["--prompt-file", "/nonexistent/p.txt"], 1, "cannot read the prompt file /nonexistent/p.txt: No such file or directory"),
+        (
+            ["--prompt-file", "/nonexistent/p.txt"],
+            1,
+            "cannot read the prompt file /nonexistent/p.txt: No such file or directory",
+        ),
         (["   "], 1, "the prompt is empty"),
         (["hi", "--top-k", "64"], 2, "--top-k must be in [0, 64) (got 64)"),
     ],
@@ -233,7 +248,11 @@ def test_unknown_model_name_suggests_close_ones(isolated_home):
 
 
 def test_missing_and_corrupt_model_files_are_one_line(isolated_home, tmp_path):
-    one_error_line(invoke("generate", "hi", "--model", str(tmp_path / "absent.gguf")), 1, f"no such model file: {tmp_path / 'absent.gguf'}")
+    one_error_line(
+        invoke("generate", "hi", "--model", str(tmp_path / "absent.gguf")),
+        1,
+        f"no such model file: {tmp_path / 'absent.gguf'}",
+    )
     corrupt = tmp_path / "corrupt.gguf"
     corrupt.write_bytes(b"GGUF" + b"\x00" * 50)
     result = invoke("generate", "hi", "--model", str(corrupt))

@@ -141,7 +141,9 @@ def test_saving_through_a_symlink_writes_its_target_and_keeps_the_link(fake_engi
 # -- 3: sampling at the edges, through the CLI ------------------------------------------------------
 
 
-@pytest.mark.parametrize("sampling", [["--temp", "1e-40"], ["--temp", "1", "--top-p", "1e-300"], ["--temp", "1", "--top-p", "0"]])
+@pytest.mark.parametrize(
+    "sampling", [["--temp", "1e-40"], ["--temp", "1", "--top-p", "1e-300"], ["--temp", "1", "--top-p", "0"]]
+)
 def test_extreme_sampling_gives_the_greedy_answer(fake_engine, sampling):
     assert invoke("generate", "--max-tokens", "6", "--no-spec", "hi").exit_code == 0
     result = invoke("generate", "--max-tokens", "6", "--no-spec", *sampling, "hi")
@@ -288,7 +290,11 @@ def test_a_prompt_cannot_write_control_tokens_unless_raw_asks(fake_engine):
 
 
 def test_an_empty_model_name_is_an_error(fake_engine):
-    assert_one_line(invoke("generate", "--model", "", "hi"), 2, "Invalid value for '--model' / '-m' (env var: 'AKUNU_MODEL'): is empty")
+    assert_one_line(
+        invoke("generate", "--model", "", "hi"),
+        2,
+        "Invalid value for '--model' / '-m' (env var: 'AKUNU_MODEL'): is empty",
+    )
     assert fake_engine.loads == []
 
 
@@ -301,7 +307,9 @@ def test_top_p_accepts_what_its_help_says(fake_engine):
 
 def test_loading_a_conversation_saved_with_another_model_says_so(fake_engine, tmp_path):
     talk = tmp_path / "talk.json"
-    talk.write_text(json.dumps({"format": "akunu-chat", "model": "qwen-big", "messages": [{"role": "user", "content": "a"}]}))
+    talk.write_text(
+        json.dumps({"format": "akunu-chat", "model": "qwen-big", "messages": [{"role": "user", "content": "a"}]})
+    )
     result = invoke("chat", "--load", str(talk), input="")
     assert result.exit_code == 0, result.output
     assert f"warning: {talk} was saved with the model qwen-big; it goes on with tiny" in result.stdout

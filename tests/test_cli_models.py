@@ -100,7 +100,9 @@ def test_a_failed_pull_is_one_line(isolated_home, monkeypatch):
 def test_a_corrupt_cached_model_is_listed_refused_and_pulled_again(isolated_home, monkeypatch):
     path = place_cached("smollm2-135m", recorded=False)  # zeros: not the pinned sha256
     listed = runner.invoke(app, ["models"]).stdout.splitlines()
-    assert "smollm2-135m (default)          98.4 MB  corrupt (akunu models pull smollm2-135m fetches it again)" in listed
+    assert (
+        "smollm2-135m (default)          98.4 MB  corrupt (akunu models pull smollm2-135m fetches it again)" in listed
+    )
     generate = runner.invoke(app, ["generate", "Name three rivers."])
     assert generate.exit_code == 1 and generate.stdout == ""
     assert generate.stderr == (
@@ -127,8 +129,11 @@ def test_verify_hashes_again_and_fails_on_a_corrupt_model(isolated_home):
 
 def test_verify_passes_an_intact_model(isolated_home, monkeypatch):
     path = place_cached("smollm2-135m", recorded=False)
-    monkeypatch.setitem(catalogue.KNOWN, "smollm2-135m", catalogue.CatalogueEntry(
-        **{**SMOL.__dict__, "sha256": model_cache.file_sha256(path)}))
+    monkeypatch.setitem(
+        catalogue.KNOWN,
+        "smollm2-135m",
+        catalogue.CatalogueEntry(**{**SMOL.__dict__, "sha256": model_cache.file_sha256(path)}),
+    )
     result = runner.invoke(app, ["models", "verify", "smollm2-135m"])
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith("smollm2-135m: ok (sha256 ")

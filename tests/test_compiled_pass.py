@@ -80,6 +80,7 @@ def test_a_replaced_norm_or_embedding_weight_is_used_at_once(model, eager):
 
 def test_caches_a_compiled_pass_cannot_take():
     """Layers at different offsets (an interrupt between layers), a full buffer, an empty or foreign cache."""
+
     def filled(offset, capacity=256):
         cache = KVCache()
         cache.update_and_fetch(mx.zeros((1, 2, capacity, 16)), mx.zeros((1, 2, capacity, 16)))

@@ -64,7 +64,9 @@ def test_foreseen_lengths_cut_each_draft_exactly_where_it_stops_landing():
     assert foreseen_widths(SuffixDrafter(), context, edited, 32) == [0, 0, 0, 7, 0, 0, 0, 5]
     # the anchored copier continues any earlier occurrence of the last token: 100 -> 101..109, 111 -> 112..119
     assert copier_widths(context, edited, 32, anchor=1) == [0, 9, 0, 8]
-    assert len(edited) / len(copier_widths(context, edited, 16, anchor=1)) == bound_tokens_per_pass(context, edited, 16, 1)
+    assert len(edited) / len(copier_widths(context, edited, 16, anchor=1)) == bound_tokens_per_pass(
+        context, edited, 16, 1
+    )
 
 
 def test_bench_summary_puts_the_bound_beside_tokens_per_pass():

@@ -27,7 +27,9 @@ def test_curves_are_read_at_the_context_in_use():
 
 
 def test_a_long_context_lowers_the_draft_ceiling():
-    cheap_at_first = CostCurves({64: [1.0 + 0.01 * k for k in range(33)], 2048: [1.0 + 0.1 * k + 0.05 * k * k for k in range(33)]})
+    cheap_at_first = CostCurves(
+        {64: [1.0 + 0.01 * k for k in range(33)], 2048: [1.0 + 0.1 * k + 0.05 * k * k for k in range(33)]}
+    )
     assert widest_paying(cheap_at_first.at(64), 32) == 32 and widest_paying(cheap_at_first.at(2048), 32) < 32
     assert widest_paying(cheap_at_first.at(1024), 32) >= widest_paying(cheap_at_first.at(2048), 32)
 

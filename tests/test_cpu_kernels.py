@@ -237,7 +237,9 @@ def test_a_layer_s_halves_give_the_bits_of_the_nodes_they_replace(kernels, tradi
     before = [mx.array(np.array(a)) for a in (keys, values)]  # copies: the kernel writes the buffers themselves
     tables = cpu_rope.head_tables(S, 0, hd, 1e4, 1.0, traditional, mx.float32)  # rows for every position
     position = mx.array([offset], mx.int32)
-    half = kernels.attention_half(x, norm, 1e-5, wqkv, wo, *tables, keys, values, position, batch, H, KV, traditional, 0.3)
+    half = kernels.attention_half(
+        x, norm, 1e-5, wqkv, wo, *tables, keys, values, position, batch, H, KV, traditional, 0.3
+    )
     mx.eval(half)
 
     pass_tables = cpu_rope.head_tables(length, offset, hd, 1e4, 1.0, traditional, mx.float32)
@@ -264,12 +266,16 @@ def test_an_attention_half_past_the_buffers_writes_nothing(kernels):
     norm, wqkv, wo, _, _ = _layer_weights(32, 2, 1, 16, 32)
     x, tables = mx.random.normal((2, 32)), (mx.ones((8, 16)), mx.zeros((8, 16)))
     keys, values = mx.zeros((1, 1, 8, 16)), mx.zeros((1, 1, 8, 16))
-    out = kernels.attention_half(x, norm, 1e-5, wqkv, wo, *tables, keys, values, mx.array([7], mx.int32), 1, 2, 1, False, 0.3)
+    out = kernels.attention_half(
+        x, norm, 1e-5, wqkv, wo, *tables, keys, values, mx.array([7], mx.int32), 1, 2, 1, False, 0.3
+    )
     assert mx.isnan(out).all().item() and not keys.any().item() and not values.any().item()
     with pytest.raises(ValueError, match="offset must be one int32"):
         kernels.attention_half(x, norm, 1e-5, wqkv, wo, *tables, keys, values, mx.array([0.0]), 1, 2, 1, False, 0.3)
     with pytest.raises(ValueError, match="q\\|k\\|v weight"):
-        kernels.attention_half(x, norm, 1e-5, wqkv[:16], wo, *tables, keys, values, mx.array([0], mx.int32), 1, 2, 1, False, 0.3)
+        kernels.attention_half(
+            x, norm, 1e-5, wqkv[:16], wo, *tables, keys, values, mx.array([0], mx.int32), 1, 2, 1, False, 0.3
+        )
 
 
 @pytest.mark.parametrize("traditional", [True, False])

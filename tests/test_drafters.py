@@ -77,7 +77,11 @@ def test_every_drafter_keeps_greedy_output_identical(model_fn, kind):
     accepted = 0
     for i, prompt in enumerate(prompts(8)):
         _, plain, _ = run(target, prompt, SpecConfig(enabled=False))
-        for spec in (SpecConfig(draft_tokens=4), SpecConfig(draft_tokens=6, draft_length="fixed"), SpecConfig(draft_tokens=32)):
+        for spec in (
+            SpecConfig(draft_tokens=4),
+            SpecConfig(draft_tokens=6, draft_length="fixed"),
+            SpecConfig(draft_tokens=32),
+        ):
             drafter = DRAFTERS[kind](target, model_fn)
             _, fast, stats = run(target, prompt, spec, drafter=drafter)
             assert_same_or_near_tie(target, prompt, plain, fast, f"prompt {i} {spec}")

@@ -10,7 +10,9 @@ SKIP = drafter_method("layer-skip:8")
 
 
 def test_drafter_rows_compare_with_plain_and_the_default():
-    engine = FakeEngine(speeds={("a", PLAIN): 10, ("a", SPEC): 20, ("a", SKIP): 15, ("b", SKIP): 5}, tokens={("b", SKIP): [1, 2]})
+    engine = FakeEngine(
+        speeds={("a", PLAIN): 10, ("a", SPEC): 20, ("a", SKIP): 15, ("b", SKIP): 5}, tokens={("b", SKIP): [1, 2]}
+    )
     result = run_benchmark(prompts("a", "b"), engine, methods=[PLAIN, SPEC, SKIP], warmup=False)
     assert [(m.method, m.prompt_id, m.informational) for m in result.mismatches] == [(SKIP, "b", False)]
     rows = {(r.category, r.drafter): r for r in summarize_drafters(result)}
@@ -42,4 +44,3 @@ def test_bench_drafter_option_adds_a_drafter_table(fake_engine, tmp_path):
     assert "drafters (adaptive draft length" in text and "vs default" in text
     assert re.search(r"copy\s+│\s+layer-skip:1 ", text) and re.search(r"overall\s+│\s+tree:6 ", text)
     assert "0 greedy mismatches" in text
-

@@ -31,7 +31,13 @@ def chat_ids(loaded, text):
 
 def run(loaded, drafter, max_tokens=40):
     spec = SpecConfig(enabled=drafter is not None, draft_tokens=4, draft_length="fixed")
-    return generate(loaded.model, loaded.tokenizer, chat_ids(loaded, PROMPT), GenerationConfig(max_tokens=max_tokens, spec=spec), drafter=drafter)
+    return generate(
+        loaded.model,
+        loaded.tokenizer,
+        chat_ids(loaded, PROMPT),
+        GenerationConfig(max_tokens=max_tokens, spec=spec),
+        drafter=drafter,
+    )
 
 
 def test_float32_weights_draft_for_the_4bit_model_without_changing_its_output(quantized, float32):

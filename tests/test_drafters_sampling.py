@@ -48,7 +48,9 @@ def drafters(target, params):
 
 
 @pytest.mark.parametrize("params", SETTINGS, ids=["temp1", "temp0.7-topk-topp-minp"])
-@pytest.mark.parametrize("kind", ["model", "layer-skip", "hybrid-model", "lookup", "ngram", "suffix", "suffix+ngram", "tree"])
+@pytest.mark.parametrize(
+    "kind", ["model", "layer-skip", "hybrid-model", "lookup", "ngram", "suffix", "suffix+ngram", "tree"]
+)
 def test_sampling_drafters_keep_the_target_distribution(params, kind):
     target = tiny_llama(vocab=8, seed=7, sharpness=1.5)
     drafter = drafters(target, params)[kind]
@@ -69,7 +71,10 @@ def test_the_persistent_ngram_cache_keeps_the_target_distribution(tmp_path):
     ok, stat, critical = fits(counts, exact_model_probs(target, params, prompt=prompt), RUNS)
     assert ok, f"chi2 {stat:.1f} >= {critical:.1f}"
     config = GenerationConfig(max_tokens=3, sampling=params, spec=SpecConfig(draft_tokens=3, draft_length="fixed"))
-    assert generate(target, FakeTokenizer(), prompt, config, drafter=CachedNGramDrafter(tmp_path / "ngrams"))[2].drafted > 0
+    assert (
+        generate(target, FakeTokenizer(), prompt, config, drafter=CachedNGramDrafter(tmp_path / "ngrams"))[2].drafted
+        > 0
+    )
 
 
 def test_resampling_from_p_on_rejection_fails_the_same_test(monkeypatch):

@@ -71,10 +71,16 @@ def test_exact_speculative_equals_exact_plain_over_many_prompts(name):
     drafted = 0
     for i in range(12):
         motif = [rng.randrange(64) for _ in range(rng.randint(3, 10))]
-        prompt = (motif * 4)[: rng.randint(8, 40)] if i % 2 == 0 else [rng.randrange(64) for _ in range(rng.randint(1, 30))]
+        prompt = (
+            (motif * 4)[: rng.randint(8, 40)] if i % 2 == 0 else [rng.randrange(64) for _ in range(rng.randint(1, 30))]
+        )
         for draft_tokens, policy in ((4, "adaptive"), (7, "fixed")):
-            plain_config = GenerationConfig(max_tokens=24, spec=SpecConfig(enabled=False, draft_tokens=draft_tokens, exact=True))
-            spec_config = GenerationConfig(max_tokens=24, spec=SpecConfig(draft_tokens=draft_tokens, draft_length=policy, exact=True))
+            plain_config = GenerationConfig(
+                max_tokens=24, spec=SpecConfig(enabled=False, draft_tokens=draft_tokens, exact=True)
+            )
+            spec_config = GenerationConfig(
+                max_tokens=24, spec=SpecConfig(draft_tokens=draft_tokens, draft_length=policy, exact=True)
+            )
             _, plain, _ = generate(model, tokenizer, prompt, plain_config)
             _, fast, stats = generate(model, tokenizer, prompt, spec_config)
             assert fast == plain, f"prompt {i}, drafts ≤ {draft_tokens}"
@@ -87,7 +93,11 @@ def test_exact_mode_caps_the_draft_so_every_decode_pass_has_the_one_width(monkey
 
     model, widths = tiny_llama(seed=3, sharpness=4.0, attention=0.0), []
     real_call = FixedWidthModel.__call__
-    monkeypatch.setattr(FixedWidthModel, "__call__", lambda self, inputs, cache: widths.append(inputs.shape[1]) or real_call(self, inputs, cache))
+    monkeypatch.setattr(
+        FixedWidthModel,
+        "__call__",
+        lambda self, inputs, cache: widths.append(inputs.shape[1]) or real_call(self, inputs, cache),
+    )
     config = GenerationConfig(max_tokens=40, spec=SpecConfig(draft_tokens=32, draft_length="fixed", exact=True))
     _, _, stats = generate(model, FakeTokenizer(), [5, 6, 7, 8] * 4, config)
     assert stats.accepted > 0 and max(widths[1:]) == EXACT_MAX_DRAFT + 1  # widths[0]: the prefill

@@ -91,7 +91,15 @@ def test_attention_matches_mlx_on_every_mask_kind(keys, head_dim, router, monkey
     k, v = mx.random.normal((2, 2, keys, head_dim)), mx.random.normal((2, 2, keys, head_dim))
     window = mx.arange(keys - 3, keys)[:, None] < mx.arange(keys)[None] + 4
     per_head = mx.random.uniform(shape=(2, 6, 3, keys)) > 0.3  # a mask that differs between the heads sharing a KV head
-    masks = [None, "causal", window, window[None, None], mx.where(window, 0.0, -1e9), per_head, mx.where(per_head, 0.0, -mx.inf)]
+    masks = [
+        None,
+        "causal",
+        window,
+        window[None, None],
+        mx.where(window, 0.0, -1e9),
+        per_head,
+        mx.where(per_head, 0.0, -mx.inf),
+    ]
     for mask in masks:
         ours = fast_step.cpu_attention(q, k, v, None, 0.3, mask)
         theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
@@ -114,7 +122,9 @@ def test_attention_rows_do_not_depend_on_the_pass_width(keys):
 
 
 def test_exp_minus_is_exp_to_float32_precision():
-    x = mx.concatenate([mx.linspace(-87.0, 0.0, 100_001), mx.array([-1e-30, -0.5, -1e4, -mx.inf, mx.finfo(mx.float32).min])])
+    x = mx.concatenate(
+        [mx.linspace(-87.0, 0.0, 100_001), mx.array([-1e-30, -0.5, -1e4, -mx.inf, mx.finfo(mx.float32).min])]
+    )
     ours, exact = elementwise.exp_minus(x, mx.array(0.0)), mx.exp(x.astype(mx.float32))
     relative = mx.abs(ours - exact) / mx.maximum(exact, 1e-30)
     assert relative.max().item() < 3e-7
@@ -127,7 +137,12 @@ def test_exp_minus_is_exp_to_float32_precision():
 
 @pytest.mark.parametrize(
     "env, patched",
-    [({}, True), ({"AKUNU_CPU_BACKEND": "0"}, False), ({"AKUNU_CPU_BACKEND": "off"}, False), ({"AKUNU_FAST_STEP": "0"}, False)],
+    [
+        ({}, True),
+        ({"AKUNU_CPU_BACKEND": "0"}, False),
+        ({"AKUNU_CPU_BACKEND": "off"}, False),
+        ({"AKUNU_FAST_STEP": "0"}, False),
+    ],
 )
 def test_load_model_applies_the_fast_step_unless_switched_off(tmp_path, monkeypatch, restore_attention, env, patched):
     from akunu.models import load_model

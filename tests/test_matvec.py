@@ -30,7 +30,9 @@ def reference(a: mx.array, b: mx.array) -> np.ndarray:
 def test_the_router_is_built_and_loaded_where_a_compiler_exists():
     if shutil.which("cc") is None:
         pytest.skip("no C compiler: the package installs without the router")
-    assert blas.matvec_path is not None, "akunu/backends/cpu/_matvec.c was not built or not loaded (pip install -e . builds it)"
+    assert blas.matvec_path is not None, (
+        "akunu/backends/cpu/_matvec.c was not built or not loaded (pip install -e . builds it)"
+    )
     assert "decode matmuls" in blas.describe()
 
 
@@ -42,7 +44,9 @@ def test_importing_akunu_after_mlx_warns_that_the_fast_blas_was_missed():
 
     late = run("import mlx.core, akunu.backends.cpu.blas as blas; assert blas.loaded_path is None")
     assert late.returncode == 0 and "imported after mlx.core" in late.stderr and "40x slower" in late.stderr
-    in_order = run("import warnings; warnings.simplefilter('error'); import akunu, mlx.core, akunu.backends.cpu.blas as blas; assert blas.loaded_path")
+    in_order = run(
+        "import warnings; warnings.simplefilter('error'); import akunu, mlx.core, akunu.backends.cpu.blas as blas; assert blas.loaded_path"
+    )
     assert in_order.returncode == 0 and "imported after" not in in_order.stderr, in_order.stderr
 
 
@@ -109,8 +113,12 @@ def test_kernel_rows_script_times_the_kernel_by_row_count():
     if blas.matvec_path is None:
         pytest.skip("the router is not built here")
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "kernel_rows.py")
-    done = subprocess.run([sys.executable, script, "--layers", "1", "--rows", "1", "3", "--reps", "1"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, script, "--layers", "1", "--rows", "1", "3", "--reps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.split() for line in done.stdout.splitlines()[1:]]
     assert [row[0] for row in rows] == ["1", "3"] and rows[0][2] == "1.00"

@@ -43,7 +43,9 @@ def test_a_second_run_drafts_what_the_first_one_generated_and_output_is_unchange
     path = tmp_path / "ngrams.cache"
     config = GenerationConfig(max_tokens=40, spec=SpecConfig(draft_tokens=4, draft_length="fixed"))
     prompt = [10, 20, 30]
-    _, plain, _ = generate(model, FakeTokenizer(), prompt, GenerationConfig(max_tokens=40, spec=SpecConfig(enabled=False)))
+    _, plain, _ = generate(
+        model, FakeTokenizer(), prompt, GenerationConfig(max_tokens=40, spec=SpecConfig(enabled=False))
+    )
     runs = []
     for _ in range(2):
         drafter = CachedNGramDrafter(path)

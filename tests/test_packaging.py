@@ -73,7 +73,9 @@ def test_every_third_party_import_is_a_declared_dependency():
 
 
 def test_no_private_name_of_another_package_is_imported():
-    private = [f"{path}: {name}" for path, name in third_party_imports() if any(p.startswith("_") for p in name.split("."))]
+    private = [
+        f"{path}: {name}" for path, name in third_party_imports() if any(p.startswith("_") for p in name.split("."))
+    ]
     assert private == [], "private names move without notice between releases; use a public API"
 
 

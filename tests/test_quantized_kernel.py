@@ -107,8 +107,12 @@ def test_greedy_speculative_equals_plain_on_the_kernel(kernel):
     for i in range(6):
         motif = [rng.randrange(64) for _ in range(rng.randint(3, 8))]
         prompt = (motif * 4)[: rng.randint(8, 30)] if i % 2 == 0 else [rng.randrange(64) for _ in range(12)]
-        _, plain, _ = generate(model, FakeTokenizer(), prompt, GenerationConfig(max_tokens=30, spec=SpecConfig(enabled=False)))
-        _, fast, stats = generate(model, FakeTokenizer(), prompt, GenerationConfig(max_tokens=30, spec=SpecConfig(draft_tokens=6)))
+        _, plain, _ = generate(
+            model, FakeTokenizer(), prompt, GenerationConfig(max_tokens=30, spec=SpecConfig(enabled=False))
+        )
+        _, fast, stats = generate(
+            model, FakeTokenizer(), prompt, GenerationConfig(max_tokens=30, spec=SpecConfig(draft_tokens=6))
+        )
         assert fast == plain, f"prompt {i}"
         accepted += stats.accepted
     assert accepted >= 5  # the comparison exercised accepted drafts, not only plain steps

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import akunu  # noqa: F401  (must precede mlx)
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
+import akunu  # noqa: F401  (must precede mlx)
 from akunu.errors import ModelError
 from akunu.models import LoadedModel, catalogue, load_model
 
@@ -55,13 +55,19 @@ def test_smollm2_writes_fibonacci(smollm2):
 
 
 def test_smollm2_description(smollm2):
-    assert (smollm2.architecture, smollm2.context_length, smollm2.path.name) == ("llama", 8192, "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert (smollm2.architecture, smollm2.context_length, smollm2.path.name) == (
+        "llama",
+        8192,
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+    )
     assert smollm2.describe() == f"smollm2-135m: llama, 135M params, {smollm2.dtype} weights"
 
 
 def test_gemma3_completes_facts(gemma3):
     tokenizer = gemma3.tokenizer
-    berlin = greedy(gemma3, tokenizer.encode("The capital of France is Paris. The capital of Germany is", add_bos=True), 1)
+    berlin = greedy(
+        gemma3, tokenizer.encode("The capital of France is Paris. The capital of Germany is", add_bos=True), 1
+    )
     assert tokenizer.decode(berlin) == " Berlin"
     text = tokenizer.decode(greedy(gemma3, tokenizer.encode("Paris is the capital of", add_bos=True), 12))
     assert text.startswith(" France"), text

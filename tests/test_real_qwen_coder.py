@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import akunu  # noqa: F401  (must precede mlx)
 import mlx.core as mx
 import numpy as np
 import pytest
 
+import akunu  # noqa: F401  (must precede mlx)
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.models import LoadedModel, load_model
 
@@ -35,7 +35,8 @@ def test_loads_as_qwen2_with_its_32k_context(qwen):
 
 def test_chat_template_renders_chatml(qwen):
     prompt = qwen.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Write a Python function that checks whether a string is a palindrome."}])
+        [{"role": "user", "content": "Write a Python function that checks whether a string is a palindrome."}]
+    )
     assert prompt == RECORDED["prompt"]
     assert qwen.tokenizer.encode(prompt, parse_special=True) == RECORDED["prompt_ids"]
 

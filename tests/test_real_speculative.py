@@ -72,7 +72,9 @@ def test_copy_heavy_prompt_is_identical_and_takes_two_tokens_per_pass(drafter):
     ids = chat_ids(smollm2, COPY_PROMPT)
     config = lambda spec: GenerationConfig(max_tokens=128, spec=spec)
     _, plain, _ = generate(smollm2.model, smollm2.tokenizer, ids, config(SpecConfig(enabled=False)))
-    _, fast, stats = generate(smollm2.model, smollm2.tokenizer, ids, config(SpecConfig()), drafter=make_drafter(drafter))
+    _, fast, stats = generate(
+        smollm2.model, smollm2.tokenizer, ids, config(SpecConfig()), drafter=make_drafter(drafter)
+    )
     assert_same_or_near_tie(smollm2.model, ids, plain, fast)
     assert stats.tokens_per_pass >= 2, stats.to_dict()
 
@@ -80,7 +82,9 @@ def test_copy_heavy_prompt_is_identical_and_takes_two_tokens_per_pass(drafter):
 def test_open_ended_prompt_is_identical(smollm2):
     ids = chat_ids(smollm2, "Tell me about the history of tea in three sentences.")
     run = lambda spec: generate(smollm2.model, smollm2.tokenizer, ids, GenerationConfig(max_tokens=48, spec=spec))
-    assert_same_or_near_tie(smollm2.model, ids, run(SpecConfig(enabled=False))[1], run(SpecConfig(draft_length="fixed", draft_tokens=6))[1])
+    assert_same_or_near_tie(
+        smollm2.model, ids, run(SpecConfig(enabled=False))[1], run(SpecConfig(draft_length="fixed", draft_tokens=6))[1]
+    )
 
 
 def test_gemma3_sliding_window_layers_roll_back_exactly_past_the_window():

@@ -31,7 +31,11 @@ def test_target_distribution_is_finite_and_keeps_a_token(params):
 
 def test_a_tiny_temperature_or_top_p_is_the_likeliest_token():
     logits = mx.array([[0.0, 3.0, 1.0, 2.9]])
-    for params in (SamplingParams(temp=1e-40), SamplingParams(temp=1.0, top_p=1e-300), SamplingParams(top_p=0.0, temp=1.0)):
+    for params in (
+        SamplingParams(temp=1e-40),
+        SamplingParams(temp=1.0, top_p=1e-300),
+        SamplingParams(top_p=0.0, temp=1.0),
+    ):
         probs = mx.exp(target_logprobs(logits, params))[0].tolist()
         assert probs.index(max(probs)) == 1 and (params.greedy or probs[1] == pytest.approx(1.0))
 

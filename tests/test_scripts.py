@@ -64,8 +64,18 @@ def test_profile_step_splits_a_step_by_kind(model_home):
     line = run_script("scripts/profile_step.py", "--contexts", "16", "--reps", "1")
     record = json.loads(line.splitlines()[-1])
     assert record["context"] == 16 and record["matmuls"] == 121  # 30 layers x 4 stacked products + the output head
-    kinds = ("weight matmuls", "norms", "rope", "attention (mlx)", "attention (fast)", "step (mlx)", "step (fast)",
-             "graph nodes", "graph build", "decode loop")
+    kinds = (
+        "weight matmuls",
+        "norms",
+        "rope",
+        "attention (mlx)",
+        "attention (fast)",
+        "step (mlx)",
+        "step (fast)",
+        "graph nodes",
+        "graph build",
+        "decode loop",
+    )
     assert all(record[kind] > 0 for kind in kinds)
 
 

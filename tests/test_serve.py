@@ -54,7 +54,9 @@ def test_chat_answers_as_the_engine_does_with_usage_and_speculative_stats(fake_e
     response = server.client().chat.completions.create(model="tiny", messages=USER)
     loaded = fake_engine.loaded
     prompt = chat_ids(loaded, USER)
-    plain_text, plain_ids, _ = generate(loaded.model, loaded.tokenizer, prompt, GenerationConfig(max_tokens=24, spec=SpecConfig(enabled=False)))
+    plain_text, plain_ids, _ = generate(
+        loaded.model, loaded.tokenizer, prompt, GenerationConfig(max_tokens=24, spec=SpecConfig(enabled=False))
+    )
     assert response.choices[0].message.content == plain_text  # speculative through the server == plain decoding
     assert response.choices[0].finish_reason == "length"
     assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(prompt), 24)
@@ -88,13 +90,19 @@ def test_request_fields_reach_the_engine_and_unknown_ones_are_ignored(fake_engin
 def test_streaming_gives_the_same_text_and_ends_with_done(fake_engine, serve):
     server = serve("--max-tokens", "20")
     whole = server.client().chat.completions.create(model="tiny", messages=USER).choices[0].message.content
-    chunks = list(server.client().chat.completions.create(model="tiny", messages=USER, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        server.client().chat.completions.create(
+            model="tiny", messages=USER, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20  # the include_usage chunk
     assert chunks[-1].model_extra["akunu"]["forward_passes"] > 0
-    status, headers, body = raw_request(server.base_url, "POST", "/v1/completions", {"prompt": "abc", "max_tokens": 3, "stream": True})
+    status, headers, body = raw_request(
+        server.base_url, "POST", "/v1/completions", {"prompt": "abc", "max_tokens": 3, "stream": True}
+    )
     events = [line for line in body.decode().split("\n\n") if line]
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
@@ -116,7 +124,11 @@ def test_a_seed_makes_sampling_repeatable(fake_engine, serve):
     client = serve().client()
 
     def sample(seed):
-        return client.chat.completions.create(model="tiny", messages=USER, max_tokens=24, temperature=1.0, seed=seed).choices[0].message.content
+        return (
+            client.chat.completions.create(model="tiny", messages=USER, max_tokens=24, temperature=1.0, seed=seed)
+            .choices[0]
+            .message.content
+        )
 
     assert sample(11) == sample(11)
     assert len({sample(11), sample(12), sample(13)}) > 1
@@ -133,7 +145,11 @@ def test_a_seed_makes_sampling_repeatable(fake_engine, serve):
         ({"messages": USER, "top_logprobs": 2}, "top_logprobs", "logprobs: true"),
         ({"messages": USER, "tool_choice": "required"}, "tool_choice", "needs tools"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", "id"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content", "text parts"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content",
+            "text parts",
+        ),
         ({"messages": USER, "max_tokens": "9"}, "max_tokens", "integer"),
         ({"messages": USER, "stop": [1]}, "stop", "strings"),
         ({"messages": []}, "messages", "non-empty"),
@@ -212,8 +228,8 @@ def test_a_client_that_disconnects_stops_its_generation(fake_engine, serve):
 
 
 def test_cancelling_stops_within_one_forward_pass(fake_engine):
-    from akunu.cli.server.worker import Job, Piece, Worker
     from akunu.cli.serve import Drafting
+    from akunu.cli.server.worker import Job, Piece, Worker
 
     slow = SlowModel(tiny_llama(vocab=64, seed=4), delay=0.0)
     loaded = make_loaded(model=slow)
@@ -242,11 +258,17 @@ def test_a_second_turn_prefills_only_its_new_tokens(fake_engine, serve):
     first = client.chat.completions.create(model="tiny", messages=USER)
     other = [{"role": "user", "content": "something else entirely"}]
     client.chat.completions.create(model="tiny", messages=other)  # another conversation in between
-    history = [*USER, {"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "and again"}]
+    history = [
+        *USER,
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "and again"},
+    ]
     second = client.chat.completions.create(model="tiny", messages=history)
     stats = second.model_extra["akunu"]
     loaded = fake_engine.loaded
-    held = chat_ids(loaded, USER) + fake_engine.streams[0]["tokens"][:-1]  # the first turn's KV (its last token never fed)
+    held = (
+        chat_ids(loaded, USER) + fake_engine.streams[0]["tokens"][:-1]
+    )  # the first turn's KV (its last token never fed)
     new_prompt = chat_ids(loaded, history)
     assert stats["prompt_tokens"] == len(new_prompt)
     assert stats["prefilled_tokens"] == len(new_prompt) - common_prefix(held, new_prompt) < len(new_prompt) // 2
@@ -275,9 +297,8 @@ def test_each_request_logs_its_speed_and_acceptance(fake_engine, serve, caplog):
 
 
 def test_a_non_loopback_host_warns(fake_engine, monkeypatch):
-    from tests.serve_fixtures import run_serve_command
-
     import akunu.cli.serve
+    from tests.serve_fixtures import run_serve_command
 
     notes = []
     monkeypatch.setattr(akunu.cli.serve, "print_note", notes.append)

@@ -21,23 +21,41 @@ FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", 
           "parallel_tool_calls", "response_format", "logit_bias", "presence_penalty", "echo", "suffix", "user"]  # fmt: skip
 
 scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=20)
-json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
-contents = st.text(max_size=40) | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": scalars}), max_size=3) | json_values
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+contents = (
+    st.text(max_size=40)
+    | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": scalars}), max_size=3)
+    | json_values
+)
 messages = st.lists(
     st.fixed_dictionaries(
-        {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "wizard"]) | scalars, "content": contents},
+        {
+            "role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "wizard"]) | scalars,
+            "content": contents,
+        },
         optional={"tool_call_id": scalars, "tool_calls": json_values, "name": scalars},
     ),
     max_size=4,
 )
 tools = st.lists(st.fixed_dictionaries({"type": st.just("function") | scalars, "function": st.fixed_dictionaries(
     {"name": st.text(max_size=10) | scalars}, optional={"parameters": json_values, "description": scalars})}), max_size=3)  # fmt: skip
-field_values = {"messages": messages | json_values, "tools": tools | json_values, "prompt": st.text(max_size=30) | json_values}
+field_values = {
+    "messages": messages | json_values,
+    "tools": tools | json_values,
+    "prompt": st.text(max_size=30) | json_values,
+}
 requests = st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=8).flatmap(
     lambda base: st.fixed_dictionaries({k: field_values.get(k, st.just(v)) for k, v in base.items()})
 )
 # Requests a server should answer: random but well-typed fields on a valid chat or completion request.
-weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+weather = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+}
 # A few texts, so prompt shapes repeat: each new shape costs MLX a first run, which would dominate the test's time.
 texts = st.sampled_from(["write the alphabet", "hi", "ÑîÃã \x00 <|im_end|>"])
 sampling = {"temperature": st.floats(0, 2), "top_p": st.floats(0, 1), "top_k": st.integers(0, 10), "seed": st.integers(0, 2**32),
@@ -95,7 +113,9 @@ def request(base_url: str, path: str, kind: str, body, extra_headers: dict) -> i
     data = body if kind == "bytes" else json.dumps(capped(body)).encode()
     connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
     try:
-        connection.request("GET" if path in ("/v1/models", "/health") else "POST", path, body=data, headers=extra_headers)
+        connection.request(
+            "GET" if path in ("/v1/models", "/health") else "POST", path, body=data, headers=extra_headers
+        )
         response = connection.getresponse()
         response.read()
         return response.status

@@ -52,7 +52,9 @@ def health_seconds(base_url: str) -> float:
 
 def test_a_body_over_the_limit_gets_413_before_it_is_read(fake_engine, serve):
     server = serve("--max-body", "64K")
-    status, _, body = raw_request(server.base_url, "POST", "/v1/chat/completions", {"messages": USER, "pad": "x" * 70_000})
+    status, _, body = raw_request(
+        server.base_url, "POST", "/v1/chat/completions", {"messages": USER, "pad": "x" * 70_000}
+    )
     assert status == 413 and "65536 bytes" in json.loads(body)["error"]["message"]
     chunked = "POST /v1/completions HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
     piece = b"10000\r\n" + b"x" * 0x10000 + b"\r\n"  # no Content-Length: the limit is counted as it streams
@@ -71,7 +73,9 @@ def test_a_50_mb_body_neither_balloons_memory_nor_stalls_health(fake_engine, ser
     sender.join(60)
     assert answers and answers[0].startswith(b"HTTP/1.1 413")
     assert slowest < 2.0
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before < 100_000  # KiB: nowhere near the body's 50 MB
+    assert (
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before < 100_000
+    )  # KiB: nowhere near the body's 50 MB
 
 
 def test_a_client_that_leaves_mid_body_is_one_log_line(fake_engine, serve, caplog, capfd):

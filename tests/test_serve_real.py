@@ -10,13 +10,18 @@ from tests.serve_fixtures import start
 
 pytestmark = pytest.mark.real_model
 
-CODE = '''def total_price(items):
+CODE = """def total_price(items):
     total = 0
     for item in items:
         total += item.price * item.quantity
     return total
-'''
-EDIT = [{"role": "user", "content": f"Add a docstring to this Python function. Reply with the whole function.\n```python\n{CODE}```"}]
+"""
+EDIT = [
+    {
+        "role": "user",
+        "content": f"Add a docstring to this Python function. Reply with the whole function.\n```python\n{CODE}```",
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +45,9 @@ def test_a_code_edit_drafts_and_streams_the_same_answer(server):
 
 def test_a_second_turn_with_its_history_prefills_only_the_new_message(server):
     client = server.client()
-    first = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Name a river."}], max_tokens=24)
+    first = client.chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "Name a river."}], max_tokens=24
+    )
     history = [
         {"role": "user", "content": "Name a river."},
         {"role": "assistant", "content": first.choices[0].message.content},

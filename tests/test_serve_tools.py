@@ -54,7 +54,9 @@ class CharTokenizer:
     def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, tools=None) -> str:
         return ChatTemplate(QWEN_TEMPLATE).render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
 
-    def encode_chat(self, messages, *, add_generation_prompt: bool = True, parse_special: bool = False, tools=None) -> list[int]:
+    def encode_chat(
+        self, messages, *, add_generation_prompt: bool = True, parse_special: bool = False, tools=None
+    ) -> list[int]:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools))
 
 
@@ -101,7 +103,9 @@ class ScriptedModel:
 @pytest.fixture
 def scripted(fake_engine):
     tokenizer = CharTokenizer()
-    fake_engine.loaded = make_loaded(model=ScriptedModel(tiny_llama(vocab=tokenizer.vocab_size, seed=4), tokenizer), context_length=4096)
+    fake_engine.loaded = make_loaded(
+        model=ScriptedModel(tiny_llama(vocab=tokenizer.vocab_size, seed=4), tokenizer), context_length=4096
+    )
     fake_engine.loaded.tokenizer = tokenizer
     return fake_engine
 
@@ -115,7 +119,9 @@ def test_a_tool_call_is_answered_as_tool_calls_with_the_tools_in_the_models_temp
     assert call.type == "function" and call.id.startswith("call_")
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
     prompt = scripted.loaded.tokenizer.decode(scripted.streams[-1]["prompt"])
-    assert "<tools>\n" + json.dumps(WEATHER_TOOL, ensure_ascii=False) + "\n</tools>" in prompt  # Qwen's template wrote them
+    assert (
+        "<tools>\n" + json.dumps(WEATHER_TOOL, ensure_ascii=False) + "\n</tools>" in prompt
+    )  # Qwen's template wrote them
 
 
 def test_a_streamed_tool_call_comes_as_delta_tool_calls(scripted, serve):
@@ -143,10 +149,14 @@ def test_a_tool_result_fed_back_gets_a_final_answer(scripted, serve):
 
 def test_without_a_call_the_answer_is_text_and_tool_choice_none_offers_no_tools(scripted, serve):
     client = serve("--max-tokens", "60").client()
-    hello = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER_TOOL])
+    hello = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER_TOOL]
+    )
     assert (hello.choices[0].message.content, hello.choices[0].finish_reason) == ("Hello there.", "stop")
     none = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER_TOOL], tool_choice="none")
-    assert none.choices[0].message.content == "Hello there." and "# Tools" not in scripted.loaded.tokenizer.decode(scripted.streams[-1]["prompt"])
+    assert none.choices[0].message.content == "Hello there." and "# Tools" not in scripted.loaded.tokenizer.decode(
+        scripted.streams[-1]["prompt"]
+    )
 
 
 def test_a_named_tool_choice_reaches_the_engine_as_a_grammar(scripted, serve):

@@ -35,7 +35,11 @@ def test_speculative_equals_plain_over_many_prompts(model_fn):
     for i in range(40):
         prompt = random_prompt(rng, 64, repetitive=i % 2 == 0)
         _, plain, _ = run(model, prompt, SpecConfig(enabled=False))
-        specs = (SpecConfig(draft_tokens=4), SpecConfig(draft_tokens=7, draft_length="fixed"), SpecConfig(draft_length="entropy"))
+        specs = (
+            SpecConfig(draft_tokens=4),
+            SpecConfig(draft_tokens=7, draft_length="fixed"),
+            SpecConfig(draft_length="entropy"),
+        )
         for spec in specs:
             _, fast, stats = run(model, prompt, spec)
             assert_same_or_near_tie(model, prompt, plain, fast, f"prompt {i} {spec}")

@@ -108,10 +108,13 @@ def test_the_harness_rejects_a_wrong_acceptance_rule(broken_rule, drafter_kind):
 
 # End to end: the engine's sampled generation on a tiny model against exact probabilities.
 
+
 def engine_samples(model, params, spec: bool, runs: int, length: int = 3) -> Counter:
     tokenizer = FakeTokenizer()
     mx.random.seed(1234)
-    config = GenerationConfig(max_tokens=length, sampling=params, spec=SpecConfig(enabled=spec, draft_tokens=3, draft_length="fixed"))
+    config = GenerationConfig(
+        max_tokens=length, sampling=params, spec=SpecConfig(enabled=spec, draft_tokens=3, draft_length="fixed")
+    )
     return Counter(tuple(generate(model, tokenizer, PROMPT, config)[1]) for _ in range(runs))
 
 

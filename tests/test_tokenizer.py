@@ -354,8 +354,9 @@ def _transformers_reference(path: Path, *, split_digits: bool):
         from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
     except Exception:  # noqa: BLE001 - older or newer transformers without this module
         pytest.skip("transformers has no GGUF tokenizer conversion here")
-    from akunu.models.gguf_file import read_gguf
     from tokenizers import pre_tokenizers
+
+    from akunu.models.gguf_file import read_gguf
 
     metadata = read_gguf(path).metadata
     fields = {

@@ -42,7 +42,11 @@ def test_hermes_calls_and_the_text_around_them():
     bare = '{"name": "get_weather", "arguments": {"city": "Paris"}}'  # <tool_call> hidden as a special token
     assert calls_of(HERMES, bare) == (None, [("get_weather", {"city": "Paris"})])
     stream = CallStream(HERMES)
-    assert stream.feed(bare[:10]) == ("", []) and stream.feed(bare[10:]) == ("", []) and stream.finish()[1][0].name == "get_weather"
+    assert (
+        stream.feed(bare[:10]) == ("", [])
+        and stream.feed(bare[10:]) == ("", [])
+        and stream.finish()[1][0].name == "get_weather"
+    )
     unclosed = '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}'  # the model stopped before the closing tag
     assert calls_of(HERMES, unclosed) == (None, [("f", {"a": [1, 2]})])
 
@@ -58,7 +62,10 @@ def test_a_call_that_does_not_parse_stays_text(family, text):
 
 
 def test_llama3_json_calls():
-    assert calls_of(LLAMA3, '{"name": "get_weather", "parameters": {"city": "Oslo"}}') == (None, [("get_weather", {"city": "Oslo"})])
+    assert calls_of(LLAMA3, '{"name": "get_weather", "parameters": {"city": "Oslo"}}') == (
+        None,
+        [("get_weather", {"city": "Oslo"})],
+    )
     both = '<|python_tag|>{"name": "f", "parameters": {"x": 1}}; {"name": "g", "arguments": "{\\"y\\": 2}"}'
     assert calls_of(LLAMA3, both) == (None, [("f", {"x": 1}), ("g", {"y": 2})])
     assert calls_of(LLAMA3, 'The JSON is {"name": "f", "parameters": {}}')[1] == []  # only a whole answer is a call
@@ -90,7 +97,9 @@ def test_streaming_gives_what_parsing_the_whole_answer_gives(split):
     piece, found = stream.finish()
     shown, calls = shown + piece, calls + found
     whole_content, whole_calls = parse(HERMES, text)
-    assert shown.split() == whole_content.split() and [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
+    assert shown.split() == whole_content.split() and [(c.name, c.arguments) for c in calls] == [
+        (c.name, c.arguments) for c in whole_calls
+    ]
 
 
 def test_streaming_text_that_only_looked_like_a_call_is_shown():

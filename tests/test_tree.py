@@ -99,7 +99,9 @@ def test_tree_decoding_equals_plain_greedy_decoding(name, monkeypatch):
     compactions = []
     original = akunu.drafters.tree.keep_path
     monkeypatch.setattr(
-        akunu.drafters.tree, "keep_path", lambda c, p, w, path: (compactions.append(path != list(range(len(path)))), original(c, p, w, path))
+        akunu.drafters.tree,
+        "keep_path",
+        lambda c, p, w, path: (compactions.append(path != list(range(len(path)))), original(c, p, w, path)),
     )
     model = MODELS[name]()
     rng = random.Random(0)
@@ -123,7 +125,9 @@ def test_stream_generate_runs_the_tree_loop_for_a_tree_drafter():
     model = tiny_llama(seed=3, sharpness=4.0, attention=0.0)
     prompt = [5, 6, 7, 8] * 4
     config = GenerationConfig(max_tokens=60, spec=SpecConfig(draft_tokens=6, draft_length="fixed"))
-    _, plain, _ = generate(model, FakeTokenizer(), prompt, GenerationConfig(max_tokens=60, spec=SpecConfig(enabled=False)))
+    _, plain, _ = generate(
+        model, FakeTokenizer(), prompt, GenerationConfig(max_tokens=60, spec=SpecConfig(enabled=False))
+    )
     _, fast, stats = generate(model, FakeTokenizer(), prompt, config, drafter=NGramTreeDrafter(max_nodes=10))
     assert_same_or_near_tie(model, prompt, plain, fast)
     assert stats.tokens_per_pass > 2

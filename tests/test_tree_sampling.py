@@ -25,7 +25,9 @@ def exact_probs(model, params):
 def tree_samples(model, params):
     mx.random.seed(99)
     config = GenerationConfig(max_tokens=3, sampling=params, spec=SpecConfig(draft_tokens=3, draft_length="fixed"))
-    runs = (generate(model, FakeTokenizer(), PROMPT, config, drafter=NGramTreeDrafter(max_nodes=6)) for _ in range(RUNS))
+    runs = (
+        generate(model, FakeTokenizer(), PROMPT, config, drafter=NGramTreeDrafter(max_nodes=6)) for _ in range(RUNS)
+    )
     return Counter(tuple(tokens) for _, tokens, _ in runs)
 
 
@@ -37,7 +39,11 @@ def fall_back_to_p_itself(logprobs, tree: TokenTree):
     return path, token
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temp=1.0), SamplingParams(temp=0.8, top_k=5, top_p=0.95)], ids=["temp1", "temp0.8-topk-topp"])
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temp=1.0), SamplingParams(temp=0.8, top_k=5, top_p=0.95)],
+    ids=["temp1", "temp0.8-topk-topp"],
+)
 def test_tree_sampling_keeps_the_target_distribution(params):
     model = tiny_llama(vocab=8, seed=7, sharpness=1.5)
     ok, stat, critical = fits(tree_samples(model, params), exact_probs(model, params), RUNS)

@@ -40,8 +40,15 @@ def encode_values(values: np.ndarray, ggml_type: Q, rng: np.random.Generator) ->
 
 
 # Byte offsets of the float16 scales (d, dmin) in a block, for types gguf-py cannot quantize.
-HALF_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
-                      Q.IQ4_NL: (0,), Q.IQ4_XS: (0,)}
+HALF_SCALE_OFFSETS = {
+    Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+    Q.IQ4_NL: (0,),
+    Q.IQ4_XS: (0,),
+}
 
 
 def _random_k_blocks(shape: tuple[int, ...], ggml_type: Q, rng: np.random.Generator) -> np.ndarray:
@@ -96,9 +103,15 @@ def write_tiny_gguf(
 
     expected = {}
     for name, shape in shapes.items():
-        values = (rng.standard_normal(shape) * (0.05 if len(shape) == 2 else 0.1) + (len(shape) == 1)).astype(np.float32)
+        values = (rng.standard_normal(shape) * (0.05 if len(shape) == 2 else 0.1) + (len(shape) == 1)).astype(
+            np.float32
+        )
         ggml_type = (types_by_name or {}).get(name) or (
-            Q.F32 if len(shape) == 1 else (embedding_type or matrix_type) if name == "token_embd.weight" else matrix_type
+            Q.F32
+            if len(shape) == 1
+            else (embedding_type or matrix_type)
+            if name == "token_embd.weight"
+            else matrix_type
         )
         stored, expected[name] = encode_values(values, ggml_type, rng)
         writer.add_tensor(name, stored, raw_dtype=ggml_type if ggml_type not in (Q.F32, Q.F16) else None)

@@ -23,7 +23,13 @@ from akunu.bench.runner import (
     run_benchmark,
 )
 from akunu.bench.summary import (
-    CategorySummary, DrafterSummary, ExactSummary, median_of_ratios, summarize, summarize_drafters, summarize_exact,
+    CategorySummary,
+    DrafterSummary,
+    ExactSummary,
+    median_of_ratios,
+    summarize,
+    summarize_drafters,
+    summarize_exact,
 )  # fmt: skip
 from akunu.bench.workloads import CATEGORIES, Prompt, WorkloadError, load_workload, select, shipped_workload
 

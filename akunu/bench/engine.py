@@ -66,7 +66,13 @@ class ModelEngine:
         if method.startswith(DRAFTER_PREFIX):
             return self._run_akunu(prompt_ids, self.draft_length, self._drafter(method[len(DRAFTER_PREFIX) :]))
         fixed = DraftLengthPolicy.fixed
-        policy_by_method = {PLAIN: None, SPEC: self.draft_length, SPEC_FIXED: fixed, PLAIN_EXACT: None, SPEC_EXACT: self.draft_length}
+        policy_by_method = {
+            PLAIN: None,
+            SPEC: self.draft_length,
+            SPEC_FIXED: fixed,
+            PLAIN_EXACT: None,
+            SPEC_EXACT: self.draft_length,
+        }
         if method not in policy_by_method:  # None: no speculation
             raise ValueError(f"unknown benchmark method {method!r}")
         return self._run_akunu(prompt_ids, policy_by_method[method], exact=method in (PLAIN_EXACT, SPEC_EXACT))
@@ -87,18 +93,28 @@ class ModelEngine:
             self._drafters[spec] = make_drafter(spec, self, params=SamplingParams(temp=self.temp))
         return self._drafters[spec]
 
-    def _run_akunu(self, prompt_ids: list[int], policy: DraftLengthPolicy | None, drafter=None, exact: bool = False) -> Run:
+    def _run_akunu(
+        self, prompt_ids: list[int], policy: DraftLengthPolicy | None, drafter=None, exact: bool = False
+    ) -> Run:
         from akunu.generate import GenerationConfig, SpecConfig, stream_generate
         from akunu.sampling import SamplingParams
 
         speculation = SpecConfig(
-            enabled=policy is not None, draft_tokens=self.draft_tokens, draft_length=policy or self.draft_length, exact=exact,
+            enabled=policy is not None,
+            draft_tokens=self.draft_tokens,
+            draft_length=policy or self.draft_length,
+            exact=exact,
         )
         sampling = SamplingParams(temp=self.temp, seed=self.seed)
         config = GenerationConfig(max_tokens=self.max_tokens, sampling=sampling, spec=speculation)
         start = time.perf_counter()
         responses = stream_generate(
-            self.model, self.tokenizer, prompt_ids, config, context_length=self.context_length, costs=self.costs,
+            self.model,
+            self.tokenizer,
+            prompt_ids,
+            config,
+            context_length=self.context_length,
+            costs=self.costs,
             drafter=drafter,
         )
         final: dict = {}

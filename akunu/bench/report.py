@@ -45,7 +45,9 @@ def write_plot(path: Path, result: BenchResult, summaries: list[CategorySummary]
     positions = range(len(rows))
     width = 0.38
     speed.bar([p - width / 2 for p in positions], [s.speedup or 0 for s in rows], width, label="speculative (adaptive)")
-    speed.bar([p + width / 2 for p in positions], [s.fixed_speedup or 0 for s in rows], width, label="speculative (fixed)")
+    speed.bar(
+        [p + width / 2 for p in positions], [s.fixed_speedup or 0 for s in rows], width, label="speculative (fixed)"
+    )
     speed.axhline(1.0, color="black", linewidth=0.8)
     speed.set_xticks(list(positions), [s.category for s in rows])
     speed.set_ylabel("decode speedup vs plain (median of per-prompt ratios)")

@@ -71,7 +71,9 @@ class Measurement:
         record = asdict(self)
         record["run"]["accepted_lengths"] = {str(k): v for k, v in sorted(self.run.accepted_lengths.items())}
         record["run"].update(
-            generated=self.run.generated, decode_tps=round(self.run.decode_tps, 3), prefill_tps=round(self.run.prefill_tps, 3)
+            generated=self.run.generated,
+            decode_tps=round(self.run.decode_tps, 3),
+            prefill_tps=round(self.run.prefill_tps, 3),
         )
         return record
 
@@ -155,7 +157,9 @@ def compare_tokens(prompt: Prompt, repeat: int, runs: dict[str, Run]) -> list[Mi
             expected = expected_tokens[index] if index < len(expected_tokens) else None
             got = run.tokens[index] if index < len(run.tokens) else None
             informational = method not in (*MUST_MATCH_PLAIN, SPEC_EXACT) and not method.startswith(DRAFTER_PREFIX)
-            found.append(Mismatch(prompt.id, prompt.category, repeat, method, reference, index, expected, got, informational))
+            found.append(
+                Mismatch(prompt.id, prompt.category, repeat, method, reference, index, expected, got, informational)
+            )
     return found
 
 

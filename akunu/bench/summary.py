@@ -13,7 +13,16 @@ from dataclasses import asdict, dataclass
 
 from akunu.bench.copy_bound import ANCHOR, bound_tokens_per_pass
 from akunu.bench.runner import (
-    DRAFTER_PREFIX, LLAMA_CPP, MLX_LM, PLAIN, PLAIN_EXACT, SPEC, SPEC_EXACT, SPEC_FIXED, BenchResult, Measurement,
+    DRAFTER_PREFIX,
+    LLAMA_CPP,
+    MLX_LM,
+    PLAIN,
+    PLAIN_EXACT,
+    SPEC,
+    SPEC_EXACT,
+    SPEC_FIXED,
+    BenchResult,
+    Measurement,
 )  # fmt: skip
 
 OVERALL = "overall"
@@ -231,7 +240,7 @@ def summarize_exact(result: BenchResult) -> list[ExactSummary]:
         prompt_ids = {m.prompt_id for m in group}
         mismatches = [m for m in result.mismatches if m.prompt_id in prompt_ids]
         default = [m for m in mismatches if m.method == SPEC]
-        ratio = lambda top, bottom: median_of_ratios(per_prompt_ratios(group, top, bottom).values())  # noqa: E731
+        ratio = lambda top, bottom, group=group: median_of_ratios(per_prompt_ratios(group, top, bottom).values())  # noqa: E731
         rows.append(
             ExactSummary(
                 category=name,

@@ -62,7 +62,9 @@ def _json_object(line: str, where: str) -> dict:
     except json.JSONDecodeError as error:
         raise WorkloadError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
     if not isinstance(record, dict):
-        raise WorkloadError(f"{where}: expected a JSON object with 'category' and 'prompt', got {type(record).__name__}")
+        raise WorkloadError(
+            f"{where}: expected a JSON object with 'category' and 'prompt', got {type(record).__name__}"
+        )
     return record
 
 
@@ -96,13 +98,17 @@ def shipped_workload() -> list[Prompt]:
     return prompts
 
 
-def select(prompts: Sequence[Prompt], categories: Sequence[str] | None = None, limit: int | None = None) -> list[Prompt]:
+def select(
+    prompts: Sequence[Prompt], categories: Sequence[str] | None = None, limit: int | None = None
+) -> list[Prompt]:
     """The prompts of `categories` (all when None), at most `limit` per category, in file order."""
     present = list(dict.fromkeys(p.category for p in prompts))
     wanted = list(dict.fromkeys(categories)) if categories else present
     unknown = [c for c in wanted if c not in present]
     if unknown:
-        raise WorkloadError(f"no prompts in category {', '.join(map(repr, unknown))}; the workload has {', '.join(present)}")
+        raise WorkloadError(
+            f"no prompts in category {', '.join(map(repr, unknown))}; the workload has {', '.join(present)}"
+        )
     if limit is not None and limit < 1:
         raise WorkloadError(f"--limit must be at least 1 (got {limit})")
     chosen: list[Prompt] = []

@@ -111,9 +111,11 @@ def check_same_vocabulary(target, draft, draft_name: str) -> None:
         )
     target_vocab, draft_vocab = vocabulary_of(target.tokenizer), vocabulary_of(draft.tokenizer)
     if target_vocab is not None and draft_vocab is not None and target_vocab != draft_vocab:
-        first = next(i for i, (a, b) in enumerate(zip(target_vocab, draft_vocab)) if a != b) if len(target_vocab) == len(
-            draft_vocab
-        ) else min(len(target_vocab), len(draft_vocab))
+        first = (
+            next(i for i, (a, b) in enumerate(zip(target_vocab, draft_vocab)) if a != b)
+            if len(target_vocab) == len(draft_vocab)
+            else min(len(target_vocab), len(draft_vocab))
+        )
         raise OptionsError(
             f"draft model {draft_name} uses a different tokenizer (token {first} differs); "
             "a draft model must use the same tokenizer as the target"

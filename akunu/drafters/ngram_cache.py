@@ -83,7 +83,9 @@ class NGramCache:
         return cache
 
     def _capped_rows(self) -> np.ndarray:
-        contexts = [(sum(c.values()), ctx_len, key, c) for ctx_len, t in enumerate(self.tables, 1) for key, c in t.items()]
+        contexts = [
+            (sum(c.values()), ctx_len, key, c) for ctx_len, t in enumerate(self.tables, 1) for key, c in t.items()
+        ]
         contexts.sort(key=lambda entry: -entry[0])
         rows = []
         for _, ctx_len, key, counts in contexts[: self.max_contexts]:

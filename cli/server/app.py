@@ -55,7 +55,9 @@ class ClientLeft(Exception):
     """The client closed the connection before its request body was whole: an ordinary event, logged in one line."""
 
 
-def create_app(worker: Worker, base_config, *, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY) -> Starlette:
+def create_app(
+    worker: Worker, base_config, *, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY
+) -> Starlette:
     """The app for a started worker; `base_config` holds the server's speculation settings and default max_tokens;
     request bodies over `max_body` bytes get a 413 before they are read whole."""
     model_name = worker.loaded.name
@@ -81,7 +83,9 @@ def create_app(worker: Worker, base_config, *, api_key: str | None = None, max_b
                            headers={"Retry-After": str(full.retry_after)}) from None  # fmt: skip
         if parsed.stream:
             answer = Answer(parsed, worker.loaded.tokenizer)
-            events = _server_sent_events(parsed, answer, request_id, model_name, _until_disconnect(request, job, channel))
+            events = _server_sent_events(
+                parsed, answer, request_id, model_name, _until_disconnect(request, job, channel)
+            )
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         pieces, final = [], None
         async for event in _until_disconnect(request, job, channel):
@@ -90,16 +94,26 @@ def create_app(worker: Worker, base_config, *, api_key: str | None = None, max_b
             else:
                 final = event
         if isinstance(final, Failed):
-            raise ApiError(400, final.message) if final.client_error else ApiError(500, final.message, kind="server_error")
+            raise (
+                ApiError(400, final.message)
+                if final.client_error
+                else ApiError(500, final.message, kind="server_error")
+            )
         text = "".join(piece.text for piece in pieces)
         content, calls = tool_calls.parse(parsed.family, text) if parsed.tools else (text, [])
         calls = calls if parsed.tools is None or parsed.tools.parallel else calls[:1]
         logprobs = logprobs_body(parsed.kind, [e for piece in pieces for e in piece.logprobs], worker.loaded.tokenizer)
         finish = "tool_calls" if calls else final.finish_reason
-        return JSONResponse(completion_body(parsed.kind, request_id, model_name, content, finish, final.stats, tool_calls=calls, logprobs=logprobs))
+        return JSONResponse(
+            completion_body(
+                parsed.kind, request_id, model_name, content, finish, final.stats, tool_calls=calls, logprobs=logprobs
+            )
+        )
 
     async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": started, "owned_by": "akunu"}]})
+        return JSONResponse(
+            {"object": "list", "data": [{"id": model_name, "object": "model", "created": started, "owned_by": "akunu"}]}
+        )
 
     async def health(request: Request):
         return JSONResponse({
@@ -213,7 +227,9 @@ async def _server_sent_events(parsed, answer: Answer, request_id: str, model: st
         if isinstance(event, Piece):
             text, calls, logprobs = answer.add(event)
             if text or calls:
-                yield data(chunk_body(parsed.kind, request_id, model, text, first=first, tool_calls=calls, logprobs=logprobs))
+                yield data(
+                    chunk_body(parsed.kind, request_id, model, text, first=first, tool_calls=calls, logprobs=logprobs)
+                )
                 first = False
         elif isinstance(event, Finished):
             text, calls, logprobs = answer.finish()

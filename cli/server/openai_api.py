@@ -88,8 +88,14 @@ def parse_chat(body: dict, loaded, base_config) -> ParsedRequest:
     forced = tools.forced(family) if tools else None
     if forced is not None:
         if parsed.config.grammar is not None:
-            raise ApiError(400, "tool_choice required or a named function cannot be combined with response_format", param="tool_choice")
-        parsed = dataclasses.replace(parsed, config=dataclasses.replace(parsed.config, grammar=_forced_grammar(forced, tools.parallel)))
+            raise ApiError(
+                400,
+                "tool_choice required or a named function cannot be combined with response_format",
+                param="tool_choice",
+            )
+        parsed = dataclasses.replace(
+            parsed, config=dataclasses.replace(parsed.config, grammar=_forced_grammar(forced, tools.parallel))
+        )
     return dataclasses.replace(parsed, tools=tools, family=family)
 
 
@@ -98,7 +104,11 @@ def parse_completion(body: dict, loaded, base_config) -> ParsedRequest:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise ApiError(400, f"one prompt per request (got a batch of {len(prompt)}); send them as separate requests", param="prompt")
+        raise ApiError(
+            400,
+            f"one prompt per request (got a batch of {len(prompt)}); send them as separate requests",
+            param="prompt",
+        )
     if isinstance(prompt, str) and prompt:
         prompt_ids = loaded.tokenizer.encode(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -106,7 +116,11 @@ def parse_completion(body: dict, loaded, base_config) -> ParsedRequest:
             raise ApiError(400, f"prompt token ids must be in [0, {loaded.tokenizer.vocab_size})", param="prompt")
         prompt_ids = list(prompt)
     else:
-        raise ApiError(400, "'prompt' must be a non-empty string or list of token ids (or a list holding one of them)", param="prompt")
+        raise ApiError(
+            400,
+            "'prompt' must be a non-empty string or list of token ids (or a list holding one of them)",
+            param="prompt",
+        )
     return _parsed(COMPLETION, body, loaded, base_config, prompt_ids, ())
 
 
@@ -121,14 +135,20 @@ def _message(message, i: int) -> dict:
     role = message.get("role") if isinstance(message, dict) else None
     role = "system" if role == "developer" else role
     if role not in ("system", "user", "assistant", "tool"):
-        raise ApiError(400, f"messages[{i}].role must be system, developer, user, assistant or tool", param=f"messages[{i}].role")
+        raise ApiError(
+            400, f"messages[{i}].role must be system, developer, user, assistant or tool", param=f"messages[{i}].role"
+        )
     parsed = {"role": role, "content": _content(message.get("content"), i)}
     if role == "assistant" and message.get("tool_calls"):
         parsed["tool_calls"] = _history_calls(message["tool_calls"], i)
     if role == "tool":
         call_id = message.get("tool_call_id")
         if not isinstance(call_id, str):
-            raise ApiError(400, f"messages[{i}].tool_call_id must be the id of the call this answers", param=f"messages[{i}].tool_call_id")
+            raise ApiError(
+                400,
+                f"messages[{i}].tool_call_id must be the id of the call this answers",
+                param=f"messages[{i}].tool_call_id",
+            )
         parsed["tool_call_id"] = call_id
     if isinstance(message.get("name"), str):
         parsed["name"] = message["name"]
@@ -143,7 +163,11 @@ def _history_calls(calls, i: int) -> list[dict]:
     parsed = []
     for call in calls:
         function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(function.get("arguments", ""), (str, dict)):
+        if (
+            not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not isinstance(function.get("arguments", ""), (str, dict))
+        ):
             raise ApiError(400, f"{param} must hold {{id, type: function, function: {{name, arguments}}}}", param=param)
         arguments = function.get("arguments") or "{}"
         if isinstance(arguments, str):
@@ -151,7 +175,9 @@ def _history_calls(calls, i: int) -> list[dict]:
                 arguments = json.loads(arguments)
             except ValueError:
                 raise ApiError(400, f"{param}: the arguments of {function['name']} are not JSON", param=param) from None
-        parsed.append({"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}})
+        parsed.append(
+            {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        )
     return parsed
 
 
@@ -159,12 +185,18 @@ def _content(content, i: int) -> str:
     """A string, null, or a list of text parts (what newer clients send)."""
     if content is None or isinstance(content, str):
         return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
-    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
+    raise ApiError(
+        400, f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content"
+    )
 
 
-def _parsed(kind: str, body: dict, loaded, base_config, prompt_ids: list[int], extra_stop: tuple[str, ...]) -> ParsedRequest:
+def _parsed(
+    kind: str, body: dict, loaded, base_config, prompt_ids: list[int], extra_stop: tuple[str, ...]
+) -> ParsedRequest:
     context = loaded.context_length
     if context and len(prompt_ids) >= context:
         raise ApiError(
@@ -177,7 +209,9 @@ def _parsed(kind: str, body: dict, loaded, base_config, prompt_ids: list[int], e
     if _field(body, "n", 1, int, low=1) != 1:
         raise ApiError(400, "only n=1 is supported", param="n")
     max_tokens = body.get("max_completion_tokens")
-    max_tokens = _field(body, "max_completion_tokens" if max_tokens is not None else "max_tokens", base_config.max_tokens, int, low=1)
+    max_tokens = _field(
+        body, "max_completion_tokens" if max_tokens is not None else "max_tokens", base_config.max_tokens, int, low=1
+    )
     stream = _field(body, "stream", False, bool)
     options = body.get("stream_options") or {}
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
@@ -219,7 +253,9 @@ def _logprobs(kind: str, body: dict) -> int | None:
 def _forced_grammar(forced, parallel: bool) -> str:
     from akunu.grammar import wrapped_json_grammar
 
-    return wrapped_json_grammar(forced.prefix, forced.schema, forced.suffix, separator=forced.separator if parallel else None)
+    return wrapped_json_grammar(
+        forced.prefix, forced.schema, forced.suffix, separator=forced.separator if parallel else None
+    )
 
 
 def _response_format(response_format) -> str | None:
@@ -241,12 +277,20 @@ def _field(body: dict, name: str, default, kind: type, *, low=None, high=None, l
     if value is None:
         return default
     numeric = kind in (int, float)
-    wrong_type = isinstance(value, bool) != (kind is bool) or not isinstance(value, (int, float) if kind is float else kind)
+    wrong_type = isinstance(value, bool) != (kind is bool) or not isinstance(
+        value, (int, float) if kind is float else kind
+    )
     if wrong_type or (numeric and not math.isfinite(value)):
-        raise ApiError(400, f"'{name}' must be {'a number' if kind is float else 'an integer' if kind is int else 'true or false'}", param=name)
+        raise ApiError(
+            400,
+            f"'{name}' must be {'a number' if kind is float else 'an integer' if kind is int else 'true or false'}",
+            param=name,
+        )
     too_low = low is not None and (value <= low if low_open else value < low)
     if numeric and (too_low or (high is not None and value > high)):
-        bounds = f"{'(' if low_open else '['}{low}, {high if high is not None else '∞'}{']' if high is not None else ')'}"
+        bounds = (
+            f"{'(' if low_open else '['}{low}, {high if high is not None else '∞'}{']' if high is not None else ')'}"
+        )
         raise ApiError(400, f"'{name}' must be in {bounds} (got {value})", param=name)
     return kind(value)
 
@@ -295,7 +339,12 @@ def completion_body(kind: str, request_id: str, model: str, text: str | None, fi
             choice["message"]["tool_calls"] = [call.to_openai() for call in tool_calls]
     else:
         choice["text"] = text
-    return {**_envelope(kind, request_id, model, chunk=False), "choices": [choice], "usage": usage(stats), "akunu": akunu_stats(stats)}
+    return {
+        **_envelope(kind, request_id, model, chunk=False),
+        "choices": [choice],
+        "usage": usage(stats),
+        "akunu": akunu_stats(stats),
+    }
 
 
 def chunk_body(kind: str, request_id: str, model: str, text: str | None, *, first: bool = False,
@@ -348,4 +397,9 @@ def _token_text(token: int, tokenizer) -> str:
 
 
 def _envelope(kind: str, request_id: str, model: str, *, chunk: bool) -> dict:
-    return {"id": request_id, "object": f"{kind}.chunk" if chunk and kind == CHAT else kind, "created": int(time.time()), "model": model}
+    return {
+        "id": request_id,
+        "object": f"{kind}.chunk" if chunk and kind == CHAT else kind,
+        "created": int(time.time()),
+        "model": model,
+    }

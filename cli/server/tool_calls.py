@@ -144,7 +144,11 @@ def _mistral(text: str) -> tuple[str, list[ToolCall]]:
             found = [_call_from_value(v, "arguments") for v in values] if isinstance(values, list) else [None]
         else:  # v11+: name[ARGS]{...}
             name, args_marker, arguments = part.partition("[ARGS]")
-            found = [_call_from_value({"name": name.strip(), "arguments": _json_or_none(arguments)}, "arguments")] if args_marker else [None]
+            found = (
+                [_call_from_value({"name": name.strip(), "arguments": _json_or_none(arguments)}, "arguments")]
+                if args_marker
+                else [None]
+            )
         if None in found:
             return text, []
         calls += found
@@ -159,7 +163,9 @@ def _harmony(text: str) -> tuple[str, list[ToolCall]]:
             return text, []
         calls.append(call)
     final = _HARMONY_FINAL.search(text)
-    content = final.group(1) if final else _HARMONY_MARKUP.sub("", _HARMONY_CALL.sub("", _HARMONY_ANALYSIS.sub("", text)))
+    content = (
+        final.group(1) if final else _HARMONY_MARKUP.sub("", _HARMONY_CALL.sub("", _HARMONY_ANALYSIS.sub("", text)))
+    )
     return content, calls
 
 
@@ -308,7 +314,11 @@ def tool_request(body: dict) -> ToolRequest | None:
         return ToolRequest(functions, choice or "auto", parallel=parallel is not False)
     if choice == "none":
         return None
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = (
+        choice.get("function", {}).get("name")
+        if isinstance(choice, dict) and choice.get("type") == "function"
+        else None
+    )
     if not isinstance(name, str) or name not in names:
         raise ToolRequestError(f"tool_choice must be none, auto, required or {{type: function, function: {{name}}}} naming one of {names}",
                                "tool_choice")  # fmt: skip
@@ -322,5 +332,7 @@ def _function(tool, i: int) -> dict:
         raise ToolRequestError(f"tools[{i}] must be {{type: function, function: {{name, parameters}}}} with a name of "
                                "at most 64 letters, digits, '_', '.' or '-'", f"tools[{i}]")  # fmt: skip
     if not isinstance(function.get("parameters", {}), dict) or not isinstance(function.get("description", ""), str):
-        raise ToolRequestError(f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}].function.parameters")
+        raise ToolRequestError(
+            f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}].function.parameters"
+        )
     return {key: function[key] for key in ("name", "description", "parameters") if key in function}

@@ -20,8 +20,25 @@ from akunu.models.architectures.qwen import QWEN2, QWEN3, QWEN3MOE
 from akunu.models.architectures.qwen35 import QWEN35, QWEN35MOE
 from akunu.models.gguf_file import GGUFFile
 
-SUPPORTED = {arch.gguf_name: arch for arch in (LLAMA, GRANITE, SMOLLM3, QWEN2, QWEN3, QWEN3MOE, QWEN35,
-                                                QWEN35MOE, PHI3, GEMMA2, GEMMA3, GEMMA4, GPT_OSS, OLMO2)}
+SUPPORTED = {
+    arch.gguf_name: arch
+    for arch in (
+        LLAMA,
+        GRANITE,
+        SMOLLM3,
+        QWEN2,
+        QWEN3,
+        QWEN3MOE,
+        QWEN35,
+        QWEN35MOE,
+        PHI3,
+        GEMMA2,
+        GEMMA3,
+        GEMMA4,
+        GPT_OSS,
+        OLMO2,
+    )
+}
 
 
 def architecture_of(gguf_file: GGUFFile) -> Architecture:

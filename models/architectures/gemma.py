@@ -93,7 +93,9 @@ def gemma4_config(gguf_file: GGUFFile) -> Config:
 def _sliding_layers(gguf_file: GGUFFile) -> list[bool]:
     pattern = gguf_file.arch_value("attention.sliding_window_pattern")
     if not isinstance(pattern, (list, np.ndarray)) or len(pattern) == 0:
-        raise ModelError(f"{gguf_file.path.name} lacks a per-layer {gguf_file.architecture}.attention.sliding_window_pattern")
+        raise ModelError(
+            f"{gguf_file.path.name} lacks a per-layer {gguf_file.architecture}.attention.sliding_window_pattern"
+        )
     if len(pattern) != integer(gguf_file, "block_count"):
         raise ModelError(f"{gguf_file.path.name}: sliding_window_pattern has {len(pattern)} entries, not one per block")
     return [bool(swa) for swa in pattern]
@@ -115,10 +117,16 @@ def _gemma4_rope(gguf_file: GGUFFile, sliding: list[bool]) -> dict:
         if divisors.size != full_dim // 2 or not np.all((divisors == 1.0) | (divisors >= 1e29)):
             raise ModelError(f"{gguf_file.path.name} has rope frequency factors akunu cannot map onto gemma4's rope")
     return {
-        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": rotated / full_dim,
-                           "rope_theta": float(number(gguf_file, "rope.freq_base", 1_000_000.0))},
-        "sliding_attention": {"rope_type": "default", "partial_rotary_factor": 1.0,
-                              "rope_theta": float(number(gguf_file, "rope.freq_base_swa", 10_000.0))},
+        "full_attention": {
+            "rope_type": "proportional",
+            "partial_rotary_factor": rotated / full_dim,
+            "rope_theta": float(number(gguf_file, "rope.freq_base", 1_000_000.0)),
+        },
+        "sliding_attention": {
+            "rope_type": "default",
+            "partial_rotary_factor": 1.0,
+            "rope_theta": float(number(gguf_file, "rope.freq_base_swa", 10_000.0)),
+        },
     }
 
 
@@ -133,7 +141,9 @@ def _refuse_gemma4_variants(gguf_file: GGUFFile, config: Config) -> None:
         "per-layer embeddings": integer(gguf_file, "embedding_length_per_layer_input", 0, minimum=0) > 0,
         "shared KV layers": integer(gguf_file, "attention.shared_kv_layers", 0, minimum=0) > 0,
         "experts": "blk.0.ffn_gate_inp.weight" in gguf_file.tensors,
-        "K as V attention": any(f"blk.{i}.attn_v.weight" not in gguf_file.tensors for i in range(config["num_hidden_layers"])),
+        "K as V attention": any(
+            f"blk.{i}.attn_v.weight" not in gguf_file.tensors for i in range(config["num_hidden_layers"])
+        ),
     }
     for what, present in unsupported.items():
         if present:
@@ -142,12 +152,18 @@ def _refuse_gemma4_variants(gguf_file: GGUFFile, config: Config) -> None:
 
 def gemma4_layer_scalars(weights: Weights, config: Config) -> Weights:
     """llama.cpp's `layer_output_scale.weight` is mlx-lm's bare `layer_scalar` array (ones when absent)."""
-    fixed = {name.removesuffix(".weight") if name.endswith(".layer_scalar.weight") else name: array
-             for name, array in weights.items()}
+    fixed = {
+        name.removesuffix(".weight") if name.endswith(".layer_scalar.weight") else name: array
+        for name, array in weights.items()
+    }
     for layer in range(config["num_hidden_layers"]):
         fixed.setdefault(f"model.layers.{layer}.layer_scalar", mx.ones((1,)))
     return fixed
 
 
-GEMMA4 = Architecture("gemma4", {**PROJECTIONS, **GEMMA_NORMS, **QK_NORMS, "layer_output_scale": "layer_scalar"},
-                      gemma4_config, fix_layout=gemma4_layer_scalars)
+GEMMA4 = Architecture(
+    "gemma4",
+    {**PROJECTIONS, **GEMMA_NORMS, **QK_NORMS, "layer_output_scale": "layer_scalar"},
+    gemma4_config,
+    fix_layout=gemma4_layer_scalars,
+)

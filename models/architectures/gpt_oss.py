@@ -59,7 +59,9 @@ def _yarn(gguf_file: GGUFFile) -> dict[str, Any] | None:
     if kind in (None, "none") or factor in (0, 1):
         return None
     if kind != "yarn" or gguf_file.arch_value("rope.scaling.yarn_log_multiplier") not in (None, 0, 0.0):
-        raise ModelError(f"{gguf_file.path.name} uses rope scaling {str(kind)[:40]!r}, which akunu does not map for gpt-oss")
+        raise ModelError(
+            f"{gguf_file.path.name} uses rope scaling {str(kind)[:40]!r}, which akunu does not map for gpt-oss"
+        )
     return {
         "rope_type": "yarn",
         "factor": float(factor),
@@ -71,8 +73,10 @@ def _yarn(gguf_file: GGUFFile) -> dict[str, Any] | None:
 
 def bare_sinks(weights: Weights, config: Config) -> Weights:
     """llama.cpp's `attn_sinks.weight` is mlx-lm's bare `sinks` array."""
-    return {name.removesuffix(".weight") if name.endswith(".sinks.weight") else name: array
-            for name, array in weights.items()}
+    return {
+        name.removesuffix(".weight") if name.endswith(".sinks.weight") else name: array
+        for name, array in weights.items()
+    }
 
 
 GPT_OSS = Architecture("gpt-oss", GPT_OSS_LAYER, gpt_oss_config, fix_layout=bare_sinks)

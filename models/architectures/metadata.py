@@ -51,7 +51,9 @@ def rope_scaling(gguf_file: GGUFFile) -> dict[str, Any] | None:
     if kind in (None, "none") or factor in (0, 1):
         return None
     if kind != "linear":
-        raise ModelError(f"{gguf_file.path.name} uses rope scaling {str(kind)[:40]!r}, which akunu does not support yet")
+        raise ModelError(
+            f"{gguf_file.path.name} uses rope scaling {str(kind)[:40]!r}, which akunu does not support yet"
+        )
     return {"rope_type": "linear", "factor": float(factor)}
 
 
@@ -80,15 +82,19 @@ def check_against_tensors(gguf_file: GGUFFile, config: dict[str, Any], ffn_up_fa
     layers = {int(n.split(".")[1]) for n in gguf_file.tensors if n.startswith("blk.") and n.split(".")[1].isdigit()}
     heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     if len(layers) != config["num_hidden_layers"] or layers != set(range(len(layers))):
-        inconsistent(gguf_file, f"block_count is {config['num_hidden_layers']}, but tensors exist for {len(layers)} layers")
+        inconsistent(
+            gguf_file, f"block_count is {config['num_hidden_layers']}, but tensors exist for {len(layers)} layers"
+        )
     if heads % kv_heads:
         inconsistent(gguf_file, f"{heads} attention heads cannot share {kv_heads} KV heads")
     if config["rms_norm_eps"] < 0:
         inconsistent(gguf_file, f"layer_norm_rms_epsilon is negative ({config['rms_norm_eps']})")
-    expected_rows = {"token_embd.weight": (1, config["hidden_size"], "embedding_length"),
-                     "blk.0.attn_q.weight": (0, heads * head_dim, "head_count x key_length"),
-                     "blk.0.attn_k.weight": (0, kv_heads * head_dim, "head_count_kv x key_length"),
-                     "blk.0.ffn_up.weight": (0, ffn_up_factor * config["intermediate_size"], "feed_forward_length")}
+    expected_rows = {
+        "token_embd.weight": (1, config["hidden_size"], "embedding_length"),
+        "blk.0.attn_q.weight": (0, heads * head_dim, "head_count x key_length"),
+        "blk.0.attn_k.weight": (0, kv_heads * head_dim, "head_count_kv x key_length"),
+        "blk.0.ffn_up.weight": (0, ffn_up_factor * config["intermediate_size"], "feed_forward_length"),
+    }
     for tensor, (axis, size, what) in expected_rows.items():
         shape = gguf_file.tensors[tensor].shape if tensor in gguf_file.tensors else None
         if shape is not None and (len(shape) != 2 or shape[axis] != size):

@@ -20,8 +20,9 @@ def qwen2_config(gguf_file: GGUFFile) -> Config:
     config = {"model_type": "qwen2", **_qwen_common(gguf_file)}
     # mlx-lm's qwen2 derives head_dim from hidden / heads and always has q/k/v biases.
     if config["head_dim"] * config["num_attention_heads"] != config["hidden_size"]:
-        raise ModelError(f"{gguf_file.path.name}: a qwen2 head size other than embedding_length / head_count "
-                         "is not supported")
+        raise ModelError(
+            f"{gguf_file.path.name}: a qwen2 head size other than embedding_length / head_count is not supported"
+        )
     if "blk.0.attn_q.bias" not in gguf_file.tensors:
         raise ModelError(f"{gguf_file.path.name}: a qwen2 file without q/k/v biases is not supported")
     return config

@@ -31,15 +31,21 @@ def qwen35_config(gguf_file: GGUFFile) -> Config:
     value_heads = integer(gguf_file, "ssm.time_step_rank")
     key_heads = integer(gguf_file, "ssm.group_count")
     if integer(gguf_file, "ssm.inner_size") != state * value_heads or value_heads % key_heads or rotary > head_dim:
-        inconsistent(gguf_file, f"ssm sizes (state {state}, {value_heads} value heads, {key_heads} key heads, "
-                                f"rotary {rotary} of head {head_dim})")
+        inconsistent(
+            gguf_file,
+            f"ssm sizes (state {state}, {value_heads} value heads, {key_heads} key heads, "
+            f"rotary {rotary} of head {head_dim})",
+        )
     return {
         "model_type": "qwen3_5",
         **common,
         "tie_word_embeddings": "output.weight" not in gguf_file.tensors,
         # Text positions are equal in every M-RoPE section, so M-RoPE is plain rope on `rotary` dims.
-        "rope_parameters": {"type": "default", "rope_theta": float(number(gguf_file, "rope.freq_base", 10_000_000.0)),
-                            "partial_rotary_factor": rotary / head_dim},
+        "rope_parameters": {
+            "type": "default",
+            "rope_theta": float(number(gguf_file, "rope.freq_base", 10_000_000.0)),
+            "partial_rotary_factor": rotary / head_dim,
+        },
         "linear_num_value_heads": value_heads,
         "linear_num_key_heads": key_heads,
         "linear_key_head_dim": state,
@@ -69,8 +75,9 @@ def _full_attention_interval(gguf_file: GGUFFile, layers: int) -> int:
     recurrent = [bool(flag) for flag in recurrent][:layers]
     interval = next((i + 1 for i, flag in enumerate(recurrent) if not flag), len(recurrent) + 1)
     if recurrent != [(i + 1) % interval != 0 for i in range(layers)]:
-        raise ModelError(f"{gguf_file.path.name}: a qwen35 layer pattern other than full attention every n-th "
-                         "layer is not supported")
+        raise ModelError(
+            f"{gguf_file.path.name}: a qwen35 layer pattern other than full attention every n-th layer is not supported"
+        )
     return interval
 
 
@@ -97,8 +104,16 @@ def _is_prediction_block(name: str, config: Config) -> bool:
 
 
 # Where the value-head axis sits in each delta-net tensor, and the value channels' offset along it.
-_VALUE_HEAD_AXES = {"in_proj_z.weight": 0, "in_proj_a.weight": 0, "in_proj_b.weight": 0, "A_log": 0,
-                    "dt_bias": 0, "out_proj.weight": 1, "in_proj_qkv.weight": 0, "conv1d.weight": 0}
+_VALUE_HEAD_AXES = {
+    "in_proj_z.weight": 0,
+    "in_proj_a.weight": 0,
+    "in_proj_b.weight": 0,
+    "A_log": 0,
+    "dt_bias": 0,
+    "out_proj.weight": 1,
+    "in_proj_qkv.weight": 0,
+    "conv1d.weight": 0,
+}
 
 
 def _dequantize_value_head_matrices(weights: Weights) -> Weights:
@@ -118,7 +133,11 @@ def _group_value_heads(name: str, array: mx.array, config: Config) -> mx.array:
     stem = name.rpartition(".linear_attn.")[2]
     axis, key_heads = _VALUE_HEAD_AXES[stem], config["linear_num_key_heads"]
     per_key = config["linear_num_value_heads"] // key_heads
-    head = config["linear_value_head_dim"] if stem.endswith(("z.weight", "qkv.weight", "conv1d.weight", "out_proj.weight")) else 1
+    head = (
+        config["linear_value_head_dim"]
+        if stem.endswith(("z.weight", "qkv.weight", "conv1d.weight", "out_proj.weight"))
+        else 1
+    )
     start = 2 * key_heads * config["linear_key_head_dim"] if stem in ("in_proj_qkv.weight", "conv1d.weight") else 0
     moved = mx.moveaxis(array, axis, 0)
     values = moved[start:]
@@ -137,8 +156,10 @@ DELTA_NET = {
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
 }
-NEXT_TOKENS = {f"nextn.{stem}": f"nextn.{stem}" for stem in
-               ("eh_proj", "embed_tokens", "enorm", "hnorm", "shared_head_head", "shared_head_norm")}
+NEXT_TOKENS = {
+    f"nextn.{stem}": f"nextn.{stem}"
+    for stem in ("eh_proj", "embed_tokens", "enorm", "hnorm", "shared_head_head", "shared_head_norm")
+}
 NORMS = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm"}
 SHARED_EXPERT = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
@@ -150,7 +171,9 @@ _ATTENTION = {stem: path for stem, path in PROJECTIONS.items() if stem.startswit
 _DENSE_MLP = {stem: path for stem, path in PROJECTIONS.items() if stem.startswith("ffn_")}
 
 _SHARED = {**_ATTENTION, **QK_NORMS, **NORMS, **DELTA_NET, **NEXT_TOKENS}
-QWEN35 = Architecture("qwen35", {**_SHARED, **_DENSE_MLP}, qwen35_config, qwen35_layout,
-                      bare_tensors=frozenset({"ssm_a"}))
-QWEN35MOE = Architecture("qwen35moe", {**_SHARED, **MOE, **SHARED_EXPERT}, qwen35moe_config, qwen35_layout,
-                         bare_tensors=frozenset({"ssm_a"}))
+QWEN35 = Architecture(
+    "qwen35", {**_SHARED, **_DENSE_MLP}, qwen35_config, qwen35_layout, bare_tensors=frozenset({"ssm_a"})
+)
+QWEN35MOE = Architecture(
+    "qwen35moe", {**_SHARED, **MOE, **SHARED_EXPERT}, qwen35moe_config, qwen35_layout, bare_tensors=frozenset({"ssm_a"})
+)

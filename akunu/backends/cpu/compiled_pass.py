@@ -80,8 +80,11 @@ def run(model: nn.Module, inputs: mx.array, caches: Sequence[KVCache]) -> mx.arr
     """The model's (B, L, D) output for `inputs` (B, L), `has_room` having said yes; the caches advance by L."""
     constants, capacity = _constants(model), caches[0].keys.shape[2]
     compiled = model.__dict__.get(_TRACE)
-    if compiled is None or compiled.capacity != capacity or len(compiled.constants) != len(constants) or any(
-        a is not b for a, b in zip(compiled.constants, constants)
+    if (
+        compiled is None
+        or compiled.capacity != capacity
+        or len(compiled.constants) != len(constants)
+        or any(a is not b for a, b in zip(compiled.constants, constants))
     ):
         coss, sins = _tables(model, capacity, caches[0].keys.shape[3])
         compiled = _Trace(mx.compile(partial(_traced, model)), constants, capacity, coss, sins)

@@ -117,8 +117,22 @@ class FusedAttention(llama.Attention):
         """x + this attention of norm(x), rows (B * L, D), as one kernel node inside a compiled pass."""
         held = stacks(self)
         return kernels.load().attention_half(
-            x, norm["weight"], norm.eps, held["qkv"].transposed, held["o"].transposed, cache.cos, cache.sin,
-            cache.keys, cache.values, cache.offset, B, self.n_heads, self.n_kv_heads, self.rope.traditional, self.scale)
+            x,
+            norm["weight"],
+            norm.eps,
+            held["qkv"].transposed,
+            held["o"].transposed,
+            cache.cos,
+            cache.sin,
+            cache.keys,
+            cache.values,
+            cache.offset,
+            B,
+            self.n_heads,
+            self.n_kv_heads,
+            self.rope.traditional,
+            self.scale,
+        )
 
     def compiles(self) -> bool:
         """Whether `sublayer` applies: float32 heads of a size the kernels take, and a RoPE over whole heads."""
@@ -132,7 +146,12 @@ class FusedAttention(llama.Attention):
         H, KV = self.n_heads, self.n_kv_heads
         rope, head_dim = self.rope, product.shape[1] // (H + 2 * KV)
         built = kernels.load()
-        if built and _rope_is_whole_head(rope, head_dim) and product.dtype == mx.float32 and mx.default_device() == mx.cpu:
+        if (
+            built
+            and _rope_is_whole_head(rope, head_dim)
+            and product.dtype == mx.float32
+            and mx.default_device() == mx.cpu
+        ):
             cos, sin = head_tables(L, offset, head_dim, rope.base, rope.scale, rope.traditional, mx.float32)
             return tuple(built.split_heads(product, cos, sin, B, H, KV, rope.traditional))
         heads = product.reshape(B, L, H + 2 * KV, -1).transpose(0, 2, 1, 3)  # query, then key, then value heads
@@ -201,7 +220,9 @@ class FusedBlock(llama.TransformerBlock):
     def rows(self, rows: mx.array, B: int, L: int, mask: Any, cache: Any) -> mx.array:
         """(B * L, D) rows in and out, where `fused_applies`: inside a compiled pass, one kernel node per sublayer."""
         if isinstance(cache, compiled_pass.CacheBuffers):
-            return self.mlp.sublayer(self.self_attn.sublayer(rows, self.input_layernorm, B, cache), self.post_attention_layernorm)
+            return self.mlp.sublayer(
+                self.self_attn.sublayer(rows, self.input_layernorm, B, cache), self.post_attention_layernorm
+            )
         h = self.self_attn.rows(self.input_layernorm(rows), B, L, mask, cache, residual=rows)
         return self.mlp.rows(self.post_attention_layernorm(h), residual=h)
 
@@ -252,7 +273,10 @@ def kernel_reads_cache(attend: Any, queries: mx.array, cache: Any, mask: Any) ->
     if type(cache) is not KVCache or isinstance(mask, mx.array) or not kernels.load() or mx.default_device() != mx.cpu:
         return False
     keys, values = cache.keys, cache.values
-    return queries.dtype == keys.dtype == values.dtype == mx.float32 and queries.shape[-1] % 16 == values.shape[-1] % 16 == 0
+    return (
+        queries.dtype == keys.dtype == values.dtype == mx.float32
+        and queries.shape[-1] % 16 == values.shape[-1] % 16 == 0
+    )
 
 
 def _kernel_attention(attend: Any) -> bool:
@@ -265,7 +289,12 @@ def _rope_is_whole_head(rope: Any, head_dim: int) -> bool:
     return isinstance(rope, nn.RoPE) and rope.dims == head_dim and rope.base is not None
 
 
-FUSED = {llama.Attention: FusedAttention, llama.MLP: FusedMLP, llama.TransformerBlock: FusedBlock, llama.LlamaModel: FusedModel}
+FUSED = {
+    llama.Attention: FusedAttention,
+    llama.MLP: FusedMLP,
+    llama.TransformerBlock: FusedBlock,
+    llama.LlamaModel: FusedModel,
+}
 
 
 def fuse(model: nn.Module) -> int:

@@ -76,7 +76,9 @@ class BuildError(Exception):
 
 def build_and_import(source: Path, module_name: str, nanobind: ModuleType) -> ModuleType:
     """The nanobind module `module_name` built from `source`, from the cache or compiled now."""
-    target = cache_dir() / _build_key(nanobind.__version__, source) / (module_name + sysconfig.get_config_var("EXT_SUFFIX"))
+    target = (
+        cache_dir() / _build_key(nanobind.__version__, source) / (module_name + sysconfig.get_config_var("EXT_SUFFIX"))
+    )
     if not target.exists():
         try:
             _build(target, nanobind, source)
@@ -100,7 +102,13 @@ def _give_up(reason: str) -> None:
 
 def _build_key(nanobind_version: str, source: Path = SOURCE) -> str:
     """What the binary depends on: the source, MLX, nanobind, Python and this CPU's features."""
-    parts = [source.read_bytes(), mx.__version__.encode(), nanobind_version.encode(), sys.version.encode(), _cpu_flags()]
+    parts = [
+        source.read_bytes(),
+        mx.__version__.encode(),
+        nanobind_version.encode(),
+        sys.version.encode(),
+        _cpu_flags(),
+    ]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -139,7 +147,10 @@ def _build(target: Path, nanobind: ModuleType, source: Path = SOURCE) -> None:
 
 def _check(module: ModuleType) -> None:
     """The kernels against MLX's own ops on a small case, so a bad build is never used."""
-    q, k, v = (mx.random.normal(shape, key=mx.random.key(i)) for i, shape in enumerate([(1, 4, 3, 16), (1, 2, 5, 16), (1, 2, 5, 16)]))
+    q, k, v = (
+        mx.random.normal(shape, key=mx.random.key(i))
+        for i, shape in enumerate([(1, 4, 3, 16), (1, 2, 5, 16), (1, 2, 5, 16)])
+    )
     expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mx.arange(2, 5)[:, None] >= mx.arange(5))
     gate, x = q[0, 0], q[0, 1]
     product = q.reshape(3, 64)  # one token's q|k|v rows for 2 query heads and 1 KV head of 16, 3 tokens

@@ -69,20 +69,28 @@ def _check(module: ModuleType) -> None:
     w = mx.random.normal((5, 64), key=mx.random.key(1))
     for bits in BITS:
         packed, scales, biases = mx.quantize(w, group_size=32, bits=bits)
-        scales, biases = (a.astype(mx.float16).astype(mx.float32) for a in (scales, biases))  # scale * q exact, as GGUF's
+        scales, biases = (
+            a.astype(mx.float16).astype(mx.float32) for a in (scales, biases)
+        )  # scale * q exact, as GGUF's
         dense = mx.dequantize(packed, scales, biases, group_size=32, bits=bits)
         product = module.quantized_product(x, packed, scales, biases, bits)
-        if not (mx.array_equal(module.dequantize(packed, scales, biases, bits), dense).item()
-                and mx.allclose(product, x @ dense.T, rtol=1e-4, atol=1e-4).item()):
+        if not (
+            mx.array_equal(module.dequantize(packed, scales, biases, bits), dense).item()
+            and mx.allclose(product, x @ dense.T, rtol=1e-4, atol=1e-4).item()
+        ):
             raise ValueError(f"the {bits}-bit kernel disagrees with MLX's dequantize")
 
 
 def covers(module: nn.Module) -> bool:
     """Whether the kernel can run this quantized layer's products."""
     return (
-        getattr(module, "mode", "affine") == "affine" and module.group_size == 32 and module.bits in BITS
-        and module["scales"].dtype == mx.float32 and module.get("biases") is not None
-        and module["biases"].dtype == mx.float32 and module["weight"].ndim == 2
+        getattr(module, "mode", "affine") == "affine"
+        and module.group_size == 32
+        and module.bits in BITS
+        and module["scales"].dtype == mx.float32
+        and module.get("biases") is not None
+        and module["biases"].dtype == mx.float32
+        and module["weight"].ndim == 2
     )
 
 
