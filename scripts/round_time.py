@@ -40,9 +40,9 @@ class PassTimer:
         self.passes: list[tuple[int, float, int]] = []
         self.verify_round = akunu.decode.verify_round
 
-    def __call__(self, model, cache, token, draft, params):
+    def __call__(self, model, cache, token, draft, *rest):
         context, start = cache[0].offset, time.perf_counter()
-        result = self.verify_round(model, cache, token, draft, params)  # returns once the verdict is read
+        result = self.verify_round(model, cache, token, draft, *rest)  # returns once the verdict is read
         self.passes.append((len(draft), time.perf_counter() - start, context))
         return result
 

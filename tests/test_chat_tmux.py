@@ -80,7 +80,7 @@ def test_chat_in_a_real_terminal(model_home):
 
     catalogue.resolve(catalogue.DEFAULT_MODEL)  # fetch before the clock starts, if it is not cached
     command = (
-        f"AKUNU_HOME={shlex.quote(str(model_home))} {shlex.quote(str(AKUNU))} chat --max-tokens 64;"
+        f"COLUMNS=200 AKUNU_HOME={shlex.quote(str(model_home))} {shlex.quote(str(AKUNU))} chat --max-tokens 64;"
         " echo akunu exited with $?; sleep 600"
     )
     terminal = Terminal(command)

@@ -26,7 +26,7 @@ class TemplateTokenizer(FakeTokenizer):
         super().__init__()
         self.template = ChatTemplate(source)
 
-    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, tools=None) -> str:
         return self.template.render(messages, add_generation_prompt=add_generation_prompt)
 
 
