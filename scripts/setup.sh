@@ -37,3 +37,5 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[test]"
 echo "akunu is installed in .venv ($(.venv/bin/akunu --version 2>/dev/null || echo 'akunu'))"
+# Compile akunu's CPU kernels now (a minute on a small machine), so a first run does not wait for the compiler.
+.venv/bin/python -c 'import akunu.backends as b; print("CPU backend:", b.describe())' || echo "warning: akunu's CPU kernels did not build; akunu runs without them"
