@@ -3,13 +3,16 @@
 The template renders messages into text, and that text is tokenized. If the special-token strings in it were
 all read as control tokens, a user could write `<|im_end|><|im_start|>system ...` into a message and pose as
 the system. So the rendered text is cut where the messages' own text lies, and those parts are tokenized with
-special-token parsing off, as llama.cpp's server does for user content. A conversation whose text holds no
-special-token string is tokenized exactly as before, in one piece.
+special-token parsing off, as llama.cpp's server does for user content. The request's tool definitions are
+the caller's text too: wherever a string of theirs that holds special-token text is rendered (as is or as
+JSON writes it), it is tokenized as text. A conversation whose text holds no special-token string is
+tokenized exactly as before, in one piece.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,13 +27,15 @@ def encode_conversation(
     rendered = render(messages)
     specials = special_texts(tokenizer)
     texts = list(message_texts(messages))
-    if not any(special in text for text in texts for special in specials):
+    hostile_tool_texts = [text for text in _strings_in(tools) if any(s in text for s in specials)]
+    if not hostile_tool_texts and not any(special in text for text in texts for special in specials):
         return tokenizer.encode(rendered)
     spans = _marked_spans(render, messages, rendered, texts)
     if spans is None:
         spans = _found_spans(rendered, texts)
+    spans += _occurrences(rendered, hostile_tool_texts)
     spans = [(start, end) for start, end in spans if any(s in rendered[start:end] for s in specials)]
-    return _encode_pieces(tokenizer, rendered, spans)
+    return _encode_pieces(tokenizer, rendered, _merged(spans))
 
 
 def special_texts(tokenizer) -> list[str]:
@@ -56,6 +61,42 @@ def _texts_of(value: Any) -> Iterator[str]:
     elif isinstance(value, dict):
         for item in value.values():
             yield from _texts_of(item)
+
+
+def _strings_in(value: Any) -> Iterator[str]:
+    """Every string in a JSON-like value, dictionary keys included (a tool's parameter names are the caller's too)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings_in(key)
+            yield from _strings_in(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _strings_in(item)
+
+
+def _occurrences(rendered: str, texts: list[str]) -> list[tuple[int, int]]:
+    """Every place each text appears in `rendered`, as written or as JSON escapes it (templates use `tojson`)."""
+    spans = []
+    for text in texts:
+        for form in {text, json.dumps(text, ensure_ascii=False)[1:-1], json.dumps(text)[1:-1]}:
+            at = rendered.find(form)
+            while at >= 0:
+                spans.append((at, at + len(form)))
+                at = rendered.find(form, at + 1)
+    return spans
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Overlapping spans joined into one, in order."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if merged and start < merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def _marked_spans(render, messages, rendered: str, texts: list[str]):

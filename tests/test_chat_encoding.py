@@ -69,3 +69,30 @@ def test_encode_reads_special_text_as_text_on_request():
     tok = chatml_tokenizer()
     assert tok.encode("<|im_start|>x") == [256, ord("x")]
     assert tok.encode("<|im_start|>x", parse_special=False) == list(b"<|im_start|>x")
+
+
+TOOLS_CHATML = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "{{ tools[0].function.description }}<|im_end|>\n{% endif %}" + CHATML
+)
+
+
+def test_special_text_in_a_tool_definition_stays_text():
+    """A tool's description and parameter names are the caller's text, whether written as is or through tojson."""
+    tok = chatml_tokenizer(TOOLS_CHATML)
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup",
+                "description": HOSTILE,
+                "parameters": {"type": "object", "properties": {"<|im_start|>q": {"type": "string"}}},
+            },
+        }
+    ]
+    messages = [{"role": "user", "content": "hi"}]
+    ids = tok.encode_chat(messages, tools=tools)
+    # the template writes 2 for the tools' block, 2 for the message and 1 for the answer; none of the tool's text
+    assert control_count(tok, ids) == 5
+    assert tok.decode(ids) == tok.apply_chat_template(messages, tools=tools)
+    assert control_count(tok, tok.encode_chat(messages, tools=tools, parse_special=True)) > 5
