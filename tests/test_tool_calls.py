@@ -110,6 +110,43 @@ def test_streaming_text_that_only_looked_like_a_call_is_shown():
     assert llama.feed("  ") == ("", []) and llama.feed("Hi {x}") == ("  Hi {x}", [])  # a call comes first or never
 
 
+HARMONY_ANSWER = (
+    "<|channel|>analysis<|message|>Needs the weather, then <tool_call> nothing.<|end|>"
+    "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
+    '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "SF"}<|call|>'
+    "<|start|>assistant<|channel|>final<|message|>It is sunny in SF.<|return|>"
+)
+
+
+@pytest.mark.parametrize("split", [1, 2, 3, 7, 1000])
+@pytest.mark.parametrize("stopped", [False, True], ids=["whole", "stopped-at-call"])
+def test_harmony_streams_the_answer_as_it_comes_and_each_call_once_it_closes(split, stopped):
+    # generation stops at <|call|> (a stop token, not in the text): the call is then read at the end
+    text = HARMONY_ANSWER.split("<|call|>")[0] if stopped else HARMONY_ANSWER
+    stream, shown, calls, calls_seen_at = CallStream(HARMONY), "", [], None
+    for i in range(0, len(text), split):
+        piece, found = stream.feed(text[i : i + split])
+        assert "<|" not in piece and "Needs" not in piece  # no markup, no reasoning
+        shown, calls = shown + piece, calls + found
+        if found:
+            calls_seen_at = i
+    piece, found = stream.finish()
+    assert (shown + piece, [(c.name, c.arguments) for c in calls + found]) == (
+        "Checking." + ("" if stopped else "It is sunny in SF."),
+        [("get_weather", '{"city": "SF"}')],
+    )
+    if not stopped:  # the call and most of the final text came before the end, not held back
+        assert calls_seen_at is not None and "It is sunny in" in shown
+    whole_content, whole_calls = parse(HARMONY, text)
+    assert whole_content == (shown + piece) and [c.name for c in whole_calls] == ["get_weather"]
+
+
+def test_harmony_call_that_does_not_parse_stays_text():
+    stream = CallStream(HARMONY)
+    bad = "<|channel|>commentary to=functions.f<|message|>{not json<|call|>"
+    assert stream.feed(bad) == (bad, [])
+
+
 def test_forced_calls_per_family():
     hermes = forced_call(HERMES, [WEATHER], "get_weather")
     assert (hermes.prefix, hermes.suffix) == ("<tool_call>\n", "\n</tool_call>")
