@@ -32,9 +32,11 @@ ASK = [{"role": "user", "content": [{"type": "text", "text": "What is the weathe
 class CharTokenizer:
     """One token per printable ASCII character, EOS after them; Qwen 2.5's chat template (tools included)."""
 
+    def __init__(self, template: str = QWEN_TEMPLATE) -> None:
+        self.chat_template = template
+
     vocab_size = EOS + 1
     has_chat_template = True
-    chat_template = QWEN_TEMPLATE
     eos_ids = frozenset({EOS})
     eos_id, bos_id, special_ids = EOS, None, frozenset({EOS})
     token_bytes = [c.encode() for c in CHARS] + [b"<eos>"]
@@ -52,7 +54,9 @@ class CharTokenizer:
         return CHARS[token] if token < EOS else ""
 
     def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, tools=None) -> str:
-        return ChatTemplate(QWEN_TEMPLATE).render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        return ChatTemplate(self.chat_template).render(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools
+        )
 
     def encode_chat(
         self, messages, *, add_generation_prompt: bool = True, parse_special: bool = False, tools=None
@@ -73,8 +77,9 @@ class ScriptedModel:
     """The tiny model's forward pass (its KV cache works as usual), with every logits row after the last
     assistant turn's opening replaced by a near one-hot on the script's next character, then EOS."""
 
-    def __init__(self, model, tokenizer) -> None:
+    def __init__(self, model, tokenizer, turn: str = TURN, script=script) -> None:
         self.model, self.tokenizer, self.history = model, tokenizer, []
+        self.turn, self.script = turn, script
 
     def __call__(self, inputs, cache=None, **kwargs):
         offset = cache[0].offset
@@ -87,14 +92,16 @@ class ScriptedModel:
         return mx.where(keep, logits, scripted)
 
     def _next(self, length: int) -> int | None:
+        """The script's next character after the first assistant turn whose text so far follows the script
+        (an answer may itself hold the turn's opening, as harmony's messages do)."""
         text = self.tokenizer.decode(self.history[:length])
-        at = text.rfind(TURN)
-        if at < 0:
-            return None
-        written, target = text[at + len(TURN) :], script(text[:at])
-        if not target.startswith(written):
-            return None
-        return CHARS.index(target[len(written)]) if len(written) < len(target) else EOS
+        at = text.find(self.turn)
+        while at >= 0:
+            written, target = text[at + len(self.turn) :], self.script(text[:at])
+            if target.startswith(written):
+                return CHARS.index(target[len(written)]) if len(written) < len(target) else EOS
+            at = text.find(self.turn, at + 1)
+        return None
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -183,3 +190,29 @@ def test_logprobs_on_chat_and_completions_streamed_or_not(fake_engine, serve):
     completion = client.completions.create(model="tiny", prompt="hello", max_tokens=6, logprobs=2).choices[0]
     assert "".join(completion.logprobs.tokens) == completion.text and len(completion.logprobs.top_logprobs[0]) <= 2
     assert completion.logprobs.text_offset == [sum(len(t) for t in completion.logprobs.tokens[:i]) for i in range(6)]
+
+
+HARMONY_TEMPLATE = (Path(__file__).parent / "fixtures" / "chat_templates" / "openai-gpt-oss-120b.jinja").read_text()
+HARMONY_ANSWER = (
+    "<|channel|>analysis<|message|>A greeting; answer briefly.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Hello from gpt-oss.<|return|>"
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_harmony_answer_is_its_final_channel_without_markup_or_reasoning(fake_engine, serve, stream):
+    """gpt-oss writes channels even without tools: the client gets the final channel's text only."""
+    tokenizer = CharTokenizer(HARMONY_TEMPLATE)
+    model = ScriptedModel(
+        tiny_llama(vocab=tokenizer.vocab_size, seed=4), tokenizer, "<|start|>assistant", lambda _: HARMONY_ANSWER
+    )
+    fake_engine.loaded = make_loaded(model=model, context_length=4096)
+    fake_engine.loaded.tokenizer = tokenizer
+    client = serve("--max-tokens", "160").client()
+    hi = [{"role": "user", "content": "hi"}]
+    if stream:
+        chunks = list(client.chat.completions.create(model="tiny", messages=hi, stream=True))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        content = client.chat.completions.create(model="tiny", messages=hi).choices[0].message.content
+    assert content == "Hello from gpt-oss."

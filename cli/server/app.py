@@ -100,7 +100,7 @@ def create_app(
                 else ApiError(500, final.message, kind="server_error")
             )
         text = "".join(piece.text for piece in pieces)
-        content, calls = tool_calls.parse(parsed.family, text) if parsed.tools else (text, [])
+        content, calls = tool_calls.parse(parsed.family, text) if _reads_calls(parsed) else (text, [])
         calls = calls if parsed.tools is None or parsed.tools.parallel else calls[:1]
         logprobs = logprobs_body(parsed.kind, [e for piece in pieces for e in piece.logprobs], worker.loaded.tokenizer)
         finish = "tool_calls" if calls else final.finish_reason
@@ -184,13 +184,19 @@ async def _until_disconnect(request: Request, job: Job, channel: EventChannel):
         job.cancel()  # a no-op once the job is done; stops it if this stream was abandoned
 
 
+def _reads_calls(parsed) -> bool:
+    """Whether the answer is read for calls: with tools offered, and always for harmony, whose channel markup
+    (and reasoning) is never content."""
+    return parsed.tools is not None or parsed.family == tool_calls.HARMONY
+
+
 class Answer:
     """A streamed answer's text split into content and tool calls (when tools are offered), with its logprobs
     sent along with the text they belong to, or with the next chunk when that text is held back."""
 
     def __init__(self, parsed, tokenizer) -> None:
         self.parsed, self.tokenizer = parsed, tokenizer
-        self.calls = tool_calls.CallStream(parsed.family) if parsed.tools else None
+        self.calls = tool_calls.CallStream(parsed.family) if _reads_calls(parsed) else None
         self.sent_calls, self.logprobs, self.offset = 0, [], 0
 
     def add(self, piece: Piece) -> tuple[str, list, dict | None]:
