@@ -195,8 +195,7 @@ class CallStream:
     rest is held and read by `parse` at the end.
     """
 
-    _OPENINGS = {HERMES: ("<tool_call>",), MISTRAL: ("[TOOL_CALLS]",), HARMONY: ("<|channel|>", "<|start|>"),
-                 LLAMA3: ("{", "<|python_tag|>")}  # fmt: skip
+    _OPENINGS = {HERMES: ("<tool_call>",), MISTRAL: ("[TOOL_CALLS]",), LLAMA3: ("{", "<|python_tag|>")}
 
     def __init__(self, family: str) -> None:
         self.family, self.pending, self.held = family, "", False
