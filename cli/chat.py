@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from akunu.cli import display, options, runtime, text_input
+from akunu.cli import display, harmony, options, runtime, text_input
 from akunu.cli.chat_view import ChatView
 from akunu.cli.conversation import PLAIN_USER_PREFIX, Conversation
 from akunu.errors import AkunuError
@@ -166,6 +166,8 @@ class ChatSession:
             responses = runtime.stream(
                 self.loaded, prompt_ids, self.config, prompt_cache=self.prompt_cache, costs=self._costs_now()
             )
+            if harmony.writes_harmony(getattr(self.loaded.tokenizer, "chat_template", None)):
+                responses = harmony.final_channel(responses)  # the answer, not the markup or the reasoning
             answer = self.view.stream(responses)
         except AkunuError as error:
             self._forget_question(first)

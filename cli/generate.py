@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 from rich.text import Text
 
-from akunu.cli import display, options, runtime, text_input
+from akunu.cli import display, harmony, options, runtime, text_input
 from akunu.cli.console import print_note, print_warning, stderr_console, stdout_console
 from akunu.drafters.specs import DEFAULT_SPEC
 from akunu.errors import AkunuError, Interrupted, OptionsError, PromptError
@@ -135,9 +135,9 @@ def generate(
     if verbose:
         describe_run(loaded, config)
     try:
-        run(
-            loaded, prompt_ids, config, json_output=json_output, verbose=verbose, drafter=drafter, constraint=constraint
-        )
+        answer_only = not raw and harmony.writes_harmony(getattr(loaded.tokenizer, "chat_template", None))
+        run(loaded, prompt_ids, config, json_output=json_output, verbose=verbose, drafter=drafter,
+            constraint=constraint, answer_only=answer_only)  # fmt: skip
     finally:
         if drafter is not None:  # the persistent n-gram cache learns from this run
             _save_ngram_cache(drafter, ngram_cache)
@@ -245,14 +245,24 @@ def check_fits(loaded, **texts: str | None) -> None:
 
 
 def run(
-    loaded, prompt_ids: list[int], config, *, json_output: bool, verbose: bool, drafter=None, constraint=None
+    loaded,
+    prompt_ids: list[int],
+    config,
+    *,
+    json_output: bool,
+    verbose: bool,
+    drafter=None,
+    constraint=None,
+    answer_only: bool = False,
 ) -> None:
-    """Stream one generation to stdout; Ctrl-C keeps what was generated and exits 130."""
+    """Stream one generation to stdout; Ctrl-C keeps what was generated and exits 130.
+    `answer_only`: the model writes harmony, whose markup and reasoning the user does not see."""
     out = stdout_console()
     pieces, tokens, stats, finish = [], [], None, None
     try:
         costs = runtime.costs_for(loaded, config)
-        for response in runtime.stream(loaded, prompt_ids, config, costs=costs, drafter=drafter, constraint=constraint):
+        responses = runtime.stream(loaded, prompt_ids, config, costs=costs, drafter=drafter, constraint=constraint)
+        for response in harmony.final_channel(responses) if answer_only else responses:
             pieces.append(response.text)
             if response.token is not None:
                 tokens.append(response.token)

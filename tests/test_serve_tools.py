@@ -1,6 +1,6 @@
 """Tool calls and logprobs through the official `openai` client against `akunu serve` on 127.0.0.1.
 
-The model is the tiny random llama with its answers scripted (ScriptedModel), behind a character
+The model is the tiny random llama with its answers scripted (tests/scripted.py), behind a character
 tokenizer and Qwen 2.5's real chat template, so the server sees exactly what Qwen would write.
 """
 
@@ -10,58 +10,20 @@ import json
 import math
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
 
-from akunu.models.chat_template import ChatTemplate
-from tests.fakes import FakeDetokenizer, make_loaded
+from tests.fakes import make_loaded
+from tests.scripted import CharTokenizer, ScriptedModel
 from tests.test_serve import USER
 from tests.tiny import tiny_llama
 
 QWEN_TEMPLATE = (Path(__file__).parent / "fixtures" / "chat_templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
-CHARS = "".join(chr(c) for c in range(32, 127)) + "\n"
-EOS = len(CHARS)
 TURN = "<|im_start|>assistant\n"
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 FINAL = "It is 21 C and sunny in Paris."
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
 ASK = [{"role": "user", "content": [{"type": "text", "text": "What is the weather in Paris?"}]}]
-
-
-class CharTokenizer:
-    """One token per printable ASCII character, EOS after them; Qwen 2.5's chat template (tools included)."""
-
-    def __init__(self, template: str = QWEN_TEMPLATE) -> None:
-        self.chat_template = template
-
-    vocab_size = EOS + 1
-    has_chat_template = True
-    eos_ids = frozenset({EOS})
-    eos_id, bos_id, special_ids = EOS, None, frozenset({EOS})
-    token_bytes = [c.encode() for c in CHARS] + [b"<eos>"]
-
-    def encode(self, text: str, *, add_bos=None, parse_special: bool = True) -> list[int]:
-        return [CHARS.index(c) if c in CHARS else CHARS.index(" ") for c in text]
-
-    def decode(self, ids) -> str:
-        return "".join(self.token_text(i) for i in ids)
-
-    def detokenizer(self) -> FakeDetokenizer:
-        return FakeDetokenizer(self)
-
-    def token_text(self, token: int) -> str:
-        return CHARS[token] if token < EOS else ""
-
-    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, tools=None) -> str:
-        return ChatTemplate(self.chat_template).render(
-            messages, add_generation_prompt=add_generation_prompt, tools=tools
-        )
-
-    def encode_chat(
-        self, messages, *, add_generation_prompt: bool = True, parse_special: bool = False, tools=None
-    ) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools))
 
 
 def script(conversation: str) -> str:
@@ -73,45 +35,12 @@ def script(conversation: str) -> str:
     return "Hello there."
 
 
-class ScriptedModel:
-    """The tiny model's forward pass (its KV cache works as usual), with every logits row after the last
-    assistant turn's opening replaced by a near one-hot on the script's next character, then EOS."""
-
-    def __init__(self, model, tokenizer, turn: str = TURN, script=script) -> None:
-        self.model, self.tokenizer, self.history = model, tokenizer, []
-        self.turn, self.script = turn, script
-
-    def __call__(self, inputs, cache=None, **kwargs):
-        offset = cache[0].offset
-        logits = self.model(inputs, cache=cache, **kwargs)
-        self.history[offset:] = inputs[0].tolist()
-        targets = [self._next(offset + i + 1) for i in range(inputs.shape[1])]
-        forced = mx.array([[t if t is not None else 0 for t in targets]])
-        scripted = mx.where(mx.arange(logits.shape[-1]) == forced[..., None], 20.0, -20.0)
-        keep = mx.array([[t is None for t in targets]])[..., None]
-        return mx.where(keep, logits, scripted)
-
-    def _next(self, length: int) -> int | None:
-        """The script's next character after the first assistant turn whose text so far follows the script
-        (an answer may itself hold the turn's opening, as harmony's messages do)."""
-        text = self.tokenizer.decode(self.history[:length])
-        at = text.find(self.turn)
-        while at >= 0:
-            written, target = text[at + len(self.turn) :], self.script(text[:at])
-            if target.startswith(written):
-                return CHARS.index(target[len(written)]) if len(written) < len(target) else EOS
-            at = text.find(self.turn, at + 1)
-        return None
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-
 @pytest.fixture
 def scripted(fake_engine):
-    tokenizer = CharTokenizer()
+    tokenizer = CharTokenizer(QWEN_TEMPLATE)
     fake_engine.loaded = make_loaded(
-        model=ScriptedModel(tiny_llama(vocab=tokenizer.vocab_size, seed=4), tokenizer), context_length=4096
+        model=ScriptedModel(tiny_llama(vocab=tokenizer.vocab_size, seed=4), tokenizer, TURN, script),
+        context_length=4096,
     )
     fake_engine.loaded.tokenizer = tokenizer
     return fake_engine
@@ -190,29 +119,3 @@ def test_logprobs_on_chat_and_completions_streamed_or_not(fake_engine, serve):
     completion = client.completions.create(model="tiny", prompt="hello", max_tokens=6, logprobs=2).choices[0]
     assert "".join(completion.logprobs.tokens) == completion.text and len(completion.logprobs.top_logprobs[0]) <= 2
     assert completion.logprobs.text_offset == [sum(len(t) for t in completion.logprobs.tokens[:i]) for i in range(6)]
-
-
-HARMONY_TEMPLATE = (Path(__file__).parent / "fixtures" / "chat_templates" / "openai-gpt-oss-120b.jinja").read_text()
-HARMONY_ANSWER = (
-    "<|channel|>analysis<|message|>A greeting; answer briefly.<|end|>"
-    "<|start|>assistant<|channel|>final<|message|>Hello from gpt-oss.<|return|>"
-)
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_harmony_answer_is_its_final_channel_without_markup_or_reasoning(fake_engine, serve, stream):
-    """gpt-oss writes channels even without tools: the client gets the final channel's text only."""
-    tokenizer = CharTokenizer(HARMONY_TEMPLATE)
-    model = ScriptedModel(
-        tiny_llama(vocab=tokenizer.vocab_size, seed=4), tokenizer, "<|start|>assistant", lambda _: HARMONY_ANSWER
-    )
-    fake_engine.loaded = make_loaded(model=model, context_length=4096)
-    fake_engine.loaded.tokenizer = tokenizer
-    client = serve("--max-tokens", "160").client()
-    hi = [{"role": "user", "content": "hi"}]
-    if stream:
-        chunks = list(client.chat.completions.create(model="tiny", messages=hi, stream=True))
-        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    else:
-        content = client.chat.completions.create(model="tiny", messages=hi).choices[0].message.content
-    assert content == "Hello from gpt-oss."

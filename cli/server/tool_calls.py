@@ -14,6 +14,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from akunu.cli.harmony import HarmonyStream
+
 HERMES, LLAMA3, MISTRAL, HARMONY = "hermes", "llama3", "mistral", "harmony"
 
 
@@ -152,10 +154,14 @@ def _mistral(text: str) -> tuple[str, list[ToolCall]]:
 
 def _harmony(text: str) -> tuple[str, list[ToolCall]]:
     """The whole answer through the stream reader, so both give the same; a call that does not parse stays text."""
-    stream = HarmonyStream()
+    stream = HarmonyStream(_harmony_call)
     content, calls = stream.feed(text)
     rest, more = stream.finish()
     return content + rest, calls + more
+
+
+def _harmony_call(name: str, body: str) -> ToolCall | None:
+    return _call_from_value({"name": name, "arguments": _json_or_none(body)}, "arguments")
 
 
 def _call_from_json(text: str, arguments_key: str) -> ToolCall | None:
@@ -200,7 +206,7 @@ class CallStream:
     def __init__(self, family: str) -> None:
         self.family, self.pending, self.held = family, "", False
         self.started = False  # anything but whitespace was shown (llama 3 calls come only first)
-        self.harmony = HarmonyStream() if family == HARMONY else None
+        self.harmony = HarmonyStream(_harmony_call) if family == HARMONY else None
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         if self.harmony:
@@ -261,76 +267,6 @@ class CallStream:
     def _show(self, text: str) -> str:
         self.started = self.started or bool(text.strip())
         return text
-
-
-_HARMONY_HEADER = re.compile(r"<\|channel\|>(\w+)|to=functions\.([\w.\-]+)")
-_HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
-_MESSAGE = "<|message|>"
-
-
-class HarmonyStream:
-    """gpt-oss harmony as it streams: messages `<|start|>assistant<|channel|>C [to=functions.NAME]<|message|>body<|end|>`.
-
-    The final channel's text, and commentary to the user, are content as they come; a call to a function
-    is read once its message ends (at `<|call|>`, or at the end of the answer, where `<|call|>` stops it);
-    analysis is the model's reasoning, never content. Text outside any message (no markup) is content.
-    """
-
-    def __init__(self) -> None:
-        self.pending, self.header = "", None  # header: the open message's, None between messages
-
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        self.pending += text
-        shown, calls = "", []
-        while True:
-            if self.header is None:
-                at = self.pending.find(_MESSAGE)
-                if at < 0:
-                    if "<|" not in self.pending:  # no markup so far: plain text, but for a "<" that may open some
-                        cut = len(self.pending) - self.pending.endswith("<")
-                        shown, self.pending = shown + self.pending[:cut], self.pending[cut:]
-                    return shown, calls
-                self.header, self.pending = self.pending[:at], self.pending[at + len(_MESSAGE) :]
-            end, marker = min(((self.pending.find(m), m) for m in _HARMONY_ENDS if m in self.pending), default=(-1, ""))
-            if end < 0:
-                if self._shows():  # keep back what may be the start of an end marker
-                    keep = max((k for m in _HARMONY_ENDS for k in range(1, len(m)) if self.pending.endswith(m[:k])),
-                               default=0)  # fmt: skip
-                    cut = len(self.pending) - keep
-                    shown, self.pending = shown + self.pending[:cut], self.pending[cut:]
-                return shown, calls
-            body, self.pending = self.pending[:end], self.pending[end + len(marker) :]
-            text, call = self._closed(body, marker)
-            shown, calls = shown + text, calls + ([call] if call else [])
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        if self.header is None:
-            rest, self.pending = self.pending, ""
-            return re.sub(r"<\|start\|>assistant|<\|end\|>|<\|return\|>", "", rest), []
-        body, self.pending = self.pending, ""
-        text, call = self._closed(body, "")
-        return text, [call] if call else []
-
-    def _shows(self) -> bool:
-        channel, recipient = _header_parts(self.header)
-        return recipient is None and channel != "analysis"
-
-    def _closed(self, body: str, marker: str) -> tuple[str, ToolCall | None]:
-        """A message that ended: (text to show, call)."""
-        header, self.header = self.header, None
-        channel, recipient = _header_parts(header)
-        if recipient is not None:
-            call = _call_from_value({"name": recipient, "arguments": _json_or_none(body)}, "arguments")
-            return ("", call) if call else (header + _MESSAGE + body + marker, None)
-        return ("" if channel == "analysis" else body), None
-
-
-def _header_parts(header: str) -> tuple[str | None, str | None]:
-    """(channel, function called) of a message's header; either may come first."""
-    channel = recipient = None
-    for match in _HARMONY_HEADER.finditer(header):
-        channel, recipient = match.group(1) or channel, match.group(2) or recipient
-    return channel, recipient
 
 
 # --- the request's side -------------------------------------------------------------------------
