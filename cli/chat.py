@@ -144,7 +144,7 @@ class ChatSession:
             if not line:
                 continue
             try:
-                runtime.check_utf8(line, "that line")
+                text_input.check_text(line, "that line")
             except AkunuError as error:
                 self.view.error(f"{error}; it was not sent")
                 continue

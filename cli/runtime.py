@@ -23,7 +23,6 @@ from rich.progress import (
 
 from akunu.cli.console import print_note, stderr_console
 from akunu.drafters.specs import DraftLengthPolicy
-from akunu.errors import PromptError
 
 _BYTE_STAGES = {"download", "extract", "verify"}
 
@@ -166,18 +165,8 @@ def stream(loaded, prompt_ids: list[int], config, *, prompt_cache=None, costs=No
     )
 
 
-def check_utf8(text: str, source: str, hint: str = "") -> str:
-    """`text` if it is valid UTF-8; Python reads stray bytes of argv and stdin as lone surrogates."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        byte = ord(text[error.start]) & 0xFF
-        raise PromptError(f"{source} is not valid UTF-8 (byte {byte:#04x}){hint}") from None
-    return text
-
-
 def tolerant_stdin() -> None:
-    """Stray bytes on stdin become lone surrogates (as under a C locale), for check_utf8 to name, not a traceback."""
+    """Stray bytes on stdin become lone surrogates (as under a C locale), for text_input.check_text to name, not a traceback."""
     with contextlib.suppress(AttributeError, ValueError):
         sys.stdin.reconfigure(errors="surrogateescape")
 
