@@ -1,23 +1,25 @@
 // Products of a few rows of activations with MLX affine-quantized weights, for MLX's CPU backend.
 //
 // y = x W^T where W is stored as MLX quantizes it (mode "affine", groups of 32 along a row, `bits`
-// per value packed little-endian into one bit stream, float32 scale and bias per group), so that
-// W[o, k] = scale * q + bias. MLX's own CPU quantized_matmul reads those weights at about 1 GB/s;
-// decode steps and verification passes (1-33 rows) are bound by reading W, so here each block of
-// weight rows is read once at its stored width, unpacked to float32 into a small buffer, and
-// multiplied with every row of x from there.
+// per value packed little-endian into one bit stream, a scale and bias per group in float32, float16
+// or bfloat16), so that W[o, k] = scale * q + bias. Decode steps and verification passes (1-64 rows)
+// are bound by reading W, so each weight is read once at its stored width and never widened to float:
 //
-// scale * q is exact in float32 for every GGUF type akunu maps onto this format, so the unpacked
-// weight is the dequantized weight bit for bit. Each (row, output) dot product runs in an order
-// fixed by the row length alone (16 lanes across the row, then the same halving tree), so a row's
-// result does not depend on how many rows share the call: a verification pass gives each position
-// the bits a single-token step gives it.
+//   y[m, o] = sum_g scale_g * dx_g * (q_g . qx_g) + bias_g * sum(x_g)
+//
+// where each group of 32 values of a row of x is quantized to int8 (qx = round(x / dx), dx = max|x| / 127,
+// as llama.cpp quantizes activations against its integer kernels) and q_g . qx_g is an exact integer dot
+// product (vpdpbusd: unsigned weights times signed activations). The bias term uses x's exact sum.
+// A row of x is quantized alone and each (row, output) sum runs in an order fixed by the row length,
+// so a row's result does not depend on how many rows share the call: a verification pass gives each
+// position the bits a single-token step gives it.
 //
 // Built on first use by quantized.py with kernels.py's machinery (g++ -march=native).
 
 #include <nanobind/nanobind.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -25,9 +27,9 @@
 #include <stdexcept>
 #include <vector>
 
-#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__BMI2__)
 #include <immintrin.h>
-#define AKUNU_VBMI 1
+#define AKUNU_VNNI 1
 #endif
 
 #include "mlx/allocator.h"
@@ -42,33 +44,60 @@ using namespace mlx::core;
 namespace {
 
 constexpr int GROUP = 32;
-constexpr int LANES = 16;
-constexpr int OUT_BLOCK = 4;  // weight rows unpacked together (one register tile's width)
-constexpr int ROW_TILE = 4;   // rows of x in one register tile
-constexpr int CHUNK = 1024;   // columns unpacked at a time (a multiple of GROUP)
 constexpr size_t PARALLEL_FROM = size_t(1) << 18;  // weights: smaller matrices are not worth waking a second thread
-typedef float vf __attribute__((vector_size(LANES * 4), aligned(4)));
 
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
+enum class Scale { f32, f16, bf16 };
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000 | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else {  // zero or subnormal: exact in float32
+    float value = std::ldexp(float(mantissa), -24);
+    std::memcpy(&bits, &value, 4);
+    bits |= sign;
+  }
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
 }
 
-// Keeps a loaded vector in a register: otherwise GCC folds the load into every FMA that uses it,
-// loading each x vector once per weight row instead of once per tile.
-inline vf in_register(vf v) {
-  asm("" : "+v"(v));
-  return v;
+float to_float(const void* p, Scale type, size_t i) {
+  if (type == Scale::f32) return static_cast<const float*>(p)[i];
+  const uint16_t h = static_cast<const uint16_t*>(p)[i];
+  if (type == Scale::f16) return half_to_float(h);
+  const uint32_t bits = uint32_t(h) << 16;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
 }
 
-inline float lane_sum(vf v) {
-  float b[LANES];
-  std::memcpy(b, &v, sizeof b);
-  for (int width = LANES / 2; width > 0; width /= 2)
-    for (int i = 0; i < width; i++) b[i] += b[i + width];
-  return b[0];
-}
+struct Weights {
+  const uint8_t* packed;
+  const void* scales;
+  const void* biases;
+  Scale type;
+  int outputs, columns, bits;
+  size_t row_bytes() const { return size_t(columns) * bits / 8; }
+  int groups() const { return columns / GROUP; }
+  float scale(int row, int group) const { return to_float(scales, type, size_t(row) * groups() + group); }
+  float bias(int row, int group) const { return to_float(biases, type, size_t(row) * groups() + group); }
+};
+
+template <typename T>
+struct Aligned {
+  std::unique_ptr<T, decltype(&std::free)> data{nullptr, &std::free};
+  explicit Aligned(size_t count) {
+    const size_t bytes = (std::max<size_t>(count, 1) * sizeof(T) + 63) / 64 * 64;
+    data.reset(static_cast<T*>(std::aligned_alloc(64, bytes)));
+    if (!data) throw std::bad_alloc();
+    std::memset(data.get(), 0, bytes);
+  }
+  T* get() const { return data.get(); }
+};
 
 // The 32 values of one group (4 * bits bytes at p) as unsigned integers, values[i] = bits i*b.. of the stream.
 inline void unpack_scalar(const uint8_t* p, int bits, int32_t* values) {
@@ -80,129 +109,208 @@ inline void unpack_scalar(const uint8_t* p, int bits, int32_t* values) {
   }
 }
 
-#ifdef AKUNU_VBMI
-inline vf as_vf(__m512 v) {
-  vf out;
-  std::memcpy(&out, &v, sizeof out);
-  return out;
+// Each group of 32 values of x's rows as int8 with its step dx (qx = round(x / dx)) and x's exact sum.
+inline void quantize_group_scalar(const float* x, int8_t* q, float* step, float* sum) {
+  float amax = 0.0f, total = 0.0f;
+  for (int i = 0; i < GROUP; i++) amax = std::max(amax, std::fabs(x[i]));
+  for (int i = 0; i < GROUP; i++) total += x[i];
+  const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+  for (int i = 0; i < GROUP; i++) q[i] = int8_t(std::nearbyint(x[i] * inverse));
+  *step = d;
+  *sum = total;
 }
 
-// Unpacks one group of 32 values and returns scale * q + bias for them, in two vectors of 16.
-//  8 bits: bytes widened to int32 and converted.
-//  2-5 bits: each int32 lane gets the two stream bytes holding its value, shifted into its low bits; the
-//    group's 32 possible weights (scale * q + bias) form a table those low 5 bits index (vpermt2ps, which
-//    ignores the higher bits, so no mask is needed; below 5 bits the table repeats).
-//  6 bits: 16-bit lanes, masked, widened and converted.
-// Loads are masked to the group's bytes, so the last group of a buffer never reads past it.
-struct Unpacker {
-  int bits;
-  __m512i pick_lo, pick_hi, shift_lo, shift_hi, pick16, shift16, mask16;
-  __m512 levels_lo, levels_hi;
-  __mmask32 bytes;
-  explicit Unpacker(int b) : bits(b) {
-    alignas(64) uint8_t picks[2][64], pick_words[64];
-    alignas(64) uint32_t shifts[2][16];
-    alignas(64) uint16_t word_shifts[32];
-    alignas(64) float levels[32];
-    for (int i = 0; i < GROUP; i++) {
-      const int bit = i * bits, first = bit / 8, second = first + 1 < 4 * bits ? first + 1 : first;
-      for (int j = 0; j < 4; j++) picks[i / LANES][4 * (i % LANES) + j] = j == 0 ? first : second;
-      shifts[i / LANES][i % LANES] = bit % 8;
-      pick_words[2 * i] = first;
-      pick_words[2 * i + 1] = second;
-      word_shifts[i] = bit % 8;
-      levels[i] = float(i & ((1 << std::min(bits, 5)) - 1));
+// Reference arithmetic, used where AVX-512 VNNI/VBMI is missing: the same sums, in column order.
+void quantized_product_scalar(const float* x, int rows, const Weights& w, float* y) {
+  const int groups = w.groups();
+  std::vector<int8_t> q(size_t(w.columns));
+  std::vector<float> steps(groups), sums(groups);
+  std::vector<int32_t> values(GROUP);
+  for (int m = 0; m < rows; m++) {
+    const float* row = x + size_t(m) * w.columns;
+    for (int g = 0; g < groups; g++) quantize_group_scalar(row + g * GROUP, q.data() + g * GROUP, &steps[g], &sums[g]);
+#pragma omp parallel for schedule(static) firstprivate(values) if (size_t(w.outputs) * w.columns >= PARALLEL_FROM)
+    for (int o = 0; o < w.outputs; o++) {
+      float acc = 0.0f;
+      for (int g = 0; g < groups; g++) {
+        unpack_scalar(w.packed + size_t(o) * w.row_bytes() + size_t(g) * 4 * w.bits, w.bits, values.data());
+        int32_t dot = 0;
+        for (int i = 0; i < GROUP; i++) dot += values[i] * q[g * GROUP + i];
+        acc = std::fma(w.scale(o, g) * steps[g], float(dot), acc);
+        acc = std::fma(w.bias(o, g), sums[g], acc);
+      }
+      y[size_t(m) * w.outputs + o] = acc;
     }
-    pick_lo = _mm512_load_si512(picks[0]);
-    pick_hi = _mm512_load_si512(picks[1]);
-    shift_lo = _mm512_load_si512(shifts[0]);
-    shift_hi = _mm512_load_si512(shifts[1]);
-    pick16 = _mm512_load_si512(pick_words);
-    shift16 = _mm512_load_si512(word_shifts);
-    mask16 = _mm512_set1_epi16((1 << bits) - 1);
-    levels_lo = _mm512_load_ps(levels);
-    levels_hi = _mm512_load_ps(levels + LANES);
-    bytes = bits == 8 ? ~__mmask32(0) : (__mmask32(1) << (4 * bits)) - 1;
   }
-  inline void operator()(const uint8_t* p, float scale, float bias, vf& lo, vf& hi) const {
-    const __m512 s = _mm512_set1_ps(scale), b = _mm512_set1_ps(bias);
-    if (bits == 8) {
-      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-      const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-      lo = as_vf(_mm512_fmadd_ps(q0, s, b));
-      hi = as_vf(_mm512_fmadd_ps(q1, s, b));
+}
+
+#ifdef AKUNU_VNNI
+// Columns go in blocks of 128 (4 groups). A block's weights become two registers of unsigned bytes and
+// x's block two registers of signed bytes, both ordered so that int32 lane l of either holds 4 values of
+// group l / 4; two vpdpbusd then leave each group's dot product spread over its 4 lanes. The order:
+//  4 bits: the packed bytes themselves, low nibbles in the first register and high nibbles in the second;
+//  other widths: chunk c of 8 values (c = 0..15, group c / 4) goes to 64-bit lane c % 2 + 2 * (c / 4) of the
+//    first register if c % 4 < 2, else of the second; each lane's 8 values are cut out of the `bits` stream
+//    bytes gathered into it (vpermt2b) by vpmultishiftqb, then masked (8 bits: the gathered bytes).
+constexpr int BLOCK = 128;
+constexpr int LANES = 16;
+constexpr int OUT_BLOCK = 4;   // weight rows unpacked together
+constexpr int ROW_TILE = 4;    // rows of x in one register tile
+constexpr int CHUNK = 8;       // blocks of columns unpacked at a time (stays in L1 with x's rows)
+
+struct Layout {
+  int bits;
+  __m512i x_pick[2], w_pick[2], shifts, mask, nibble;
+  explicit Layout(int b) : bits(b) {
+    alignas(64) uint8_t x_picks[2][64], w_picks[2][64], shift[64];
+    for (int half = 0; half < 2; half++)
+      for (int lane = 0; lane < 8; lane++) {
+        const int chunk = 4 * (lane / 2) + lane % 2 + 2 * half;
+        for (int t = 0; t < 8; t++) {
+          const int i = 8 * lane + t;
+          x_picks[half][i] = b == 4 ? 8 * (i / 4) + 2 * (i % 4) + half : 8 * chunk + t;
+          w_picks[half][i] = b == 8 ? 8 * chunk + t : b * chunk + std::min(t, b - 1);
+          shift[i] = (t * b) % 64;
+        }
+      }
+    for (int half = 0; half < 2; half++) {
+      x_pick[half] = _mm512_load_si512(x_picks[half]);
+      w_pick[half] = _mm512_load_si512(w_picks[half]);
+    }
+    shifts = _mm512_load_si512(shift);
+    mask = _mm512_set1_epi8(char((1 << b) - 1));
+    nibble = _mm512_set1_epi8(0x0f);
+  }
+
+  // The block of `bytes_left` (or more) stream bytes at p, as the two registers of unsigned values.
+  inline void unpack(const uint8_t* p, int64_t bytes_left, __m512i& first, __m512i& second) const {
+    const int64_t bytes = std::min<int64_t>(bytes_left, 16 * bits);
+    const __m512i low = _mm512_maskz_loadu_epi8(_bzhi_u64(~0ull, unsigned(std::min<int64_t>(bytes, 64))), p);
+    if (bits == 4) {
+      first = _mm512_and_si512(low, nibble);
+      second = _mm512_and_si512(_mm512_srli_epi16(low, 4), nibble);
       return;
     }
-    const __m512i data = _mm512_zextsi256_si512(_mm256_maskz_loadu_epi8(bytes, p));
-    if (bits <= 5) {
-      const __m512 table_lo = _mm512_fmadd_ps(levels_lo, s, b), table_hi = _mm512_fmadd_ps(levels_hi, s, b);
-      const __m512i index_lo = _mm512_srlv_epi32(_mm512_permutexvar_epi8(pick_lo, data), shift_lo);
-      const __m512i index_hi = _mm512_srlv_epi32(_mm512_permutexvar_epi8(pick_hi, data), shift_hi);
-      lo = as_vf(_mm512_permutex2var_ps(table_lo, index_lo, table_hi));
-      hi = as_vf(_mm512_permutex2var_ps(table_lo, index_hi, table_hi));
-      return;
-    }
-    const __m512i words = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi8(pick16, data), shift16), mask16);
-    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(words)));
-    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(words, 1)));
-    lo = as_vf(_mm512_fmadd_ps(q0, s, b));
-    hi = as_vf(_mm512_fmadd_ps(q1, s, b));
+    const __m512i high =
+        bytes > 64 ? _mm512_maskz_loadu_epi8(_bzhi_u64(~0ull, unsigned(bytes - 64)), p + 64) : _mm512_setzero_si512();
+    first = _mm512_permutex2var_epi8(low, w_pick[0], high);
+    second = _mm512_permutex2var_epi8(low, w_pick[1], high);
+    if (bits == 8) return;
+    first = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, first), mask);
+    second = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, second), mask);
   }
 };
-#else
-struct Unpacker {
-  int bits;
-  explicit Unpacker(int b) : bits(b) {}
-  inline void operator()(const uint8_t* p, float scale, float bias, vf& lo, vf& hi) const {
-    int32_t values[GROUP];
-    unpack_scalar(p, bits, values);
-    for (int i = 0; i < LANES; i++) {
-      lo[i] = __builtin_fmaf(float(values[i]), scale, bias);
-      hi[i] = __builtin_fmaf(float(values[LANES + i]), scale, bias);
-    }
+
+// `count` (<= 16) scales or biases from i on, as float32 (the rest zero).
+inline __m512 load_scales(const void* p, Scale type, size_t i, int count) {
+  const __mmask16 keep = __mmask16(_bzhi_u32(0xffffu, unsigned(count)));
+  if (type == Scale::f32) return _mm512_maskz_loadu_ps(keep, static_cast<const float*>(p) + i);
+  const __m256i h = _mm256_maskz_loadu_epi16(keep, static_cast<const uint16_t*>(p) + i);
+  if (type == Scale::f16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// x's rows quantized per group, in the blocks' order: bytes, each dot lane's group step, each group's sum.
+struct QuantizedRows {
+  int rows, blocks, sum_stride;
+  Aligned<int8_t> q;
+  Aligned<float> steps, sums;
+  QuantizedRows(const float* x, int rows_, int columns, const Layout& layout)
+      : rows(rows_),
+        blocks((columns + BLOCK - 1) / BLOCK),
+        sum_stride(blocks * 4 + LANES),
+        q(size_t(rows_) * blocks * BLOCK),
+        steps(size_t(rows_) * blocks * LANES),
+        sums(size_t(rows_) * sum_stride) {
+    const __m512i lane_group = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int m = 0; m < rows; m++)
+      for (int b = 0; b < blocks; b++) {
+        alignas(64) int8_t natural[BLOCK];
+        alignas(16) float step[4] = {0, 0, 0, 0};
+        float* sum = sums.get() + size_t(m) * sum_stride + 4 * b;
+        for (int g = 0; g < 4; g++) {
+          const int column = b * BLOCK + g * GROUP;
+          const int count = std::clamp(columns - column, 0, GROUP);
+          const float* p = x + size_t(m) * columns + column;
+          const __m512 lo = _mm512_maskz_loadu_ps(__mmask16(_bzhi_u32(0xffffu, unsigned(std::min(count, 16)))), p);
+          const __m512 hi =
+              _mm512_maskz_loadu_ps(__mmask16(_bzhi_u32(0xffffu, unsigned(std::max(count - 16, 0)))), p + 16);
+          const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
+          const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+          const __m512 scale = _mm512_set1_ps(inverse);
+          _mm_store_si128(reinterpret_cast<__m128i*>(natural + g * GROUP),
+                          _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, scale))));
+          _mm_store_si128(reinterpret_cast<__m128i*>(natural + g * GROUP + 16),
+                          _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, scale))));
+          step[g] = d;
+          sum[g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+        }
+        const __m512i low = _mm512_load_si512(natural), high = _mm512_load_si512(natural + 64);
+        int8_t* out = q.get() + (size_t(m) * blocks + b) * BLOCK;
+        _mm512_store_si512(out, _mm512_permutex2var_epi8(low, layout.x_pick[0], high));
+        _mm512_store_si512(out + 64, _mm512_permutex2var_epi8(low, layout.x_pick[1], high));
+        _mm512_store_ps(steps.get() + (size_t(m) * blocks + b) * LANES,
+                        _mm512_permutexvar_ps(lane_group, _mm512_castps128_ps512(_mm_load_ps(step))));
+      }
   }
-};
-#endif
-
-struct Weights {
-  const uint8_t* packed;
-  const float* scales;
-  const float* biases;
-  int outputs, columns, bits;
-  size_t row_bytes() const { return size_t(columns) * bits / 8; }
+  const int8_t* q_row(int m) const { return q.get() + size_t(m) * blocks * BLOCK; }
+  const float* steps_row(int m) const { return steps.get() + size_t(m) * blocks * LANES; }
+  const float* sums_row(int m) const { return sums.get() + size_t(m) * sum_stride; }
 };
 
-// Columns [column, column + width) of rows [first, first + count) of W as float32, `width` apart in out.
-void unpack_rows(const Weights& w, const Unpacker& unpack, int first, int count, int column, int width, float* out) {
-  const int groups = w.columns / GROUP;
+// One chunk of blocks of OUT_BLOCK weight rows, unpacked: per row and block 128 bytes, then each dot lane's scale.
+struct Unpacked {
+  alignas(64) uint8_t values[OUT_BLOCK][CHUNK][BLOCK];
+  alignas(64) float scales[OUT_BLOCK][CHUNK][LANES];
+};
+
+void unpack_chunk(const Weights& w, const Layout& layout, int first, int count, int block, int blocks, Unpacked& out) {
+  const __m512i lane_group = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const int groups = w.groups();
   for (int r = 0; r < count; r++) {
-    const uint8_t* p = w.packed + size_t(first + r) * w.row_bytes() + size_t(column / GROUP) * 4 * w.bits;
-    const float* scales = w.scales + size_t(first + r) * groups + column / GROUP;
-    const float* biases = w.biases + size_t(first + r) * groups + column / GROUP;
-    float* row = out + size_t(r) * width;
-    for (int g = 0; g < width / GROUP; g++, p += 4 * w.bits) {
-      vf lo, hi;
-      unpack(p, scales[g], biases[g], lo, hi);  // scale * q is exact: one rounding, as llama.cpp's
-      std::memcpy(row + g * GROUP, &lo, sizeof lo);
-      std::memcpy(row + g * GROUP + LANES, &hi, sizeof hi);
+    const uint8_t* row = w.packed + size_t(first + r) * w.row_bytes();
+    for (int b = 0; b < blocks; b++) {
+      const int64_t offset = int64_t(block + b) * 16 * w.bits;
+      __m512i lo, hi;
+      layout.unpack(row + offset, int64_t(w.row_bytes()) - offset, lo, hi);
+      _mm512_store_si512(out.values[r][b], lo);
+      _mm512_store_si512(out.values[r][b] + 64, hi);
+      const int group = 4 * (block + b);
+      const __m512 s = load_scales(w.scales, w.type, size_t(first + r) * groups + group, std::min(4, groups - group));
+      _mm512_store_ps(out.scales[r][b], _mm512_permutexvar_ps(lane_group, s));
     }
   }
 }
 
-// Adds x[m] * w[n] lane-wise over `width` columns to the running sums acc[m][n] of a tile of MR rows
-// and NR unpacked weight rows (sums start at zero on the first chunk). A sum's additions run in column
-// order whatever the tile, so a row's result does not depend on its neighbours.
+// Keeps a loaded vector in a register: otherwise GCC folds the load into every instruction that uses it.
+inline __m512i in_register(__m512i v) {
+  asm("" : "+v"(v));
+  return v;
+}
+inline __m512 in_register(__m512 v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
+// Adds the chunk's products to the running sums acc[m][n] of a tile of MR rows of x and NR weight rows.
+// Every (m, n) sum takes the same steps whatever the tile, so a row's result does not depend on its neighbours.
 template <int MR, int NR>
-void tile(const float* x, int x_apart, const float* w, int width, vf* acc, bool first_chunk) {
-  vf a[MR][NR];
+void tile(const QuantizedRows& x, int m0, const Unpacked& w, int block, int blocks, __m512* acc) {
+  __m512 a[MR][NR];
   for (int m = 0; m < MR; m++)
-    for (int n = 0; n < NR; n++) a[m][n] = first_chunk ? vf{} : acc[m * OUT_BLOCK + n];
-  for (int k = 0; k < width; k += LANES) {
-    vf wv[NR];
-    for (int n = 0; n < NR; n++) wv[n] = in_register(load(w + size_t(n) * width + k));
+    for (int n = 0; n < NR; n++) a[m][n] = acc[m * OUT_BLOCK + n];
+  for (int b = 0; b < blocks; b++) {
     for (int m = 0; m < MR; m++) {
-      const vf xv = in_register(load(x + size_t(m) * x_apart + k));
-      for (int n = 0; n < NR; n++) a[m][n] += xv * wv[n];
+      const int8_t* q = x.q_row(m0 + m) + size_t(block + b) * BLOCK;
+      const __m512i x0 = in_register(_mm512_load_si512(q)), x1 = in_register(_mm512_load_si512(q + 64));
+      const __m512 step = in_register(_mm512_load_ps(x.steps_row(m0 + m) + size_t(block + b) * LANES));
+      for (int n = 0; n < NR; n++) {
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(w.values[n][b]), x0);
+        dot = _mm512_dpbusd_epi32(dot, _mm512_load_si512(w.values[n][b] + 64), x1);
+        const __m512 scale = _mm512_mul_ps(step, _mm512_load_ps(w.scales[n][b]));
+        a[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, a[m][n]);
+      }
     }
   }
   for (int m = 0; m < MR; m++)
@@ -210,62 +318,94 @@ void tile(const float* x, int x_apart, const float* w, int width, vf* acc, bool 
 }
 
 template <int NR>
-void rows_times_chunk(const float* x, int rows, int columns, const float* w, int width, vf* acc, bool first_chunk) {
+void rows_times_chunk(const QuantizedRows& x, const Unpacked& w, int block, int blocks, __m512* acc) {
   int m = 0;
-  for (; m + ROW_TILE <= rows; m += ROW_TILE)
-    tile<ROW_TILE, NR>(x + size_t(m) * columns, columns, w, width, acc + m * OUT_BLOCK, first_chunk);
-  for (; m < rows; m++) tile<1, NR>(x + size_t(m) * columns, columns, w, width, acc + m * OUT_BLOCK, first_chunk);
-}
-
-// x copied to start on a 64-byte line (rows stay on lines: columns is a multiple of 32), or null if it
-// does already or has one row. MLX's arrays start 24 bytes past a line, so every load of x would straddle two.
-float* line_aligned(const float* x, int rows, int columns) {
-  if (rows == 1 || reinterpret_cast<uintptr_t>(x) % 64 == 0) return nullptr;
-  const size_t bytes = size_t(rows) * columns * sizeof(float);
-  float* copy = static_cast<float*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
-  if (copy) std::memcpy(copy, x, bytes);
-  return copy;
-}
-
-// Blocks of OUT_BLOCK weight rows, each unpacked CHUNK columns at a time into a buffer that stays in L1
-// with the chunk of x's rows it meets; every block's weights are read from memory once.
-void quantized_product(const float* x, int rows, const Weights& w, float* y) {
-  const std::unique_ptr<float, decltype(&std::free)> copy(line_aligned(x, rows, w.columns), &std::free);
-  if (copy) x = copy.get();
-  const Unpacker unpack(w.bits);
-  const int blocks = (w.outputs + OUT_BLOCK - 1) / OUT_BLOCK;
-#pragma omp parallel if (size_t(w.outputs) * w.columns >= PARALLEL_FROM)
-  {
-    std::vector<float> buffer(size_t(OUT_BLOCK) * CHUNK);
-    std::vector<vf> acc(size_t(rows) * OUT_BLOCK);
-#pragma omp for schedule(static)
-    for (int block = 0; block < blocks; block++) {
-      const int first = block * OUT_BLOCK, count = std::min(OUT_BLOCK, w.outputs - first);
-      for (int column = 0; column < w.columns; column += CHUNK) {
-        const int width = std::min(CHUNK, w.columns - column);
-        unpack_rows(w, unpack, first, count, column, width, buffer.data());
-        const float* xc = x + column;
-        switch (count) {
-          case 4: rows_times_chunk<4>(xc, rows, w.columns, buffer.data(), width, acc.data(), column == 0); break;
-          case 3: rows_times_chunk<3>(xc, rows, w.columns, buffer.data(), width, acc.data(), column == 0); break;
-          case 2: rows_times_chunk<2>(xc, rows, w.columns, buffer.data(), width, acc.data(), column == 0); break;
-          default: rows_times_chunk<1>(xc, rows, w.columns, buffer.data(), width, acc.data(), column == 0); break;
-        }
-      }
-      for (int m = 0; m < rows; m++)
-        for (int n = 0; n < count; n++) y[size_t(m) * w.outputs + first + n] = lane_sum(acc[m * OUT_BLOCK + n]);
-    }
+  for (; m + ROW_TILE <= x.rows; m += ROW_TILE) tile<ROW_TILE, NR>(x, m, w, block, blocks, acc + m * OUT_BLOCK);
+  switch (x.rows - m) {
+    case 3: tile<3, NR>(x, m, w, block, blocks, acc + m * OUT_BLOCK); break;
+    case 2: tile<2, NR>(x, m, w, block, blocks, acc + m * OUT_BLOCK); break;
+    case 1: tile<1, NR>(x, m, w, block, blocks, acc + m * OUT_BLOCK); break;
+    default: break;
   }
 }
 
-// The whole matrix as float32 (for prefill: one float32 GEMM instead of MLX's quantized one).
+// sum_g bias_g * sum(x_g) for a weight row, 16 groups at a time, added lane-wise to acc, then acc's lanes summed.
+inline float finish(const Weights& w, int row, const float* sums, __m512 acc) {
+  const int groups = w.groups();
+  for (int g = 0; g < groups; g += LANES) {
+    const __m512 bias = load_scales(w.biases, w.type, size_t(row) * groups + g, std::min(LANES, groups - g));
+    acc = _mm512_fmadd_ps(bias, _mm512_loadu_ps(sums + g), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// Blocks of OUT_BLOCK weight rows, each unpacked CHUNK blocks of columns at a time into a buffer that stays
+// in L1 with the chunk of x's rows it meets; every block's weights are read from memory once.
+void quantized_product(const float* x, int rows, const Weights& w, float* y) {
+  const Layout layout(w.bits);
+  const QuantizedRows qx(x, rows, w.columns, layout);
+  const int row_blocks = (w.outputs + OUT_BLOCK - 1) / OUT_BLOCK;
+#pragma omp parallel if (size_t(w.outputs) * w.columns >= PARALLEL_FROM)
+  {
+    auto buffer = std::make_unique<Unpacked>();
+    Aligned<__m512> acc(size_t(rows) * OUT_BLOCK);
+#pragma omp for schedule(static)
+    for (int row_block = 0; row_block < row_blocks; row_block++) {
+      const int first = row_block * OUT_BLOCK, count = std::min(OUT_BLOCK, w.outputs - first);
+      for (size_t i = 0; i < size_t(rows) * OUT_BLOCK; i++) acc.get()[i] = _mm512_setzero_ps();
+      for (int block = 0; block < qx.blocks; block += CHUNK) {
+        const int blocks = std::min(CHUNK, qx.blocks - block);
+        unpack_chunk(w, layout, first, count, block, blocks, *buffer);
+        switch (count) {
+          case 4: rows_times_chunk<4>(qx, *buffer, block, blocks, acc.get()); break;
+          case 3: rows_times_chunk<3>(qx, *buffer, block, blocks, acc.get()); break;
+          case 2: rows_times_chunk<2>(qx, *buffer, block, blocks, acc.get()); break;
+          default: rows_times_chunk<1>(qx, *buffer, block, blocks, acc.get()); break;
+        }
+      }
+      for (int m = 0; m < rows; m++)
+        for (int n = 0; n < count; n++)
+          y[size_t(m) * w.outputs + first + n] = finish(w, first + n, qx.sums_row(m), acc.get()[m * OUT_BLOCK + n]);
+    }
+  }
+}
+#else
+void quantized_product(const float* x, int rows, const Weights& w, float* y) { quantized_product_scalar(x, rows, w, y); }
+#endif
+
+// One group's 32 values as unsigned integers (4 * bits bytes at p): values[i] = bits i*b.. of the stream.
+inline void unpack_group(const uint8_t* p, int bits, int32_t* values) {
+#ifdef AKUNU_VNNI
+  if (bits != 8) {
+    alignas(32) uint8_t pick[32], shift[32];
+    for (int i = 0; i < 32; i++) {
+      pick[i] = bits * (i / 8) + std::min(i % 8, bits - 1);
+      shift[i] = (i % 8) * bits;
+    }
+    const __m256i data = _mm256_maskz_loadu_epi8(_bzhi_u32(~0u, 4 * bits), p);
+    const __m256i gathered = _mm256_permutexvar_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(pick)), data);
+    const __m256i cut = _mm256_multishift_epi64_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(shift)), gathered);
+    alignas(32) uint8_t bytes[32];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), _mm256_and_si256(cut, _mm256_set1_epi8(char((1 << bits) - 1))));
+    for (int i = 0; i < GROUP; i++) values[i] = bytes[i];
+    return;
+  }
+#endif
+  unpack_scalar(p, bits, values);
+}
+
+// The whole matrix as float32, scale * q + bias with one rounding (for prefill: one float32 GEMM).
 void dequantize_all(const Weights& w, float* out) {
-  const Unpacker unpack(w.bits);
-  const int blocks = (w.outputs + 63) / 64;
+  const int groups = w.groups();
 #pragma omp parallel for schedule(static) if (size_t(w.outputs) * w.columns >= PARALLEL_FROM)
-  for (int block = 0; block < blocks; block++) {
-    const int first = block * 64, count = std::min(64, w.outputs - first);
-    unpack_rows(w, unpack, first, count, 0, w.columns, out + size_t(first) * w.columns);
+  for (int o = 0; o < w.outputs; o++) {
+    int32_t values[GROUP];
+    for (int g = 0; g < groups; g++) {
+      unpack_group(w.packed + size_t(o) * w.row_bytes() + size_t(g) * 4 * w.bits, w.bits, values);
+      const float scale = w.scale(o, g), bias = w.bias(o, g);
+      float* row = out + size_t(o) * w.columns + g * GROUP;
+      for (int i = 0; i < GROUP; i++) row[i] = std::fma(float(values[i]), scale, bias);
+    }
   }
 }
 
@@ -273,7 +413,8 @@ void dequantize_all(const Weights& w, float* out) {
 
 Weights weights_of(const std::vector<array>& in, int bits) {
   const array& packed = in[1];
-  return {packed.data<uint8_t>(), in[2].data<float>(), in[3].data<float>(), int(packed.shape(0)),
+  const Scale type = in[2].dtype() == float32 ? Scale::f32 : in[2].dtype() == float16 ? Scale::f16 : Scale::bf16;
+  return {packed.data<uint8_t>(), in[2].data<void>(), in[3].data<void>(), type, int(packed.shape(0)),
           int(packed.shape(1) * 32 / bits), bits};
 }
 
@@ -321,6 +462,20 @@ class QuantizedProduct : public CpuPrimitive {
   }
 };
 
+class ScalarProduct : public CpuPrimitive {
+ public:
+  using CpuPrimitive::CpuPrimitive;
+  const char* name() const override { return "AkunuQuantizedProductScalar"; }
+
+ protected:
+  Runner runner() const override {
+    return [](const std::vector<array>& in, array& out, int bits) {
+      const Weights w = weights_of(in, bits);
+      quantized_product_scalar(in[0].data<float>(), int(in[0].size() / w.columns), w, out.data<float>());
+    };
+  }
+};
+
 class Dequantize : public CpuPrimitive {
  public:
   using CpuPrimitive::CpuPrimitive;
@@ -340,8 +495,10 @@ Stream cpu_stream() {
 
 void check_weights(const array& packed, const array& scales, const array& biases, int bits) {
   if (bits < 2 || bits > 8 || bits == 7) throw std::invalid_argument("bits must be 2, 3, 4, 5, 6 or 8");
-  if (packed.dtype() != uint32 || scales.dtype() != float32 || biases.dtype() != float32)
-    throw std::invalid_argument("expected uint32 packed weights with float32 scales and biases");
+  const auto scale_type = scales.dtype();
+  if (packed.dtype() != uint32 || biases.dtype() != scale_type ||
+      (scale_type != float32 && scale_type != float16 && scale_type != bfloat16))
+    throw std::invalid_argument("expected uint32 packed weights with float32, float16 or bfloat16 scales and biases alike");
   if (packed.ndim() != 2 || scales.ndim() != 2 || scales.shape() != biases.shape() || scales.shape(0) != packed.shape(0) ||
       int64_t(packed.shape(1)) * 32 != int64_t(scales.shape(1)) * GROUP * bits)
     throw std::invalid_argument("weights must be one matrix quantized in groups of 32");
@@ -349,15 +506,16 @@ void check_weights(const array& packed, const array& scales, const array& biases
     if (!a->flags().row_contiguous) throw std::invalid_argument("weights must be row-contiguous");
 }
 
-// x (..., K) float32 row-contiguous; packed (N, K * bits / 32) uint32; scales, biases (N, K / 32) float32.
-array quantized_product_op(const array& x, const array& packed, const array& scales, const array& biases, int bits) {
+// x (..., K) float32 row-contiguous; packed (N, K * bits / 32) uint32; scales, biases (N, K / 32).
+template <typename Product>
+array product_op(const array& x, const array& packed, const array& scales, const array& biases, int bits) {
   check_weights(packed, scales, biases, bits);
   if (x.dtype() != float32 || x.ndim() == 0 || x.shape(-1) != scales.shape(1) * GROUP)
     throw std::invalid_argument("x must be float32 (..., K) with K the weights' columns");
   if (!x.flags().row_contiguous) throw std::invalid_argument("x must be row-contiguous");
   Shape shape = x.shape();
   shape.back() = packed.shape(0);
-  return array(shape, float32, std::make_shared<QuantizedProduct>(cpu_stream(), bits), {x, packed, scales, biases});
+  return array(shape, float32, std::make_shared<Product>(cpu_stream(), bits), {x, packed, scales, biases});
 }
 
 array dequantize_op(const array& packed, const array& scales, const array& biases, int bits) {
@@ -371,12 +529,14 @@ array dequantize_op(const array& packed, const array& scales, const array& biase
 
 NB_MODULE(akunu_quantized_kernels, m) {
   m.doc() = "akunu's CPU products over MLX affine-quantized weights (group size 32)";
-  m.def("quantized_product", &quantized_product_op, nb::arg("x"), nb::arg("packed"), nb::arg("scales"), nb::arg("biases"),
-        nb::arg("bits"), "x @ dequantize(packed, scales, biases).T, each row computed alone");
+  m.def("quantized_product", &product_op<QuantizedProduct>, nb::arg("x"), nb::arg("packed"), nb::arg("scales"),
+        nb::arg("biases"), nb::arg("bits"), "x @ dequantize(packed, scales, biases).T over int8-quantized rows of x");
+  m.def("scalar_product", &product_op<ScalarProduct>, nb::arg("x"), nb::arg("packed"), nb::arg("scales"),
+        nb::arg("biases"), nb::arg("bits"), "quantized_product's arithmetic in plain scalar code (the fallback)");
   m.def("dequantize", &dequantize_op, nb::arg("packed"), nb::arg("scales"), nb::arg("biases"), nb::arg("bits"),
         "the float32 matrix the weights hold");
-  m.def("vectorized_unpack", []() {
-#ifdef AKUNU_VBMI
+  m.def("vectorized", []() {
+#ifdef AKUNU_VNNI
     return true;
 #else
     return false;

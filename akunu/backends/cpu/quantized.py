@@ -3,9 +3,10 @@
 MLX's CPU `quantized_matmul` reads quantized weights far below the memory bandwidth, so on the
 CPU a quantized model's QuantizedLinear layers (and a tied QuantizedEmbedding's output product)
 get a subclass whose products of up to MAX_ROWS rows (decode steps, verification passes) run
-akunu's kernel: each weight read once at its stored width, a row's result independent of the
-rows beside it. Longer inputs (prefill) dequantize the weight to float32 for one BLAS product.
-Layers the kernel does not cover (other modes or group sizes, float16 scales) keep MLX's path.
+akunu's kernel: each weight read once at its stored width and multiplied as an integer with x
+quantized to int8 per group of 32 (as llama.cpp does), a row's result independent of the rows
+beside it. Longer inputs (prefill) dequantize the weight to float32 for one BLAS product.
+Layers the kernel does not cover (other modes or group sizes) keep MLX's path.
 Built on first use like `kernels`; AKUNU_QUANTIZED_KERNEL=0 turns it off.
 """
 
@@ -18,6 +19,7 @@ from types import ModuleType
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from akunu.backends.cpu import kernels
 
@@ -26,7 +28,8 @@ SOURCE = Path(__file__).with_name("quantized.cpp")
 MODULE_NAME = "akunu_quantized_kernels"
 MAX_ROWS = 64  # decode steps and verification passes; prefill chunks dequantize into one float32 product
 BITS = (2, 3, 4, 5, 6, 8)
-REVISION = 2  # bumped when the kernel's speed changes, so cost curves are measured again
+SCALE_TYPES = (mx.float32, mx.float16, mx.bfloat16)
+REVISION = 3  # bumped when the kernel's speed changes, so cost curves are measured again
 _why_not: list[str] = []
 
 
@@ -64,21 +67,42 @@ def _give_up(reason: str) -> None:
 
 
 def _check(module: ModuleType) -> None:
-    """Against MLX's own dequantize on a small case of every width, so a bad build is never used."""
-    x = mx.random.normal((3, 64), key=mx.random.key(0))
-    w = mx.random.normal((5, 64), key=mx.random.key(1))
+    """Against MLX's own dequantize and `reference_product` on a small case of every width and scale type,
+    so a bad build is never used."""
+    x = mx.random.normal((3, 160), key=mx.random.key(0))
+    w = mx.random.normal((5, 160), key=mx.random.key(1))
     for bits in BITS:
-        packed, scales, biases = mx.quantize(w, group_size=32, bits=bits)
-        scales, biases = (
-            a.astype(mx.float16).astype(mx.float32) for a in (scales, biases)
-        )  # scale * q exact, as GGUF's
-        dense = mx.dequantize(packed, scales, biases, group_size=32, bits=bits)
-        product = module.quantized_product(x, packed, scales, biases, bits)
-        if not (
-            mx.array_equal(module.dequantize(packed, scales, biases, bits), dense).item()
-            and mx.allclose(product, x @ dense.T, rtol=1e-4, atol=1e-4).item()
-        ):
-            raise ValueError(f"the {bits}-bit kernel disagrees with MLX's dequantize")
+        for dtype in SCALE_TYPES:
+            packed, scales, biases = mx.quantize(w.astype(dtype), group_size=32, bits=bits)
+            if dtype == mx.float32:  # float16 values, so scale * q is exact as in GGUF's types
+                scales, biases = (a.astype(mx.float16).astype(mx.float32) for a in (scales, biases))
+            dense = mx.dequantize(packed, *(a.astype(mx.float32) for a in (scales, biases)), group_size=32, bits=bits)
+            product = module.quantized_product(x, packed, scales, biases, bits)
+            expected = reference_product(x, packed, scales, biases, bits)
+            if not (
+                mx.array_equal(module.dequantize(packed, scales, biases, bits), dense).item()
+                and np.allclose(np.asarray(product), expected, rtol=1e-5, atol=1e-5)
+            ):
+                raise ValueError(f"the {bits}-bit kernel ({dtype} scales) disagrees with the reference")
+
+
+def reference_product(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array, bits: int) -> np.ndarray:
+    """The kernel's arithmetic in float64 numpy: x's groups of 32 quantized to int8 in float32 exactly as the
+    kernel does (step = max|x| / 127, q = round-half-even(x / step)), then sum_g scale*step*(q_w . q_x) + bias*sum(x)."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+    rows, groups = x.shape[0], x.shape[1] // 32
+    xg = x.reshape(rows, groups, 32)
+    step = np.abs(xg).max(axis=-1) / np.float32(127)
+    inverse = np.where(step != 0, np.float32(1) / np.where(step != 0, step, 1), 0).astype(np.float32)
+    qx = np.rint(xg * inverse[..., None]).astype(np.float64)
+    q = np.asarray(mx.dequantize(packed, mx.ones(scales.shape), mx.zeros(biases.shape), group_size=32, bits=bits))
+    qw = q.astype(np.float64).reshape(q.shape[0], groups, 32)
+    s = np.asarray(scales.astype(mx.float32), dtype=np.float32)
+    b = np.asarray(biases.astype(mx.float32), dtype=np.float64)
+    dots = np.einsum("rgi,ogi->rog", qx, qw)
+    scale_steps = (s[None, :, :] * step[:, None, :]).astype(np.float64)  # one float32 product, as the kernel
+    sums = xg.astype(np.float64).sum(axis=-1)
+    return (scale_steps * dots).sum(-1) + sums @ b.T
 
 
 def covers(module: nn.Module) -> bool:
@@ -87,9 +111,9 @@ def covers(module: nn.Module) -> bool:
         getattr(module, "mode", "affine") == "affine"
         and module.group_size == 32
         and module.bits in BITS
-        and module["scales"].dtype == mx.float32
+        and module["scales"].dtype in SCALE_TYPES
         and module.get("biases") is not None
-        and module["biases"].dtype == mx.float32
+        and module["biases"].dtype == module["scales"].dtype
         and module["weight"].ndim == 2
     )
 
