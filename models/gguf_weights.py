@@ -29,6 +29,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from akunu.errors import ModelError
+from akunu.models.dtype_measure import Product
 from akunu.models.fetch import Progress
 from akunu.models.ggml_blocks import LAYOUTS, dequantize_exact, exact_triple
 from akunu.models.gguf_file import GGUFFile, TensorInfo
@@ -163,6 +164,32 @@ def _to_float32(raw: np.ndarray, info: TensorInfo) -> np.ndarray:
 def _check_finite(info: TensorInfo, *arrays: np.ndarray) -> None:
     if not all(np.isfinite(array).all() for array in arrays):
         raise ModelError(f"tensor {info.name} decodes to NaN or infinite weights: the file is corrupt")
+
+
+def decode_products(gguf_file: GGUFFile) -> list[Product]:
+    """A decode step's matrix products, each at the width "quantized" mode holds it (None: float32), for the
+    dtype policy to time. Embedding tables are looked up, not multiplied, unless one is the tied output."""
+    infos = list(gguf_file.tensors.values())
+    requantize = _float_share(infos) > MAX_FLOAT_SHARE
+    experts_used = int(gguf_file.arch_value("expert_used_count", 1) or 1)
+    products = []
+    for info in infos:
+        looked_up = info.name.split(".")[0].endswith("_embd") and not (
+            info.name == "token_embd.weight" and "output.weight" not in gguf_file.tensors
+        )
+        if looked_up or len(info.shape) not in (2, 3):
+            continue
+        count = 1 if len(info.shape) == 2 else min(experts_used, info.shape[0])
+        products.append(Product(info.shape[-2], info.shape[-1], _held_bits(info, requantize), count))
+    return products
+
+
+def _held_bits(info: TensorInfo, requantize_inexact: bool) -> int | None:
+    if info.ggml_type in FLOAT_TYPES or info.shape[-1] % GROUP_SIZE:
+        return None
+    if exact_triple_exists(info):
+        return LAYOUTS[info.ggml_type].bits
+    return requantize_bits(info.ggml_type) if requantize_inexact else None
 
 
 def quantized_stems(weights: dict[str, mx.array]) -> dict[str, int]:

@@ -82,10 +82,15 @@ def _looks_like_path(spec: str) -> bool:
 
 def _load_gguf(path: Path, name: str, dtype: str, progress: Progress | None) -> LoadedModel:
     from akunu.models.gguf_model import load_gguf_model
+    from akunu.models.gguf_weights import decode_products
     from akunu.models.tokenizer import Tokenizer
 
     gguf_file = read_gguf(path)
-    choice = choose_dtype(dtype, float32_bytes=4 * sum(_element_count(t.shape) for t in gguf_file.tensors.values()))
+    choice = choose_dtype(
+        dtype,
+        float32_bytes=4 * sum(_element_count(t.shape) for t in gguf_file.tensors.values()),
+        products=decode_products(gguf_file) if dtype == "auto" else None,
+    )
     model, config = load_gguf_model(gguf_file, quantized=choice.dtype == "quantized", progress=progress)
     tokenizer = Tokenizer.from_gguf_metadata(gguf_file.metadata, source=str(path))
     if tokenizer.vocab_size > config["vocab_size"]:  # ids past the embedding would read out of bounds

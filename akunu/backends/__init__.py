@@ -87,6 +87,15 @@ def quantized_kernel_available() -> bool:
     return quantized.load() is not None
 
 
+def use_quantized_kernel(model: Any) -> int:
+    """Route a module's quantized layers through the CPU backend's kernel, as `apply` does; how many."""
+    if not quantized_kernel_available():
+        return 0
+    from akunu.backends.cpu import quantized
+
+    return quantized.enable(model)
+
+
 def optimized_blas_loaded() -> bool:
     """Whether the CPU backend put an optimized BLAS under MLX (never without it; asking imports nothing)."""
     blas = sys.modules.get(f"{_CPU_PACKAGE}.blas")
