@@ -8,6 +8,7 @@ the backend's revision and the shapes, so a model is measured once.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -19,14 +20,16 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
 
 from akunu import backends
 
 GROUP_SIZE = 32
 MAX_PROBE_ROWS = 2048  # taller matrices are timed on this many rows and scaled: bounded memory, same rate
-WORKING_SET = 96 << 20  # float32 probe bytes cycled through, past the caches, so both forms read from memory
-MAX_COPIES = 16
-REPEATS = 4
+WORKING_SET = 96 << 20  # bytes each form's probes cycle through: past the caches, so both read from memory
+MAX_COPIES = 32
+REPEATS = 4  # rounds timed, even and odd ones compared
+MAX_SPREAD = 0.25  # even and odd rounds further apart than this: the machine was busy, not kept
 FORMS = ("float32", "quantized")
 
 
@@ -46,24 +49,44 @@ def float32_bytes(products: Iterable[Product]) -> int:
 
 
 def seconds_per_step(products: Sequence[Product]) -> dict[str, float]:
-    """Seconds of one decode step's products in each form (float32, quantized) on this machine."""
+    """Seconds of one decode step's products in each form (float32, quantized) on this machine, and their
+    "spread": how far the even and the odd rounds' estimates differ (a busy machine makes it large)."""
     probes = _merged([_probe(p) for p in products])
-    copies = max(1, min(MAX_COPIES, -(-WORKING_SET // max(1, float32_bytes(probes)))))
-    layers = {form: [[_layer(p, form) for p in probes] for _ in range(copies)] for form in FORMS}
+    layers = {form: _copies(probes, form) for form in FORMS}
     backends.use_quantized_kernel(_Holder(layers["quantized"]))
     inputs = {p.cols: mx.random.normal((1, p.cols)) for p in probes}
-    mx.eval(inputs, [layer.parameters() for form in FORMS for copy in layers[form] for layer in copy])
-    fastest = {form: [float("inf")] * len(probes) for form in FORMS}
-    for repeat in range(REPEATS + 1):  # the first round warms up
+    mx.eval(inputs, [layer.parameters() for form in FORMS for replica in layers[form] for layer in replica])
+    fastest = {(form, half): [float("inf")] * len(probes) for form in FORMS for half in (0, 1)}
+    for repeat in range(-1, REPEATS):  # round -1 warms up
         for form in FORMS if repeat % 2 else reversed(FORMS):
-            for copy in layers[form]:
-                for i, (probe, layer) in enumerate(zip(probes, copy)):
+            for replica in layers[form]:
+                for i, (probe, layer) in enumerate(zip(probes, replica)):
                     seconds = _timed(layer, inputs[probe.cols])
-                    if repeat:
-                        fastest[form][i] = min(fastest[form][i], seconds)
+                    if repeat >= 0:
+                        best = fastest[form, repeat % 2]
+                        best[i] = min(best[i], seconds)
     del layers
     mx.clear_cache()
-    return {form: sum(t * p.count for t, p in zip(fastest[form], probes)) for form in FORMS}
+    halves = {key: sum(t * p.count for t, p in zip(times, probes)) for key, times in fastest.items()}
+    seconds = {
+        form: sum(min(a, b) * p.count for a, b, p in zip(fastest[form, 0], fastest[form, 1], probes)) for form in FORMS
+    }
+    spread = max(abs(halves[form, 0] - halves[form, 1]) / min(halves[form, 0], halves[form, 1]) for form in FORMS)
+    return {**seconds, "spread": spread}
+
+
+def _copies(probes: list[Product], form: str) -> list[list[nn.Module]]:
+    """Enough copies of the probes' layers that cycling through them reads from memory, as a step does."""
+    layers = [_layer(p, form) for p in probes]
+    size = sum(v.nbytes for layer in layers for _, v in tree_flatten(layer.parameters()))
+    copies = max(1, min(MAX_COPIES, -(-WORKING_SET // max(1, size))))
+    return [layers] + [[_twin(layer) for layer in layers] for _ in range(copies - 1)]
+
+
+def _twin(layer: nn.Module) -> nn.Module:
+    """The layer with its own copy of the weights (quantizing afresh would take far longer)."""
+    twin = copy.copy(layer)
+    return twin.update(tree_map(lambda a: a + 0, layer.parameters()))
 
 
 def _probe(product: Product) -> Product:
@@ -89,7 +112,7 @@ def _layer(product: Product, form: str) -> nn.Module:
 class _Holder(nn.Module):
     def __init__(self, copies: list[list[nn.Module]]):
         super().__init__()
-        self.layers = [layer for copy in copies for layer in copy]
+        self.layers = [layer for replica in copies for layer in replica]
 
 
 def _timed(layer: nn.Module, x: mx.array) -> float:
@@ -116,18 +139,21 @@ def cache_path() -> Path:
     return catalogue.home() / "dtype_timings.json"
 
 
-def cached_seconds(products: Sequence[Product], measure=seconds_per_step) -> tuple[dict[str, float], bool]:
-    """Seconds per step of each form, read from disk if this machine measured these shapes before (and
-    whether it was); else measured now and saved."""
+def cached_seconds(products: Sequence[Product], measure=seconds_per_step) -> tuple[dict[str, float], str]:
+    """Seconds per step of each form, and where they come from: read from disk if this machine measured
+    these shapes before, else measured now and kept (unless the rounds disagreed: a busy machine)."""
     key, path = cache_key(products), cache_path()
     saved = _read(path)
     entry = saved.get(key)
     if isinstance(entry, dict) and all(isinstance(entry.get(f), (int, float)) and entry[f] > 0 for f in FORMS):
-        return {form: float(entry[form]) for form in FORMS}, True
-    seconds = measure(products)
+        return {form: float(entry[form]) for form in FORMS}, "measured before"
+    measured = measure(products)
+    seconds = {form: float(measured[form]) for form in FORMS}
+    if measured.get("spread", 0.0) > MAX_SPREAD:
+        return seconds, "measured now; not kept, the machine was busy"
     saved[key] = seconds
     _write(path, saved)
-    return seconds, False
+    return seconds, "measured now"
 
 
 def _read(path: Path) -> dict:

@@ -71,11 +71,12 @@ def choose_dtype(
 
 def measured_choice(products: Sequence[Product]) -> DtypeChoice:
     """The form whose decode-step products ran faster here (measured once per machine, backend and shapes)."""
-    seconds, cached = dtype_measure.cached_seconds(products)
+    seconds, when = dtype_measure.cached_seconds(products)
     fast, slow = sorted(dtype_measure.FORMS, key=seconds.__getitem__)
-    when = "measured before" if cached else "measured now"
     ratio = seconds[slow] / max(seconds[fast], 1e-12)
-    return DtypeChoice(fast, f"auto: its decode products ran {ratio:.1f}x faster than {slow} on this machine ({when})")
+    return DtypeChoice(
+        fast, f"auto: {fast} decode products ran {ratio:.1f}x faster than {slow} on this machine ({when})"
+    )
 
 
 def physical_memory_bytes() -> int:

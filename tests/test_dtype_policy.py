@@ -63,6 +63,15 @@ def test_the_measurement_is_kept_per_machine_and_backend_revision(cpu_with_kerne
     assert choose_dtype("auto", products=BIG).dtype == "float32" and timings.calls == 3
 
 
+def test_a_measurement_on_a_busy_machine_is_used_but_not_kept(cpu_with_kernel, timings):
+    timings.seconds = {"float32": 0.03, "quantized": 0.01, "spread": 0.6}
+    choice = choose_dtype("auto", products=BIG)
+    assert choice.dtype == "quantized" and "not kept" in choice.reason
+    timings.seconds = {"float32": 0.01, "quantized": 0.03, "spread": 0.1}
+    assert choose_dtype("auto", products=BIG).dtype == "float32" and timings.calls == 2
+    assert choose_dtype("auto", products=BIG).dtype == "float32" and timings.calls == 2
+
+
 def test_a_corrupt_record_is_measured_again(cpu_with_kernel, timings):
     dtype_measure.cache_path().parent.mkdir(parents=True)
     dtype_measure.cache_path().write_text("[not json")
@@ -84,9 +93,11 @@ def test_forced_metal_and_tiny_models_are_not_measured(cpu_with_kernel, timings,
     assert timings.calls == 0
 
 
-def test_a_real_measurement_times_both_forms(cpu_with_kernel):
+def test_a_real_measurement_times_both_forms(cpu_with_kernel, monkeypatch):
+    monkeypatch.setattr(dtype_measure, "WORKING_SET", 1)  # one copy of each product: quick
     seconds = dtype_measure.seconds_per_step([Product(256, 512, 4, 3), Product(128, 512, None, 1)])
-    assert set(seconds) == {"float32", "quantized"} and all(0 < s < 1 for s in seconds.values())
+    assert set(seconds) == {"float32", "quantized", "spread"}
+    assert 0 < seconds["float32"] < 1 and 0 < seconds["quantized"] < 1 and seconds["spread"] >= 0
 
 
 def test_decode_products_are_the_gguf_matrices_at_their_held_widths(tmp_path):
