@@ -51,9 +51,9 @@ def linears(model: nn.Module) -> list[mx.array]:
     stacked, covered = [], set()
     for _, module in model.named_modules():
         for stack in fused_layers.stacks(module).values():
-            if stack is not None:
+            if stack is not None and stack.transposed is not None:  # float32 stacks (quantized ones: the kernel's)
                 stacked.append(stack.transposed)
-                covered.update(id(w) for w in stack.weights)
+                covered.update(id(dict(arrays)["weight"]) for arrays in stack.held)
     weights = [m.weight.T for _, m in model.named_modules() if isinstance(m, nn.Linear) and id(m.weight) not in covered]
     if not any(name.endswith("lm_head") for name, m in model.named_modules() if isinstance(m, nn.Linear)):
         weights.append(model.model.embed_tokens.weight.T)

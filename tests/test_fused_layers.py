@@ -8,9 +8,14 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models import llama
 
-from akunu.backends.cpu import fast_step, fused_layers
+from akunu import backends
+from akunu.backends.cpu import fast_step, fused_layers, quantized
+from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import make_cache, rewind
+from tests.fakes import FakeTokenizer
+from tests.test_architectures import OracleDrafter
 from tests.tiny import tiny_gemma3, tiny_llama
+from tests.tiny_archs import tiny_model
 
 TOKENS = [random.Random(3).randrange(64) for _ in range(90)]
 
@@ -71,17 +76,111 @@ def test_weights_replaced_after_fusing_are_the_ones_used(unfused_llama):
     assert mx.allclose(fused, decode_logits(unfused_llama), atol=1e-5, rtol=1e-5).item()
 
 
-def test_refusing_keeps_the_stacks_and_quantized_layers_keep_mlx_lm_s_path(unfused_llama):
+def test_refusing_keeps_the_stacks(unfused_llama):
     fused_layers.fuse(unfused_llama)
     stack = fused_layers.stacks(unfused_llama.layers[0].self_attn)["qkv"]
     fused_layers.fuse(unfused_llama)  # as fast_step.enable does after every unpatched() block
     assert fused_layers.stacks(unfused_llama.layers[0].self_attn)["qkv"] is stack
-    fused_layers.unfuse(unfused_llama)
-    nn.quantize(unfused_llama, group_size=32, bits=8)
-    reference = decode_logits(unfused_llama)
-    fused_layers.fuse(unfused_llama)
-    assert fused_layers.stacks(unfused_llama.layers[0].mlp)["gate_up"] is None
-    assert mx.array_equal(decode_logits(unfused_llama), reference).item()
+
+
+def quantize(model: nn.Module, v_bits: int = 8) -> nn.Module:
+    """The layers' projections affine-quantized in groups of 32 as the GGUF loader gives them (float32 scales
+    holding float16 values), v_proj at another width than the rest, as GGUF files mix types within a layer."""
+
+    def bits(path: str, module: nn.Module):
+        return (
+            "layers" in path
+            and isinstance(module, nn.Linear)
+            and {"group_size": 32, "bits": v_bits if "v_proj" in path else 4}
+        )
+
+    nn.quantize(model, class_predicate=bits)
+    for _, module in model.named_modules():
+        if isinstance(module, nn.QuantizedLinear):
+            module.scales, module.biases = (
+                a.astype(mx.float16).astype(mx.float32) for a in (module.scales, module.biases)
+            )
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_qwen2(seed: int = 0) -> nn.Module:
+    """Qwen2: llama's layers with biases on q, k and v; heads of 16 dimensions, as the kernels take."""
+    return tiny_model("qwen2", seed=seed, hidden_size=64, intermediate_size=128, vocab_size=64)
+
+
+MODELS = {
+    "llama quantized, v at 8 bits": lambda: quantize(tiny_llama(seed=7, hidden=64, layers=2)),
+    "llama quantized at one width": lambda: quantize(tiny_llama(seed=8, hidden=64, layers=2), v_bits=4),
+    "qwen2 with biases": lambda: tiny_qwen2(seed=3),
+    "qwen2 quantized, with biases": lambda: quantize(tiny_qwen2(seed=4)),
+}
+
+
+@pytest.fixture(params=MODELS)
+def other_model(request):
+    if quantized.load() is None and "quantized" in request.param:
+        pytest.skip(f"no quantized kernel here: {quantized.unavailable()}")
+    model = MODELS[request.param]()
+    quantized.enable(model)  # the reference runs each quantized layer through akunu's kernel, as the backend does
+    yield model
+    fused_layers.unfuse(model)
+
+
+def test_quantized_and_biased_projections_take_the_fused_path_and_give_mlx_lm_s_logits(other_model):
+    reference = decode_logits(other_model)
+    assert fused_layers.fuse(other_model) == 2 * len(other_model.layers)
+    for block in other_model.layers:
+        assert all(
+            fused_layers.stacks(m)[name] is not None
+            for m in (block.self_attn, block.mlp)
+            for name in fused_layers.stacks(m)
+        )
+    v_proj = other_model.layers[0].self_attn.v_proj
+    mixed = isinstance(v_proj, nn.QuantizedLinear) and v_proj.bits == 8  # q|k one product, v another
+    assert len(fused_layers.stacks(other_model.layers[0].self_attn)["qkv"].parts) == (2 if mixed else 1)
+    fused = decode_logits(other_model)
+    # float32 rounding apart (RoPE and attention as kernels), which int8 activations can round a step further
+    assert mx.allclose(fused, reference, atol=1e-4, rtol=1e-4).item()
+    assert mx.array_equal(fused.argmax(-1), reference.argmax(-1)).item()
+
+
+def test_stacking_quantized_layers_keeps_one_copy_of_the_weights():
+    if quantized.load() is None:
+        pytest.skip(f"no quantized kernel here: {quantized.unavailable()}")
+    model = quantize(tiny_llama(seed=1, hidden=256, layers=2), v_bits=4)
+    fast_step.disable(model)
+    stacked_bytes = sum(
+        m.weight.nbytes + m.scales.nbytes * 2 for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)
+    )
+    gc.collect()
+    before = mx.get_active_memory()
+    fused_layers.fuse(model)
+    gc.collect()
+    assert mx.get_active_memory() - before < stacked_bytes / 10  # the layers' arrays are views of the stacks
+    assert len(fused_layers.stacks(model.layers[0].self_attn)["qkv"].parts) == 1
+    fused_layers.unfuse(model)
+
+
+@pytest.mark.parametrize("name", ["llama quantized, v at 8 bits", "qwen2 quantized, with biases", "qwen2 with biases"])
+@pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
+def test_greedy_speculative_equals_plain_through_the_fused_path(name, exact):
+    """Drafts of the plain output with planted errors: wide passes, accepted and rolled back mid-draft."""
+    if quantized.load() is None and "quantized" in name:
+        pytest.skip(f"no quantized kernel here: {quantized.unavailable()}")
+    model = MODELS[name]()
+    backends.apply(model)
+    assert type(model.model.layers[0].self_attn).__name__.startswith("Fused")
+    prompt = TOKENS[:12]
+    plain = generate(
+        model, FakeTokenizer(), prompt, GenerationConfig(max_tokens=16, spec=SpecConfig(enabled=False, exact=exact))
+    )[1]
+    spec = SpecConfig(draft_tokens=5, draft_length="fixed", exact=exact)
+    _, fast, stats = generate(
+        model, FakeTokenizer(), prompt, GenerationConfig(max_tokens=16, spec=spec), drafter=OracleDrafter(prompt, plain)
+    )
+    assert fast == plain
+    assert stats.drafted > stats.accepted > 5  # drafts landed, and some were rejected mid-draft and rolled back
 
 
 def test_other_architectures_are_left_alone():

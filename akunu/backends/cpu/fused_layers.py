@@ -1,11 +1,12 @@
-"""Llama-family attention and MLP with fewer, larger products for decode-shaped passes.
+"""Llama-family (llama, qwen2) attention and MLP with fewer, larger products for decode-shaped passes.
 
 On MLX's CPU backend a decode step of a small model is bound by dispatch as much as by memory:
 mlx-lm's `Linear` is four graph nodes (transpose, flatten, product, unflatten), and a layer runs
 seven of them. Here the products that read the same input share one matrix, q|k|v and gate|up,
 whose rows are the layers' own weights (those become views of it, so no memory is added), and
-every product takes a 2-D input and a transposed view made once: a layer runs four products,
-the output and down projections adding the residual themselves (addmm), and RoPE rotates queries
+every product takes a 2-D input and a transposed view made once: a layer runs four products (a
+bias, as qwen2's q, k and v have, added by the product as mlx-lm's Linear adds it), the output and
+down projections adding the residual themselves (addmm), and RoPE rotates queries
 and keys in one call. The model keeps the residual stream as 2-D rows from block to block. Where
 akunu's CPU kernels are built (`kernels`), one node splits the q|k|v product into rotated heads,
 attention reads the cache's buffers up to the offset and writes the rows the output projection
@@ -16,8 +17,15 @@ attention or MLP, residual add) one kernel node, the keys and values written int
 place, and no Python to build them. Each output element is still one weight row times the input, so results match mlx-lm's to
 float32 rounding.
 
-Passes wider than `MAX_ROWS` (prefill chunks), projections with biases or quantized, and
-weights replaced since `fuse` (a loaded adapter) take mlx-lm's own `__call__`.
+Quantized projections (affine, group 32, float32 scales, as akunu's loader gives them from GGUF) stack
+the same way, their packed weights, scales and biases along the outputs, and run akunu's quantized kernel
+(`quantized`), whose rows are independent too. A GGUF file may store a layer's parts at different widths
+(q at 5 bits, v at 8): then each run of parts stored alike is one product, their outputs side by side.
+Such layers, and those with biases, take the eager fused path: a compiled pass needs float32 products
+without biases (`compiles`).
+
+Passes wider than `MAX_ROWS` (prefill chunks), projections stored otherwise (float16 scales, other
+modes), and weights replaced since `fuse` (a loaded adapter) take mlx-lm's own `__call__`.
 """
 
 from __future__ import annotations
@@ -28,61 +36,132 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama
+from mlx_lm.models import llama, qwen2
 from mlx_lm.models.cache import KVCache
 
-from akunu.backends.cpu import compiled_pass, kernels
+from akunu.backends.cpu import compiled_pass, kernels, quantized
 from akunu.backends.cpu.rope import head_tables
 
 MAX_ROWS = 64  # decode steps and verification passes; prefill chunks keep mlx-lm's path
+GROUP = 32  # the quantization group size akunu's kernel takes
+PARAMETERS = ("weight", "scales", "biases", "bias")  # a Linear's or QuantizedLinear's arrays a stack replaces
+
+
+@dataclass(frozen=True)
+class Dense:
+    """Float32 (or half) weights as one transposed (in, outs) matrix."""
+
+    transposed: mx.array
+
+    def __call__(self, rows: mx.array) -> mx.array:
+        return rows @ self.transposed
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """Affine-quantized weights (group 32) as akunu's CPU kernel takes them: (outs, packed) rows."""
+
+    packed: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+
+    def __call__(self, rows: mx.array) -> mx.array:
+        """The kernel's product; rows are fresh outputs of a kernel or op here, so already row-contiguous."""
+        if rows.dtype == mx.float32:
+            return quantized.load().quantized_product(rows, self.packed, self.scales, self.biases, self.bits)
+        return mx.quantized_matmul(
+            rows, self.packed, self.scales, self.biases, transpose=True, group_size=GROUP, bits=self.bits
+        )
 
 
 @dataclass(frozen=True)
 class Stacked:
-    """Linear layers applied to one input, as a single (in, sum of outs) transposed matrix."""
+    """Linear layers applied to one input, as few products as their storage allows: one for each run of
+    layers stored alike (float32, or quantized at one width), their outputs side by side, plus the biases."""
 
-    weights: tuple[mx.array, ...]  # the layers' weights as stacked, to notice a replacement
-    transposed: mx.array
+    held: tuple[tuple[tuple[str, mx.array], ...], ...]  # each layer's arrays as stacked, to notice a replacement
+    parts: tuple[Dense | Quantized, ...]
+    bias: mx.array | None
+    transposed: mx.array | None  # the (in, outs) matrix where the stack is one dense product (compiled passes)
 
     @classmethod
-    def of(cls, linears: Sequence[nn.Linear]) -> Stacked | None:
-        if any(type(layer) is not nn.Linear or "bias" in layer for layer in linears):
+    def of(cls, linears: Sequence[nn.Module]) -> Stacked | None:
+        kinds = [_kind(layer) for layer in linears]
+        with_bias = sum("bias" in layer for layer in linears)
+        if any(kind is None for kind in kinds) or with_bias not in (0, len(linears)):
             return None
-        if len(linears) == 1:
-            stacked = linears[0].weight
-        else:
-            stacked = mx.concatenate([layer.weight for layer in linears])
-            mx.eval(stacked)
-            start = 0
-            for layer in linears:  # each layer's weight becomes its rows of the stack: no copy is kept
-                rows = layer.weight.shape[0]
-                layer.weight = stacked[start : start + rows]
-                start += rows
-        transposed = stacked.T
-        mx.eval(transposed, [layer.weight for layer in linears])
-        return cls(tuple(layer.weight for layer in linears), transposed)
+        parts, start = [], 0
+        for end in range(1, len(linears) + 1):
+            if end == len(linears) or kinds[end] != kinds[start]:
+                parts.append(_stack_part(linears[start:end]))
+                start = end
+        bias = _stack_rows(linears, "bias") if with_bias else None
+        held = tuple(tuple((name, layer[name]) for name in PARAMETERS if name in layer) for layer in linears)
+        mx.eval([a for part in parts for a in vars(part).values() if isinstance(a, mx.array)], [dict(h) for h in held])
+        dense = len(parts) == 1 and isinstance(parts[0], Dense)
+        return cls(held, tuple(parts), bias, parts[0].transposed if dense else None)
 
     def holds(self, linears: Sequence[nn.Module]) -> bool:
-        """Whether `linears` still have the weights stacked (item lookups: a Module's attribute lookups are slower)."""
-        for layer, weight in zip(linears, self.weights):
-            if layer.get("weight") is not weight:
-                return False
+        """Whether `linears` still have the arrays stacked (item lookups: a Module's attribute lookups are slower)."""
+        for layer, arrays in zip(linears, self.held):
+            for name, array in arrays:
+                if layer.get(name) is not array:
+                    return False
         return True
 
     def __call__(self, rows: mx.array, residual: mx.array | None = None) -> mx.array:
-        """(N, in) rows times the stacked matrix: (N, sum of outs), plus `residual` if given.
+        """(N, in) rows times the stacked layers: (N, sum of outs), plus the biases, plus `residual` if given.
 
-        A float32 residual is added by the product itself (addmm: one graph node, not two; the same
-        bits as adding after, since the sum is rounded to float32 before the add either way)."""
-        if residual is None:
-            return rows @ self.transposed
-        if residual.dtype == rows.dtype == mx.float32:
-            return mx.addmm(residual, rows, self.transposed)
-        return residual + rows @ self.transposed  # half types: addmm would round once, not twice
+        A float32 residual or bias is added by a dense product itself (addmm: one graph node, not two, and
+        mlx-lm's own Linear adds its bias so; the same bits as adding after, the sum being rounded first)."""
+        dense, bias = self.transposed, self.bias
+        if dense is not None and bias is None and residual is not None and residual.dtype == rows.dtype == mx.float32:
+            return mx.addmm(residual, rows, dense)
+        if dense is not None and bias is not None:
+            out = mx.addmm(bias, rows, dense)
+        else:
+            out = self.parts[0](rows) if len(self.parts) == 1 else mx.concatenate([p(rows) for p in self.parts], 1)
+            out = out if self.bias is None else out + self.bias
+        return out if residual is None else residual + out
 
 
-class FusedAttention(llama.Attention):
-    """llama's Attention with q|k|v as one product and o as a 2-D product."""
+def _kind(layer: nn.Module) -> Any:
+    """How a layer's weights are stored, for stacking: dense of a dtype, quantized at a width, or None (not stacked)."""
+    if type(layer) is nn.Linear:
+        return ("dense", layer["weight"].dtype)
+    if isinstance(layer, nn.QuantizedLinear) and quantized.load() and quantized.covers(layer):
+        return ("quantized", layer.bits)
+    return None
+
+
+def _stack_part(linears: Sequence[nn.Module]) -> Dense | Quantized:
+    """One product for layers stored alike; their arrays become views of the stacked ones, so no copy is kept."""
+    if type(linears[0]) is nn.Linear:
+        return Dense(_stack_rows(linears, "weight").T)
+    packed, scales, biases = (_stack_rows(linears, name) for name in ("weight", "scales", "biases"))
+    return Quantized(packed, scales, biases, linears[0].bits)
+
+
+def _stack_rows(linears: Sequence[nn.Module], name: str) -> mx.array:
+    """The layers' arrays `name` as one, along their outputs (the first axis); each layer then holds a view."""
+    if len(linears) == 1:
+        return linears[0][name]
+    stacked = mx.concatenate([layer[name] for layer in linears])
+    mx.eval(stacked)
+    start = 0
+    for layer in linears:
+        rows = layer[name].shape[0]
+        layer[name] = stacked[start : start + rows]
+        start += rows
+    return stacked
+
+
+class AttentionRows:
+    """An mlx-lm llama-style Attention (q, k, v, o projections, RoPE) with q|k|v as one product and o as a
+    2-D product; `mlx_module` is the module whose globals (attention, masks, SwiGLU) the model calls."""
+
+    mlx_module: Any = llama
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         if not self.fused_applies(x.shape[1], cache):
@@ -102,7 +181,7 @@ class FusedAttention(llama.Attention):
         held = stacks(self)
         queries, keys, values = self.rotated_heads(held["qkv"](x), B, L, cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
-        attend = llama.scaled_dot_product_attention  # the module global, which akunu swaps
+        attend = self.mlx_module.scaled_dot_product_attention  # the module global, which akunu swaps
         if kernel_reads_cache(attend, queries, cache, mask):
             # (B * L, H * head_dim) straight from the cache's buffers: none of the slices, transpose and
             # copy of the path below, each a graph node of a few microseconds on the CPU.
@@ -110,7 +189,7 @@ class FusedAttention(llama.Attention):
                                                  cache.offset, True)  # fmt: skip
         else:
             output = attend(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
-            heads = output.transpose(0, 2, 1, 3).reshape(B * L, -1)
+            heads = mx.contiguous(output.transpose(0, 2, 1, 3).reshape(B * L, -1))  # the quantized kernel's input
         return held["o"](heads, residual)
 
     def sublayer(self, x: mx.array, norm: nn.RMSNorm, B: int, cache: compiled_pass.CacheBuffers) -> mx.array:
@@ -136,9 +215,13 @@ class FusedAttention(llama.Attention):
 
     def compiles(self) -> bool:
         """Whether `sublayer` applies: float32 heads of a size the kernels take, and a RoPE over whole heads."""
-        qkv = stacks(self)["qkv"].transposed
+        held = stacks(self)
+        qkv, o = held["qkv"].transposed, held["o"].transposed
+        if qkv is None or o is None or held["qkv"].bias is not None or held["o"].bias is not None:
+            return False
         head_dim = qkv.shape[1] // (self.n_heads + 2 * self.n_kv_heads)
-        return qkv.dtype == mx.float32 and head_dim % 16 == 0 and _rope_is_whole_head(self.rope, head_dim)
+        float32 = qkv.dtype == o.dtype == mx.float32
+        return float32 and head_dim % 16 == 0 and _rope_is_whole_head(self.rope, head_dim)
 
     def rotated_heads(self, product: mx.array, B: int, L: int, offset: int) -> tuple[mx.array, mx.array, mx.array]:
         """Rotated queries and keys and the values, (B, heads, L, head_dim), from the q|k|v product's
@@ -159,8 +242,10 @@ class FusedAttention(llama.Attention):
         return rotated[:, :H], rotated[:, H:], heads[:, H + KV :]
 
 
-class FusedMLP(llama.MLP):
-    """llama's MLP with gate|up as one product and down as a 2-D product."""
+class MLPRows:
+    """An mlx-lm SwiGLU MLP (gate, up, down projections) with gate|up as one product and down as a 2-D product."""
+
+    mlx_module: Any = llama
 
     def __call__(self, x: mx.array) -> mx.array:
         if not self.fused_applies(x.shape[1]):
@@ -181,17 +266,25 @@ class FusedMLP(llama.MLP):
         if built and gate_up.dtype == mx.float32 and mx.default_device() == mx.cpu:
             return held["down"](built.swiglu_halves(gate_up), residual)  # one node, no slices of the product
         hidden = gate_up.shape[1] // 2
-        return held["down"](llama.swiglu(gate_up[:, :hidden], gate_up[:, hidden:]), residual)  # the global akunu swaps
+        swiglu = self.mlx_module.swiglu  # the global akunu swaps
+        return held["down"](swiglu(gate_up[:, :hidden], gate_up[:, hidden:]), residual)
 
     def sublayer(self, x: mx.array, norm: nn.RMSNorm) -> mx.array:
         """x + this MLP of norm(x), rows (N, D), as one kernel node inside a compiled pass."""
         held = stacks(self)
         return kernels.load().mlp_half(x, norm["weight"], norm.eps, held["gate_up"].transposed, held["down"].transposed)
 
+    def compiles(self) -> bool:
+        """Whether `sublayer` applies: float32 products without biases."""
+        held = stacks(self)
+        gate_up, down = held["gate_up"].transposed, held["down"].transposed
+        unbiased = held["gate_up"].bias is None and held["down"].bias is None
+        return unbiased and gate_up is not None and down is not None and gate_up.dtype == down.dtype == mx.float32
 
-class FusedBlock(llama.TransformerBlock):
-    """llama's TransformerBlock on (B * L, D) rows: each residual add is done by the product before it
-    (addmm), and `FusedModel` keeps the rows 2-D from block to block (on the CPU each graph node costs
+
+class BlockRows:
+    """An mlx-lm pre-norm block on (B * L, D) rows: each residual add is done by the product before it
+    (addmm), and `ModelRows` keeps the rows 2-D from block to block (on the CPU each graph node costs
     a few microseconds)."""
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
@@ -202,19 +295,19 @@ class FusedBlock(llama.TransformerBlock):
 
     def fused_applies(self, L: int, cache: Any) -> bool:
         attention, mlp = self["self_attn"], self["mlp"]
-        fused = type(attention) is FusedAttention and type(mlp) is FusedMLP
+        fused = isinstance(attention, AttentionRows) and isinstance(mlp, MLPRows)
         return fused and attention.fused_applies(L, cache) and mlp.fused_applies(L)
 
     def compiles(self) -> bool:
-        """Whether its halves can run in a compiled pass: FusedAttention.compiles, and float32 RMSNorms. The
-        answer is kept with the stack, RoPE and norm weights it was worked out for (it is asked every pass)."""
+        """Whether its halves can run in a compiled pass: their `compiles`, and float32 RMSNorms. The answer is
+        kept with the stacks, RoPE and norm weights it was worked out for (it is asked every pass)."""
         norms = (self["input_layernorm"], self["post_attention_layernorm"])
-        attention = self["self_attn"]
-        key = (stacks(attention).get("qkv"), attention["rope"], *(n.get("weight") for n in norms))
+        attention, mlp = self["self_attn"], self["mlp"]
+        key = (*stacks(attention).values(), *stacks(mlp).values(), attention["rope"], *(n.get("weight") for n in norms))
         known = self.__dict__.get(_COMPILES)
-        if known is None or any(a is not b for a, b in zip(known[0], key)):
+        if known is None or len(known[0]) != len(key) or any(a is not b for a, b in zip(known[0], key)):
             plain = all(isinstance(n, nn.RMSNorm) and n["weight"].dtype == mx.float32 for n in norms)
-            known = self.__dict__[_COMPILES] = (key, plain and attention.compiles())
+            known = self.__dict__[_COMPILES] = (key, plain and attention.compiles() and mlp.compiles())
         return known[1]
 
     def rows(self, rows: mx.array, B: int, L: int, mask: Any, cache: Any) -> mx.array:
@@ -227,31 +320,36 @@ class FusedBlock(llama.TransformerBlock):
         return self.mlp.rows(self.post_attention_layernorm(h), residual=h)
 
 
-class FusedModel(llama.LlamaModel):
-    """llama's LlamaModel passing (B * L, D) rows from block to block, where every block's fused path applies;
-    as a compiled pass (`compiled_pass`) where, besides, the kernels apply and the caches have room."""
+class ModelRows:
+    """An mlx-lm llama-style model passing (B * L, D) rows from block to block, where every block's fused path
+    applies; as a compiled pass (`compiled_pass`) where, besides, the kernels apply and the caches have room."""
+
+    mlx_module: Any = llama
 
     def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: mx.array | None = None) -> mx.array:
-        if input_embeddings is not None or cache is None:
+        if input_embeddings is not None or cache is None or getattr(self, "pipeline_size", 1) != 1:
             return super().__call__(inputs, cache, input_embeddings)
         L = inputs.shape[1]
         blocks = tuple(zip(self.layers, cache))
-        if not all(type(block) is FusedBlock and block.fused_applies(L, c) for block, c in blocks):
+        if not all(isinstance(block, BlockRows) and block.fused_applies(L, c) for block, c in blocks):
             return super().__call__(inputs, cache, input_embeddings)
         if self._compiles(cache, L):
             return compiled_pass.run(self, inputs, cache)
         h = self.embed_tokens(inputs)
-        masks = {False: llama.create_attention_mask(h, cache[self.fa_idx])}  # by use_sliding, as mlx-lm's loop
-        if self.swa_idx is not None:
-            masks[True] = llama.create_attention_mask(h, cache[self.swa_idx], window_size=self.sliding_window)
+        mask = self.mlx_module.create_attention_mask
+        masks = {False: mask(h, cache[getattr(self, "fa_idx", 0)])}  # by use_sliding, as mlx-lm's loop
+        if getattr(self, "swa_idx", None) is not None:
+            masks[True] = mask(h, cache[self.swa_idx], window_size=self.sliding_window)
         return self.rows_through(h, cache, masks)
 
     def _compiles(self, cache: Sequence[Any], L: int) -> bool:
         """Whether this pass can run compiled: no sliding windows, the CPU kernels in use, caches with room."""
         built = kernels.load()
-        if not (built and built.has_products() and mx.default_device() == mx.cpu and self.swa_idx is None):
+        if not (built and built.has_products() and mx.default_device() == mx.cpu):
             return False
-        if not _kernel_attention(llama.scaled_dot_product_attention):  # another attention swapped in: honour it
+        if getattr(self, "swa_idx", None) is not None:
+            return False
+        if not _kernel_attention(self.mlx_module.scaled_dot_product_attention):  # another attention swapped in
             return False
         return compiled_pass.has_room(cache, L) and all(block.compiles() for block in self.layers)
 
@@ -260,8 +358,40 @@ class FusedModel(llama.LlamaModel):
         B, L, D = h.shape
         rows = h.reshape(B * L, D)
         for block, c in zip(self.layers, caches):
-            rows = block.rows(rows, B, L, masks[block.use_sliding], c)
+            rows = block.rows(rows, B, L, masks[getattr(block, "use_sliding", False)], c)
         return self.norm(rows).reshape(B, L, D)
+
+
+class FusedAttention(AttentionRows, llama.Attention):
+    pass
+
+
+class FusedMLP(MLPRows, llama.MLP):
+    pass
+
+
+class FusedBlock(BlockRows, llama.TransformerBlock):
+    pass
+
+
+class FusedModel(ModelRows, llama.LlamaModel):
+    pass
+
+
+class FusedQwen2Attention(AttentionRows, qwen2.Attention):
+    mlx_module = qwen2
+
+
+class FusedQwen2MLP(MLPRows, qwen2.MLP):
+    mlx_module = qwen2
+
+
+class FusedQwen2Block(BlockRows, qwen2.TransformerBlock):
+    pass
+
+
+class FusedQwen2Model(ModelRows, qwen2.Qwen2Model):
+    mlx_module = qwen2
 
 
 def kernel_reads_cache(attend: Any, queries: mx.array, cache: Any, mask: Any) -> bool:
@@ -294,6 +424,10 @@ FUSED = {
     llama.MLP: FusedMLP,
     llama.TransformerBlock: FusedBlock,
     llama.LlamaModel: FusedModel,
+    qwen2.Attention: FusedQwen2Attention,
+    qwen2.MLP: FusedQwen2MLP,
+    qwen2.TransformerBlock: FusedQwen2Block,
+    qwen2.Qwen2Model: FusedQwen2Model,
 }
 
 
@@ -303,7 +437,7 @@ def fuse(model: nn.Module) -> int:
     for _, module in model.named_modules():
         if type(module) in FUSED:
             module.__class__ = FUSED[type(module)]
-            if isinstance(module, (llama.TransformerBlock, llama.LlamaModel)):
+            if isinstance(module, (BlockRows, ModelRows)):
                 continue  # no products of their own
             held = module.__dict__.setdefault(_STACKS, {})
             for name, linears in _stack_layout(module).items():
@@ -314,7 +448,7 @@ def fuse(model: nn.Module) -> int:
 
 
 def _stack_layout(module: nn.Module) -> dict[str, list[nn.Linear]]:
-    if isinstance(module, llama.Attention):
+    if isinstance(module, AttentionRows):
         return {"qkv": [module.q_proj, module.k_proj, module.v_proj], "o": [module.o_proj]}
     return {"gate_up": [module.gate_proj, module.up_proj], "down": [module.down_proj]}
 
