@@ -157,6 +157,10 @@ constexpr int LANES = 16;
 constexpr int OUT_BLOCK = 4;   // weight rows unpacked together
 constexpr int ROW_TILE = 4;    // rows of x in one register tile
 constexpr int CHUNK = 8;       // blocks of columns unpacked at a time (stays in L1 with x's rows)
+constexpr int DIRECT_ROWS = 4; // up to this many rows, weights are used straight from registers
+constexpr int DIRECT_BITS = 5; // wider weights (two loads a block) run faster through the buffer
+constexpr int PREFETCH = 1024; // bytes ahead along a weight row that the direct path asks for
+constexpr int SHARE = 8;       // blocks of weight rows a thread takes at a time (a busy core's share moves to the other)
 
 struct Layout {
   int bits;
@@ -329,6 +333,43 @@ void rows_times_chunk(const QuantizedRows& x, const Unpacked& w, int block, int 
   }
 }
 
+// For a few rows of x: each block of the OUT_BLOCK weight rows is unpacked into registers and used at once.
+// The same steps per (m, n) sum as `tile`, so the results are the same bits.
+template <int MR>
+void direct(const QuantizedRows& x, const Weights& w, const Layout& layout, int first, __m512* acc) {
+  const __m512i lane_group = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const int groups = w.groups();
+  const int64_t row_bytes = int64_t(w.row_bytes());
+  __m512 a[MR][OUT_BLOCK];
+  for (int m = 0; m < MR; m++)
+    for (int n = 0; n < OUT_BLOCK; n++) a[m][n] = _mm512_setzero_ps();
+  for (int b = 0; b < x.blocks; b++) {
+    __m512i lo[OUT_BLOCK], hi[OUT_BLOCK];
+    __m512 scale[OUT_BLOCK];
+    const int64_t offset = int64_t(b) * 16 * w.bits;
+    for (int n = 0; n < OUT_BLOCK; n++) {
+      const uint8_t* p = w.packed + (first + n) * row_bytes + offset;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH + 64, _MM_HINT_T0);
+      layout.unpack(p, row_bytes - offset, lo[n], hi[n]);
+      const __m512 s = load_scales(w.scales, w.type, size_t(first + n) * groups + 4 * b, std::min(4, groups - 4 * b));
+      scale[n] = _mm512_permutexvar_ps(lane_group, s);
+    }
+    for (int m = 0; m < MR; m++) {
+      const int8_t* q = x.q_row(m) + size_t(b) * BLOCK;
+      const __m512i x0 = _mm512_load_si512(q), x1 = _mm512_load_si512(q + 64);
+      const __m512 step = _mm512_load_ps(x.steps_row(m) + size_t(b) * LANES);
+      for (int n = 0; n < OUT_BLOCK; n++) {
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[n], x0);
+        dot = _mm512_dpbusd_epi32(dot, hi[n], x1);
+        a[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(step, scale[n]), a[m][n]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; m++)
+    for (int n = 0; n < OUT_BLOCK; n++) acc[m * OUT_BLOCK + n] = a[m][n];
+}
+
 // sum_g bias_g * sum(x_g) for a weight row, 16 groups at a time, added lane-wise to acc, then acc's lanes summed.
 inline float finish(const Weights& w, int row, const float* sums, __m512 acc) {
   const int groups = w.groups();
@@ -339,8 +380,32 @@ inline float finish(const Weights& w, int row, const float* sums, __m512 acc) {
   return _mm512_reduce_add_ps(acc);
 }
 
-// Blocks of OUT_BLOCK weight rows, each unpacked CHUNK blocks of columns at a time into a buffer that stays
-// in L1 with the chunk of x's rows it meets; every block's weights are read from memory once.
+// Running sums acc[m][n] of one block of OUT_BLOCK weight rows: straight from registers for a few rows of x,
+// else unpacked CHUNK blocks of columns at a time into a buffer that stays in L1 with the rows it meets.
+void row_block_sums(const QuantizedRows& qx, const Weights& w, const Layout& layout, int first, int count,
+                    Unpacked& buffer, __m512* acc) {
+  if (count == OUT_BLOCK && qx.rows <= DIRECT_ROWS && w.bits <= DIRECT_BITS) {
+    switch (qx.rows) {
+      case 1: return direct<1>(qx, w, layout, first, acc);
+      case 2: return direct<2>(qx, w, layout, first, acc);
+      case 3: return direct<3>(qx, w, layout, first, acc);
+      default: return direct<4>(qx, w, layout, first, acc);
+    }
+  }
+  for (size_t i = 0; i < size_t(qx.rows) * OUT_BLOCK; i++) acc[i] = _mm512_setzero_ps();
+  for (int block = 0; block < qx.blocks; block += CHUNK) {
+    const int blocks = std::min(CHUNK, qx.blocks - block);
+    unpack_chunk(w, layout, first, count, block, blocks, buffer);
+    switch (count) {
+      case 4: rows_times_chunk<4>(qx, buffer, block, blocks, acc); break;
+      case 3: rows_times_chunk<3>(qx, buffer, block, blocks, acc); break;
+      case 2: rows_times_chunk<2>(qx, buffer, block, blocks, acc); break;
+      default: rows_times_chunk<1>(qx, buffer, block, blocks, acc); break;
+    }
+  }
+}
+
+// x's rows quantized once, then blocks of OUT_BLOCK weight rows shared among threads; each weight read once.
 void quantized_product(const float* x, int rows, const Weights& w, float* y) {
   const Layout layout(w.bits);
   const QuantizedRows qx(x, rows, w.columns, layout);
@@ -349,20 +414,10 @@ void quantized_product(const float* x, int rows, const Weights& w, float* y) {
   {
     auto buffer = std::make_unique<Unpacked>();
     Aligned<__m512> acc(size_t(rows) * OUT_BLOCK);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, SHARE)
     for (int row_block = 0; row_block < row_blocks; row_block++) {
       const int first = row_block * OUT_BLOCK, count = std::min(OUT_BLOCK, w.outputs - first);
-      for (size_t i = 0; i < size_t(rows) * OUT_BLOCK; i++) acc.get()[i] = _mm512_setzero_ps();
-      for (int block = 0; block < qx.blocks; block += CHUNK) {
-        const int blocks = std::min(CHUNK, qx.blocks - block);
-        unpack_chunk(w, layout, first, count, block, blocks, *buffer);
-        switch (count) {
-          case 4: rows_times_chunk<4>(qx, *buffer, block, blocks, acc.get()); break;
-          case 3: rows_times_chunk<3>(qx, *buffer, block, blocks, acc.get()); break;
-          case 2: rows_times_chunk<2>(qx, *buffer, block, blocks, acc.get()); break;
-          default: rows_times_chunk<1>(qx, *buffer, block, blocks, acc.get()); break;
-        }
-      }
+      row_block_sums(qx, w, layout, first, count, *buffer, acc.get());
       for (int m = 0; m < rows; m++)
         for (int n = 0; n < count; n++)
           y[size_t(m) * w.outputs + first + n] = finish(w, first + n, qx.sums_row(m), acc.get()[m * OUT_BLOCK + n]);
