@@ -57,11 +57,16 @@ def exact_triple(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[
         return None
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     blocks = np.ascontiguousarray(raw).reshape(-1, type_size)
+    groups = len(blocks) * block_size // GROUP
+    # Filled chunk by chunk: scratch stays one chunk's, whatever the tensor's size.
+    packed = np.empty(groups * layout.bits, dtype=np.uint32)
+    scales, biases = np.empty(groups, dtype=np.float32), np.empty(groups, dtype=np.float32)
     step = max(1, CHUNK_GROUPS * GROUP // block_size)
-    parts = [affine_parts(blocks[start : start + step], ggml_type) for start in range(0, len(blocks), step)]
-    packed = np.concatenate([_pack(values, layout.bits) for values, _, _ in parts])
-    scales = np.concatenate([part[1] for part in parts])
-    biases = np.concatenate([part[2] for part in parts])
+    for start in range(0, len(blocks), step):
+        values, chunk_scales, chunk_biases = affine_parts(blocks[start : start + step], ggml_type)
+        first = start * block_size // GROUP
+        scales[first : first + len(values)], biases[first : first + len(values)] = chunk_scales, chunk_biases
+        packed[first * layout.bits : (first + len(values)) * layout.bits] = _pack(values, layout.bits)
     *rows, cols = shape
     return AffineTriple(
         packed.reshape(*rows, cols * layout.bits // 32),

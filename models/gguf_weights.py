@@ -9,14 +9,15 @@ Weight policy (the README quotes this):
   Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, MXFP4, Q8_0, IQ4_NL, IQ4_XS) is re-expressed exactly as an
   MLX affine triple (`ggml_blocks`: 4, 5 or 8 bits, group size 32, float32 scales), equal to
   llama.cpp's dequantisation value for value. Types with 16-weight groups (Q2_K, Q3_K, Q6_K)
-  have no MLX form: they are dequantized exactly to float32. Only in "quantized" mode, and only
-  if they hold over a quarter of the file's quantized weights (memory would balloon), are they
-  re-quantized to MLX affine with group size 32: 4-bit for types of at most 5 bits per weight
-  (Q2_K, Q3_K), 8-bit for Q6_K, so precision never drops below the source's.
+  have no MLX form: "float32" mode dequantizes them exactly; "quantized" mode re-quantizes them
+  to MLX affine with group size 32 (not exact: within one step of the new grid): 4-bit for types
+  of at most 5 bits per weight (Q2_K, Q3_K), 8-bit for Q6_K, whose 8-bit step is about a quarter
+  of its own. Held as float32 they would take 3-5x their file size and be read at that width every token.
   Other types (IQ1-IQ3, TQ*, ...) are refused with one line.
 * A quantized tensor that is not a matrix (a relabelled norm, say) is dequantized, never
   handed to MLX as a triple; a dequantized weight that is NaN or infinite means a corrupt file.
-* "quantized" mode keeps those triples, with float32 scales and biases (float32 activations).
+* "quantized" mode keeps those triples, with float32 scales and biases (float32 activations); a
+  linear layer's are narrowed to float16 where that is exact and the kernel reads them (gguf_model).
 * "float32" mode dequantizes every quantized weight to float32 at load time.
 * Non-matrix tensors (norms, biases) are always float32.
 """
@@ -36,9 +37,6 @@ from akunu.models.gguf_file import GGUFFile, TensorInfo
 
 GROUP_SIZE = 32
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
-# In "quantized" mode, types with no exact MLX form stay exact float32 while they hold at most this share of a
-# file's quantized weights (a K-quant mix's Q6_K tensors); past it (a Q6_K file) memory wins: re-quantized.
-MAX_FLOAT_SHARE = 0.25
 # Types MLX's own GGUF reader turns into exact MLX-quantized (or float) arrays.
 MX_LOAD_TYPES = {
     GGMLQuantizationType.F32,
@@ -97,21 +95,11 @@ def _read_with_mx_load(gguf_file: GGUFFile) -> dict[str, mx.array]:
 def _read_with_dequantize(gguf_file: GGUFFile, keep_quantized: bool, progress: Progress | None) -> dict[str, mx.array]:
     weights: dict[str, mx.array] = {}
     infos = list(gguf_file.tensors.values())
-    requantize = keep_quantized and _float_share(infos) > MAX_FLOAT_SHARE
     for done, info in enumerate(infos, 1):
-        weights.update(_decode_tensor(gguf_file, info, requantize))
+        weights.update(_decode_tensor(gguf_file, info, requantize_inexact=keep_quantized))
         if progress:
             progress("load", done, len(infos))
     return weights
-
-
-def _float_share(infos: list[TensorInfo]) -> float:
-    """The share of a file's quantized weights in types with no exact MLX form (16-weight groups)."""
-    counts = {True: 0, False: 0}
-    for info in infos:
-        if info.ggml_type not in FLOAT_TYPES:
-            counts[exact_triple_exists(info)] += int(np.prod(info.shape, dtype=np.int64))
-    return counts[False] / max(1, counts[True] + counts[False])
 
 
 def exact_triple_exists(info: TensorInfo) -> bool:
@@ -119,19 +107,18 @@ def exact_triple_exists(info: TensorInfo) -> bool:
     return layout is not None and layout.group == GROUP_SIZE and len(info.shape) >= 2
 
 
-def _decode_tensor(gguf_file: GGUFFile, info: TensorInfo, requantize_inexact: bool) -> dict[str, mx.array]:
+def _decode_tensor(gguf_file: GGUFFile, info: TensorInfo, *, requantize_inexact: bool) -> dict[str, mx.array]:
     raw = gguf_file.tensor_bytes(info)
     stem = info.name.removesuffix(".weight")
     with np.errstate(all="ignore"):  # garbage scales overflow; checked below, naming the tensor
         triple = exact_triple(raw, info.ggml_type, info.shape) if info.ggml_type not in FLOAT_TYPES else None
     if triple:
         # Exact in both modes: `to_float32` dequantizes it later in float32 mode.
+        del raw  # copied into MLX one array at a time, each numpy array freed as it goes
         _check_finite(info, triple.scales, triple.biases)
-        return {
-            info.name: mx.array(triple.packed),
-            f"{stem}.scales": mx.array(triple.scales),
-            f"{stem}.biases": mx.array(triple.biases),
-        }
+        arrays = {info.name: triple.packed, f"{stem}.scales": triple.scales, f"{stem}.biases": triple.biases}
+        del triple
+        return {name: _to_mlx(arrays, name) for name in list(arrays)}
     array = mx.array(_to_float32(raw, info), dtype=mx.float32)
     requantize = (
         requantize_inexact
@@ -144,6 +131,12 @@ def _decode_tensor(gguf_file: GGUFFile, info: TensorInfo, requantize_inexact: bo
     packed, scales, biases = mx.quantize(array, group_size=GROUP_SIZE, bits=requantize_bits(info.ggml_type))
     mx.eval(packed, scales, biases)  # drop the float copy now, not at the end of the load
     return {info.name: packed, f"{stem}.scales": scales, f"{stem}.biases": biases}
+
+
+def _to_mlx(arrays: dict[str, np.ndarray], name: str) -> mx.array:
+    array = mx.array(arrays.pop(name))
+    mx.eval(array)
+    return array
 
 
 def _to_float32(raw: np.ndarray, info: TensorInfo) -> np.ndarray:
@@ -170,7 +163,6 @@ def decode_products(gguf_file: GGUFFile) -> list[Product]:
     """A decode step's matrix products, each at the width "quantized" mode holds it (None: float32), for the
     dtype policy to time. Embedding tables are looked up, not multiplied, unless one is the tied output."""
     infos = list(gguf_file.tensors.values())
-    requantize = _float_share(infos) > MAX_FLOAT_SHARE
     experts_used = int(gguf_file.arch_value("expert_used_count", 1) or 1)
     products = []
     for info in infos:
@@ -180,16 +172,16 @@ def decode_products(gguf_file: GGUFFile) -> list[Product]:
         if looked_up or len(info.shape) not in (2, 3):
             continue
         count = 1 if len(info.shape) == 2 else min(experts_used, info.shape[0])
-        products.append(Product(info.shape[-2], info.shape[-1], _held_bits(info, requantize), count))
+        products.append(Product(info.shape[-2], info.shape[-1], _held_bits(info), count))
     return products
 
 
-def _held_bits(info: TensorInfo, requantize_inexact: bool) -> int | None:
+def _held_bits(info: TensorInfo) -> int | None:
     if info.ggml_type in FLOAT_TYPES or info.shape[-1] % GROUP_SIZE:
         return None
     if exact_triple_exists(info):
         return LAYOUTS[info.ggml_type].bits
-    return requantize_bits(info.ggml_type) if requantize_inexact else None
+    return requantize_bits(info.ggml_type) if len(info.shape) == 2 else None  # as `_decode_tensor` holds it
 
 
 def quantized_stems(weights: dict[str, mx.array]) -> dict[str, int]:

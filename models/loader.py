@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import re
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 HF_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # What `_load_mlx_folder` reads: config.json, tokenizer.json and other configs, the weights, a chat template.
 MLX_FOLDER_FILES = ["*.json", "model*.safetensors", "chat_template.jinja"]
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 @dataclass
@@ -51,14 +54,36 @@ class LoadedModel:
 def load_model(spec: str, *, dtype: str = "auto", progress: Progress | None = None) -> LoadedModel:
     """Load a model and its tokenizer; every failure a user can cause is a one-line ModelError."""
     choose_dtype(dtype)  # reject a bad --dtype before any download
+    _map_large_allocations()
     started = time.perf_counter()
     if spec in catalogue.KNOWN:
         loaded = _load_gguf(catalogue.resolve(spec, progress=progress), spec, dtype, progress)
     else:
         loaded = _load_local_or_hub(spec, dtype, progress)
     backends.apply(loaded.model)  # the CPU backend's faster step where it applies; elsewhere mlx-lm's model as it is
+    _return_freed_memory()
     loaded.load_seconds = time.perf_counter() - started
     return loaded
+
+
+def _map_large_allocations() -> None:
+    """Have glibc map buffers of a megabyte or more on their own, so a freed one goes back to the system at
+    once: loading replaces weights-sized arrays one by one, and in the heap their holes would stay resident."""
+    _glibc_call("mallopt", M_MMAP_THRESHOLD, 1 << 20)
+
+
+def _return_freed_memory() -> None:
+    """Hand the load's freed scratch back to the system: glibc keeps freed heap pages (resident) otherwise."""
+    mx.clear_cache()
+    _glibc_call("malloc_trim", 0)
+
+
+def _glibc_call(name: str, *args: int) -> None:
+    if sys.platform == "linux":
+        try:
+            getattr(ctypes.CDLL("libc.so.6"), name)(*args)
+        except (OSError, AttributeError):  # not glibc
+            pass
 
 
 def _load_local_or_hub(spec: str, dtype: str, progress: Progress | None) -> LoadedModel:

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 
 import akunu  # noqa: F401  (must precede mlx)
 from akunu.errors import ModelError, OptionsError
-from akunu.models import catalogue, gguf_weights, load_model
+from akunu.models import catalogue, load_model
 from akunu.models.architectures import llama3_rope_divisors
 from akunu.models.dtype_policy import choose_dtype
 from akunu.models.gguf_file import read_gguf
@@ -41,7 +41,8 @@ def _param(model: nn.Module, path: str) -> nn.Module:
 
 def _dense_weight(module: nn.Module) -> np.ndarray:
     if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-        return np.asarray(mx.dequantize(module.weight, module.scales, module.biases, module.group_size, module.bits))
+        scales, biases = (a.astype(mx.float32) for a in (module.scales, module.biases))  # as the kernel reads them
+        return np.asarray(mx.dequantize(module.weight, scales, biases, module.group_size, module.bits))
     return np.asarray(module.weight)
 
 
@@ -80,7 +81,7 @@ def test_mx_load_types_stay_quantized_exactly(tmp_path, matrix_type, bits):
     assert config["tie_word_embeddings"] is True and not hasattr(model, "lm_head") or "lm_head" not in model
 
 
-def test_mixed_k_quant_file_follows_the_policy(tmp_path, monkeypatch):
+def test_mixed_k_quant_file_follows_the_policy(tmp_path):
     path = tmp_path / "tiny.gguf"
     # K-quants need 256-wide rows: only ffn_down (in = FFN) can hold them.
     types = {"blk.0.ffn_down.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q4_K}
@@ -88,17 +89,14 @@ def test_mixed_k_quant_file_follows_the_policy(tmp_path, monkeypatch):
     model, _ = load_gguf_model(read_gguf(path), quantized=True)
     layers = model.model.layers
     bits = (layers[1].mlp.down_proj.bits, layers[0].mlp.gate_proj.bits, model.model.embed_tokens.bits)
-    assert bits == (4, 5, 8) and type(layers[0].mlp.down_proj) is nn.Linear  # Q6_K: a small share, kept exact
+    assert bits == (4, 5, 8)
     for module, name in [
         (layers[1].mlp.down_proj, "blk.1.ffn_down.weight"),
-        (layers[0].mlp.down_proj, "blk.0.ffn_down.weight"),
         (layers[0].mlp.gate_proj, "blk.0.ffn_gate.weight"),
         (model.model.embed_tokens, "token_embd.weight"),
     ]:
         np.testing.assert_array_equal(_dense_weight(module), expected[name], err_msg=name)
-    # A file made mostly of Q6_K is re-quantized instead, to within one 8-bit step.
-    monkeypatch.setattr(gguf_weights, "MAX_FLOAT_SHARE", 0.05)
-    model, _ = load_gguf_model(read_gguf(path), quantized=True)
+    # Q6_K has no MLX form: re-quantized to 8 bits, to within one 8-bit step.
     down = model.model.layers[0].mlp.down_proj
     assert down.bits == 8
     reference = expected["blk.0.ffn_down.weight"].reshape(-1, 32)
@@ -122,11 +120,16 @@ def test_each_quantization_type_loads_exactly(tmp_path, ggml_type):
     """ffn_down is the one matrix whose rows (FFN wide) fit a 256-weight K-quant block."""
     path = tmp_path / "tiny.gguf"
     expected = write_tiny_gguf(path, matrix_type=Q.Q8_0, types_by_name={"blk.1.ffn_down.weight": ggml_type})
+    reference = expected["blk.1.ffn_down.weight"]
     for quantized in (False, True):
         model, _ = load_gguf_model(read_gguf(path), quantized=quantized)
         down = model.model.layers[1].mlp.down_proj
-        assert isinstance(down, nn.QuantizedLinear) == (quantized and ggml_type in EXACT_IN_BOTH_MODES)
-        np.testing.assert_array_equal(_dense_weight(down), expected["blk.1.ffn_down.weight"])
+        assert isinstance(down, nn.QuantizedLinear) == quantized
+        if quantized and ggml_type not in EXACT_IN_BOTH_MODES:  # re-quantized: within one step of its grid
+            step = np.ptp(reference.reshape(-1, 32), axis=-1) / (2**down.bits - 1)
+            assert np.all(np.abs(_dense_weight(down) - reference).reshape(-1, 32).max(axis=-1) <= step + 1e-6)
+        else:
+            np.testing.assert_array_equal(_dense_weight(down), reference)
 
 
 def test_gemma3_config_and_norm_offset(tmp_path):
@@ -369,3 +372,23 @@ def test_requantize_bits():
         8,
         8,
     ]
+
+
+def test_exact_float16_scales_are_held_as_float16_where_the_kernel_reads_them(tmp_path, monkeypatch):
+    from akunu import backends
+
+    path = tmp_path / "tiny.gguf"
+    types = {"blk.0.ffn_down.weight": Q.Q6_K}
+    expected = write_tiny_gguf(path, matrix_type=Q.Q5_0, embedding_type=Q.Q8_0, tie=False, types_by_name=types)
+    monkeypatch.setattr(backends, "quantized_kernel_reads_float16_scales", lambda: True)
+    model, _ = load_gguf_model(read_gguf(path), quantized=True)
+    layers = model.model.layers
+    assert layers[0].mlp.gate_proj.scales.dtype == layers[0].mlp.gate_proj.biases.dtype == mx.float16  # Q5_0
+    assert model.lm_head.scales.dtype == mx.float16  # Q8_0
+    assert layers[0].mlp.down_proj.scales.dtype == mx.float32  # Q6_K re-quantized: its scales are not float16s
+    assert model.model.embed_tokens.scales.dtype == mx.float32  # a float16 lookup would give float16 activations
+    for module, name in [(layers[0].mlp.gate_proj, "blk.0.ffn_gate.weight"), (model.lm_head, "output.weight")]:
+        np.testing.assert_array_equal(_dense_weight(module), expected[name], err_msg=name)
+    monkeypatch.setattr(backends, "quantized_kernel_reads_float16_scales", lambda: False)
+    model, _ = load_gguf_model(read_gguf(path), quantized=True)
+    assert model.model.layers[0].mlp.gate_proj.scales.dtype == mx.float32

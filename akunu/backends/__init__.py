@@ -96,6 +96,20 @@ def use_quantized_kernel(model: Any) -> int:
     return quantized.enable(model)
 
 
+def quantized_kernel_reads_float16_scales() -> bool:
+    """Whether the CPU backend's kernel runs a quantized layer whose scales and biases are float16."""
+    if not quantized_kernel_available():
+        return False
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from akunu.backends.cpu import quantized
+
+    layer = nn.QuantizedLinear(64, 8, bias=False, group_size=32, bits=8)
+    layer.update({name: layer[name].astype(mx.float16) for name in ("scales", "biases")})
+    return quantized.covers(layer)
+
+
 def optimized_blas_loaded() -> bool:
     """Whether the CPU backend put an optimized BLAS under MLX (never without it; asking imports nothing)."""
     blas = sys.modules.get(f"{_CPU_PACKAGE}.blas")
