@@ -5,8 +5,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from akunu.backends.cpu import compiled_pass, fast_step, kernels
+from akunu import backends
+from akunu.backends.cpu import compiled_pass, kernels, quantized
 from akunu.kv_cache import make_cache, rewind
+from tests.test_fused_layers import quantize, tiny_qwen2
 from tests.tiny import tiny_llama
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="compiled passes run on akunu's CPU kernels")
@@ -14,10 +16,30 @@ pytestmark = pytest.mark.skipif(kernels.load() is None, reason="compiled passes 
 PROMPT = [(5 * i + 1) % 64 for i in range(250)]  # fills the first 256-position buffers within a few steps
 
 
-@pytest.fixture
-def model():
-    model = tiny_llama(hidden=64, seed=4)  # heads of 16 dimensions, as the kernels require
-    fast_step.enable(model)
+MODELS = {
+    "llama": lambda: tiny_llama(hidden=64, seed=4),  # heads of 16 dimensions, as the kernels require
+    "llama quantized, v at 8 bits": lambda: quantize(tiny_llama(hidden=64, seed=4)),
+    "qwen2 quantized, with biases": lambda: quantize(tiny_qwen2(seed=4)),
+    "qwen2 with biases": lambda: tiny_qwen2(seed=4),
+}
+
+
+@pytest.fixture(params=["llama", "qwen2 quantized, with biases"])
+def model(request):
+    return _applied(request.param)
+
+
+@pytest.fixture(params=MODELS)
+def each_model(request):
+    return _applied(request.param)
+
+
+def _applied(name: str):
+    """The model with akunu's CPU backend, as the loader applies it: fused layers, quantized layers on the kernel."""
+    if "quantized" in name and quantized.load() is None:
+        pytest.skip(f"no quantized kernel here: {quantized.unavailable()}")
+    model = MODELS[name]()
+    backends.apply(model)
     return model
 
 
@@ -42,14 +64,15 @@ def decode(model, passes: int = 24) -> tuple[list[mx.array], list]:
     return out, cache
 
 
-def test_compiled_passes_give_the_eager_passes_bits_and_cache(model, eager, monkeypatch):
+def test_compiled_passes_give_the_eager_passes_bits_and_cache(each_model, eager, monkeypatch):
+    """Quantized products (at two widths) and biases run inside the pass around akunu's attention node."""
     runs = []
     monkeypatch.setattr(compiled_pass, "run", _counting(compiled_pass.run, runs))
-    compiled, compiled_cache = decode(model)
+    compiled, compiled_cache = decode(each_model)
     compiled_passes = len(runs)
     assert compiled_passes >= 20  # all but the pass that grew the buffers
     eager()
-    reference, reference_cache = decode(model)
+    reference, reference_cache = decode(each_model)
     assert len(runs) == compiled_passes  # the reference ran eagerly
     assert all(mx.array_equal(a, b).item() for a, b in zip(compiled, reference))
     for c, r in zip(compiled_cache, reference_cache):

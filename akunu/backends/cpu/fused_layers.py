@@ -193,35 +193,24 @@ class AttentionRows:
         return held["o"](heads, residual)
 
     def sublayer(self, x: mx.array, norm: nn.RMSNorm, B: int, cache: compiled_pass.CacheBuffers) -> mx.array:
-        """x + this attention of norm(x), rows (B * L, D), as one kernel node inside a compiled pass."""
-        held = stacks(self)
-        return kernels.load().attention_half(
-            x,
-            norm["weight"],
-            norm.eps,
-            held["qkv"].transposed,
-            held["o"].transposed,
-            cache.cos,
-            cache.sin,
-            cache.keys,
-            cache.values,
-            cache.offset,
-            B,
-            self.n_heads,
-            self.n_kv_heads,
-            self.rope.traditional,
-            self.scale,
-        )
+        """x + this attention of norm(x), rows (B * L, D), inside a compiled pass: one kernel node where the
+        products are float32 without biases, else the products as the eager path runs them around one
+        attention node."""
+        held, built = stacks(self), kernels.load()
+        qkv, o = held["qkv"], held["o"]
+        shape = (B, self.n_heads, self.n_kv_heads, self.rope.traditional, self.scale)
+        buffers = (cache.cos, cache.sin, cache.keys, cache.values, cache.offset)
+        if _sgemm(qkv) and _sgemm(o):
+            return built.attention_half(x, norm["weight"], norm.eps, qkv.transposed, o.transposed, *buffers, *shape)
+        return o(built.attention_rows(qkv(norm(x)), *buffers, *shape), x)
 
     def compiles(self) -> bool:
-        """Whether `sublayer` applies: float32 heads of a size the kernels take, and a RoPE over whole heads."""
+        """Whether `sublayer` applies: float32 rows, heads of a size the kernels take, and a RoPE over whole heads."""
         held = stacks(self)
-        qkv, o = held["qkv"].transposed, held["o"].transposed
-        if qkv is None or o is None or held["qkv"].bias is not None or held["o"].bias is not None:
+        if not all(_compiled_product(held[name]) for name in ("qkv", "o")):
             return False
-        head_dim = qkv.shape[1] // (self.n_heads + 2 * self.n_kv_heads)
-        float32 = qkv.dtype == o.dtype == mx.float32
-        return float32 and head_dim % 16 == 0 and _rope_is_whole_head(self.rope, head_dim)
+        head_dim = self["q_proj"]["weight"].shape[0] // self.n_heads  # its rows are the outputs, quantized or not
+        return head_dim % 16 == 0 and _rope_is_whole_head(self.rope, head_dim)
 
     def rotated_heads(self, product: mx.array, B: int, L: int, offset: int) -> tuple[mx.array, mx.array, mx.array]:
         """Rotated queries and keys and the values, (B, heads, L, head_dim), from the q|k|v product's
@@ -270,16 +259,18 @@ class MLPRows:
         return held["down"](swiglu(gate_up[:, :hidden], gate_up[:, hidden:]), residual)
 
     def sublayer(self, x: mx.array, norm: nn.RMSNorm) -> mx.array:
-        """x + this MLP of norm(x), rows (N, D), as one kernel node inside a compiled pass."""
-        held = stacks(self)
-        return kernels.load().mlp_half(x, norm["weight"], norm.eps, held["gate_up"].transposed, held["down"].transposed)
+        """x + this MLP of norm(x), rows (N, D), inside a compiled pass: one kernel node where the products
+        are float32 without biases, else the eager path's nodes."""
+        held, built = stacks(self), kernels.load()
+        gate_up, down = held["gate_up"], held["down"]
+        if _sgemm(gate_up) and _sgemm(down):
+            return built.mlp_half(x, norm["weight"], norm.eps, gate_up.transposed, down.transposed)
+        return down(built.swiglu_halves(gate_up(norm(x))), x)
 
     def compiles(self) -> bool:
-        """Whether `sublayer` applies: float32 products without biases."""
+        """Whether `sublayer` applies: products giving float32 rows."""
         held = stacks(self)
-        gate_up, down = held["gate_up"].transposed, held["down"].transposed
-        unbiased = held["gate_up"].bias is None and held["down"].bias is None
-        return unbiased and gate_up is not None and down is not None and gate_up.dtype == down.dtype == mx.float32
+        return _compiled_product(held["gate_up"]) and _compiled_product(held["down"])
 
 
 class BlockRows:
@@ -412,6 +403,17 @@ def kernel_reads_cache(attend: Any, queries: mx.array, cache: Any, mask: Any) ->
 def _kernel_attention(attend: Any) -> bool:
     """The module's attention is akunu's kernel-backed one, or exact mode's dispatcher over it."""
     return getattr(getattr(attend, "akunu_original", attend), "akunu_kernel_attention", False)
+
+
+def _sgemm(stack: Stacked) -> bool:
+    """Whether a stack is one float32 matrix without biases, which a layer half's kernel multiplies itself."""
+    return stack.transposed is not None and stack.transposed.dtype == mx.float32 and stack.bias is None
+
+
+def _compiled_product(stack: Stacked) -> bool:
+    """Whether a compiled pass can run a stack's product: float32 matrices or akunu's quantized kernel, float32 biases."""
+    float32 = all(isinstance(p, Quantized) or p.transposed.dtype == mx.float32 for p in stack.parts)
+    return float32 and (stack.bias is None or stack.bias.dtype == mx.float32)
 
 
 def _rope_is_whole_head(rope: Any, head_dim: int) -> bool:

@@ -490,6 +490,17 @@ void copy_rows(const array& x, array& out) {
     for (int i = 0; i < n; i++) out.data<float>()[r * n + i] = x.data<float>()[rows[r] + i * x.strides().back()];
 }
 
+// The rotated heads of the q|k|v product's rows, the keys and values written into the cache's buffers at
+// `first`, and causal attention over its first + L positions: rows (B * L, H * hd) at `out`.
+void attend_over_cache(const array& qkv, const array& cos, const array& sin, const array& keys, const array& values,
+                       int first, int batch, int heads, int kv_heads, bool traditional, float scale, array& out) {
+  const int length = qkv.shape(0) / batch;
+  array queries = scratch({batch, heads, length, cos.shape(1)});
+  const HeadsOut targets[3] = {{queries, 0}, {keys, first}, {values, first}};
+  split_heads_kernel(qkv, cos, sin, first, length, batch, heads, kv_heads, traditional, targets);
+  attention_kernel(queries, keys, values, out, scale, true, first + length, true);
+}
+
 // x + attention(rotated heads of rms_norm(x) @ wqkv, over the cache) @ wo. The pass's keys and values are
 // written into the cache's buffers in place at the offset, and the tables read from its row. Writing an
 // input breaks MLX's rule that arrays do not change; it is safe here because the buffers are the cache's
@@ -499,17 +510,25 @@ void copy_rows(const array& x, array& out) {
 void attention_half(const std::vector<array>& in, array& out, float eps, int batch, int heads, int kv_heads,
                     bool traditional, float scale) {
   const array &x = in[0], &keys = in[6], &values = in[7];
-  const int first = first_position(in[8]), rows = x.shape(0), length = rows / batch, dims = in[4].shape(1);
+  const int first = first_position(in[8]), rows = x.shape(0), length = rows / batch;
   if (first < 0 || first + length > keys.shape(2) || first + length > in[4].shape(0)) return fill_nan(out);
-  array normed = scratch(x.shape()), qkv = scratch({rows, in[2].shape(1)});
+  array normed = scratch(x.shape()), qkv = scratch({rows, in[2].shape(1)}), attended = scratch({rows, heads * values.shape(3)});
   rms_norm_kernel(x, in[1], eps, normed);
   product(normed, in[2], qkv, false);
-  array queries = scratch({batch, heads, length, dims}), attended = scratch({rows, heads * values.shape(3)});
-  const HeadsOut targets[3] = {{queries, 0}, {keys, first}, {values, first}};
-  split_heads_kernel(qkv, in[4], in[5], first, length, batch, heads, kv_heads, traditional, targets);
-  attention_kernel(queries, keys, values, attended, scale, true, first + length, true);
+  attend_over_cache(qkv, in[4], in[5], keys, values, first, batch, heads, kv_heads, traditional, scale, attended);
   copy_rows(x, out);
   product(attended, in[3], out, true);
+}
+
+// attention_half's middle, for layers whose products are not float32 sgemms (quantized, biased): rows
+// (B * L, H * hd) from the q|k|v product's rows, the keys and values written into the cache in place as
+// there. Inputs: qkv, cos, sin, keys, values, offset.
+void attention_rows(const std::vector<array>& in, array& out, int batch, int heads, int kv_heads, bool traditional,
+                    float scale) {
+  const array &keys = in[3], &values = in[4];
+  const int first = first_position(in[5]), length = in[0].shape(0) / batch;
+  if (first < 0 || first + length > keys.shape(2) || first + length > in[1].shape(0)) return fill_nan(out);
+  attend_over_cache(in[0], in[1], in[2], keys, values, first, batch, heads, kv_heads, traditional, scale, out);
 }
 
 // x + swiglu(rms_norm(x) @ wgate_up) @ wdown. Inputs: x, norm weight, wgate_up, wdown.
@@ -663,6 +682,26 @@ class AttentionHalf : public CpuPrimitive {
   float scale_;
 };
 
+class AttentionRows : public CpuPrimitive {
+ public:
+  AttentionRows(Stream stream, int batch, int heads, int kv_heads, bool traditional, float scale)
+      : CpuPrimitive(stream), batch_(batch), heads_(heads), kv_heads_(kv_heads), traditional_(traditional), scale_(scale) {}
+  const char* name() const override { return "AkunuAttentionRows"; }
+  bool is_equivalent(const Primitive&) const override { return false; }  // it writes the cache: never merged
+
+ protected:
+  Kernel kernel() const override {
+    return [b = batch_, h = heads_, kv = kv_heads_, t = traditional_, s = scale_](const std::vector<array>& in, std::vector<array>& out) {
+      attention_rows(in, out[0], b, h, kv, t, s);
+    };
+  }
+
+ private:
+  int batch_, heads_, kv_heads_;
+  bool traditional_;
+  float scale_;
+};
+
 class MLPHalf : public CpuPrimitive {
  public:
   MLPHalf(Stream stream, float eps) : CpuPrimitive(stream), eps_(eps) {}
@@ -772,6 +811,21 @@ array attention_half_op(const array& x, const array& norm_weight, float eps, con
                {x, norm_weight, wqkv, wo, cos, sin, keys, values, offset});
 }
 
+array attention_rows_op(const array& qkv, const array& cos, const array& sin, const array& keys, const array& values,
+                        const array& offset, int batch, int heads, int kv_heads, bool traditional, float scale) {
+  for (auto* a : {&qkv, &cos, &sin, &keys, &values}) require_float32(*a, "attention_rows inputs");
+  require_offset(offset);
+  const int dims = cos.ndim() == 2 ? cos.shape(1) : 0;
+  if (qkv.ndim() != 2 || cos.ndim() != 2 || cos.shape() != sin.shape() || dims % 2 || dims % W || batch < 1 ||
+      qkv.shape(0) % batch || qkv.shape(1) != (heads + 2 * kv_heads) * dims || keys.ndim() != 4 ||
+      keys.shape() != values.shape() || keys.shape(0) != batch || keys.shape(1) != kv_heads || keys.shape(3) != dims ||
+      kv_heads < 1 || heads % kv_heads)
+    throw std::invalid_argument("attention_rows expects q|k|v rows (B * L, (H + 2 KV) * hd), tables (S', hd) and buffers (B, KV, S, hd)");
+  return array({qkv.shape(0), heads * dims}, float32,
+               std::make_shared<AttentionRows>(cpu_stream(), batch, heads, kv_heads, traditional, scale),
+               {qkv, cos, sin, keys, values, offset});
+}
+
 array mlp_half_op(const array& x, const array& norm_weight, float eps, const array& wgate_up, const array& wdown) {
   require_layer_input(x, norm_weight);
   require_matrix(wgate_up, x.shape(1), "the gate|up weight");
@@ -799,6 +853,11 @@ NB_MODULE(akunu_cpu_kernels, m) {
         nb::arg("batch"), nb::arg("heads"), nb::arg("kv_heads"), nb::arg("traditional"), nb::arg("scale"),
         "x + causal attention over the cache's first offset + L positions of the rotated heads of rms_norm(x) @ wqkv, "
         "times wo: one node; the pass's keys and values written into the cache buffers (B, KV, S, hd) in place");
+  m.def("attention_rows", &attention_rows_op, nb::arg("qkv"), nb::arg("cos"), nb::arg("sin"), nb::arg("keys"),
+        nb::arg("values"), nb::arg("offset"), nb::arg("batch"), nb::arg("heads"), nb::arg("kv_heads"),
+        nb::arg("traditional"), nb::arg("scale"),
+        "attention_half's middle: causal attention rows (B * L, H * hd) of the q|k|v product's rotated heads over the "
+        "cache's first offset + L positions, the pass's keys and values written into the buffers in place");
   m.def("mlp_half", &mlp_half_op, nb::arg("x"), nb::arg("norm_weight"), nb::arg("eps"), nb::arg("wgate_up"), nb::arg("wdown"),
         "x + swiglu_halves(rms_norm(x) @ wgate_up) @ wdown, one node");
   m.def("has_products", []() { return process_sgemm() != nullptr; }, "whether the layer halves can call cblas_sgemm here");
