@@ -5,11 +5,12 @@
 // or bfloat16), so that W[o, k] = scale * q + bias. Decode steps and verification passes (1-64 rows)
 // are bound by reading W, so each weight is read once at its stored width and never widened to float:
 //
-//   y[m, o] = sum_g scale_g * dx_g * (q_g . qx_g) + bias_g * sum(x_g)
+//   y[m, o] = sum_g scale_g * dx_g * (q_g . qx_g) + bias_g * dx_g * sum(qx_g)
 //
 // where each group of 32 values of a row of x is quantized to int8 (qx = round(x / dx), dx = max|x| / 127,
 // as llama.cpp quantizes activations against its integer kernels) and q_g . qx_g is an exact integer dot
-// product (vpdpbusd: unsigned weights times signed activations). The bias term uses x's exact sum.
+// product (vpdpbusd: unsigned weights times signed activations). The bias term uses the quantized x too,
+// so the rounding error is sum(W * (dx * qx - x)): with x's exact sum it would be sum(scale * q * ...), larger.
 // A row of x is quantized alone and each (row, output) sum runs in an order fixed by the row length,
 // so a row's result does not depend on how many rows share the call: a verification pass gives each
 // position the bits a single-token step gives it.
@@ -109,15 +110,15 @@ inline void unpack_scalar(const uint8_t* p, int bits, int32_t* values) {
   }
 }
 
-// Each group of 32 values of x's rows as int8 with its step dx (qx = round(x / dx)) and x's exact sum.
+// Each group of 32 values of x's rows as int8 with its step dx (qx = round(x / dx)) and dx * sum(qx).
 inline void quantize_group_scalar(const float* x, int8_t* q, float* step, float* sum) {
-  float amax = 0.0f, total = 0.0f;
+  float amax = 0.0f;
   for (int i = 0; i < GROUP; i++) amax = std::max(amax, std::fabs(x[i]));
-  for (int i = 0; i < GROUP; i++) total += x[i];
   const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
-  for (int i = 0; i < GROUP; i++) q[i] = int8_t(std::nearbyint(x[i] * inverse));
+  int total = 0;
+  for (int i = 0; i < GROUP; i++) total += q[i] = int8_t(std::nearbyint(x[i] * inverse));
   *step = d;
-  *sum = total;
+  *sum = d * float(total);
 }
 
 // Reference arithmetic, used where AVX-512 VNNI/VBMI is missing: the same sums, in column order.
@@ -214,7 +215,7 @@ inline __m512 load_scales(const void* p, Scale type, size_t i, int count) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// x's rows quantized per group, in the blocks' order: bytes, each dot lane's group step, each group's sum.
+// x's rows quantized per group, in the blocks' order: bytes, each dot lane's group step, each group's dx * sum(qx).
 struct QuantizedRows {
   int rows, blocks, sum_stride;
   Aligned<int8_t> q;
@@ -243,12 +244,12 @@ struct QuantizedRows {
           const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
           const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
           const __m512 scale = _mm512_set1_ps(inverse);
-          _mm_store_si128(reinterpret_cast<__m128i*>(natural + g * GROUP),
-                          _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, scale))));
-          _mm_store_si128(reinterpret_cast<__m128i*>(natural + g * GROUP + 16),
-                          _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, scale))));
+          const __m512i q_lo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, scale));
+          const __m512i q_hi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, scale));
+          _mm_store_si128(reinterpret_cast<__m128i*>(natural + g * GROUP), _mm512_cvtepi32_epi8(q_lo));
+          _mm_store_si128(reinterpret_cast<__m128i*>(natural + g * GROUP + 16), _mm512_cvtepi32_epi8(q_hi));
           step[g] = d;
-          sum[g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+          sum[g] = d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi)));
         }
         const __m512i low = _mm512_load_si512(natural), high = _mm512_load_si512(natural + 64);
         int8_t* out = q.get() + (size_t(m) * blocks + b) * BLOCK;
@@ -370,7 +371,7 @@ void direct(const QuantizedRows& x, const Weights& w, const Layout& layout, int 
     for (int n = 0; n < OUT_BLOCK; n++) acc[m * OUT_BLOCK + n] = a[m][n];
 }
 
-// sum_g bias_g * sum(x_g) for a weight row, 16 groups at a time, added lane-wise to acc, then acc's lanes summed.
+// sum_g bias_g * dx_g * sum(qx_g) for a weight row, 16 groups at a time, added lane-wise to acc, then acc's lanes summed.
 inline float finish(const Weights& w, int row, const float* sums, __m512 acc) {
   const int groups = w.groups();
   for (int g = 0; g < groups; g += LANES) {

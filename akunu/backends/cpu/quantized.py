@@ -88,7 +88,8 @@ def _check(module: ModuleType) -> None:
 
 def reference_product(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array, bits: int) -> np.ndarray:
     """The kernel's arithmetic in float64 numpy: x's groups of 32 quantized to int8 in float32 exactly as the
-    kernel does (step = max|x| / 127, q = round-half-even(x / step)), then sum_g scale*step*(q_w . q_x) + bias*sum(x)."""
+    kernel does (step = max|x| / 127, q = round-half-even(x / step)), then
+    sum_g scale*step*(q_w . q_x) + bias*step*sum(q_x)."""
     x = np.asarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
     rows, groups = x.shape[0], x.shape[1] // 32
     xg = x.reshape(rows, groups, 32)
@@ -101,7 +102,7 @@ def reference_product(x: mx.array, packed: mx.array, scales: mx.array, biases: m
     b = np.asarray(biases.astype(mx.float32), dtype=np.float64)
     dots = np.einsum("rgi,ogi->rog", qx, qw)
     scale_steps = (s[None, :, :] * step[:, None, :]).astype(np.float64)  # one float32 product, as the kernel
-    sums = xg.astype(np.float64).sum(axis=-1)
+    sums = (step * qx.sum(axis=-1).astype(np.float32)).astype(np.float64)  # one float32 product, as the kernel
     return (scale_steps * dots).sum(-1) + sums @ b.T
 
 
