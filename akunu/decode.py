@@ -135,6 +135,8 @@ def speculative_decode(
         room = (
             max(budget - produced - 1, 0) if len(getattr(cache, "owed", ())) < MAX_OWED else 0
         )  # a plain step settles the debt
+        if hasattr(model, "draft_room"):  # exact mode: the pass has a fixed width
+            room = min(room, model.draft_room(cache))
         with stats.drafting():
             draft = propose(drafter, draft_length, room)
             own = draft.depth

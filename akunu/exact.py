@@ -26,7 +26,7 @@ import mlx.nn as nn
 
 from akunu.decode import prefill
 from akunu.errors import OptionsError
-from akunu.kv_cache import has_state, make_cache, rewind, state_kinds
+from akunu.kv_cache import Snapshot, has_state, holds_positions, leaves, make_cache
 
 _ATTENTION = "scaled_dot_product_attention"  # the module-global every mlx-lm model's attention calls
 _per_row = contextvars.ContextVar("akunu_exact_per_row", default=False)
@@ -70,12 +70,16 @@ def _install_per_row_attention(model: nn.Module) -> None:
         found = True
         if not hasattr(attend, "akunu_original"):
             setattr(module, _ATTENTION, _dispatcher(attend))
-    if not found:
+    if not found and any(holds_positions(c) for c in leaves(make_cache(model))):  # attention it cannot reach
         raise OptionsError(f"exact mode needs a model whose attention calls mlx-lm's {_ATTENTION}; run without --exact")
 
 
-# The padding of a fixed-width pass would enter a recurrent state, which keeps no positions to drop.
-_STATE_REFUSAL = "--exact pads every pass to one width, and this model's {} layers would take the padding into their state; run without --exact"
+def _drop_positions(cache, n: int) -> None:
+    """Drop the last `n` positions from the position layers alone (`cache.fed` counts what the caller fed)."""
+    if n > 0:
+        for c in leaves(cache):
+            if holds_positions(c):
+                c.trim(n)
 
 
 class FixedWidthModel:
@@ -83,6 +87,12 @@ class FixedWidthModel:
 
     Called like the model; returns the logits of the real tokens only and leaves the cache
     holding only them.
+
+    A state layer cannot drop the padding it took in, so on a model with state layers the tokens after
+    the prompt are fed in blocks of `width` positions: a pass holds its block's earlier tokens again
+    (`cache.lag`) ahead of its own, and the state keeps a pass only when it fills the block with
+    real tokens. A token is then always computed at the same row of a pass, after the same tokens,
+    from the same state, whether its pass was a plain step or a verification.
     """
 
     def __init__(self, model: nn.Module, width: int) -> None:
@@ -95,11 +105,20 @@ class FixedWidthModel:
         return getattr(self.model, name)
 
     def __call__(self, inputs: mx.array, cache: list, **kwargs) -> mx.array:
-        length = inputs.shape[1]
         if has_state(cache):
-            raise OptionsError(_STATE_REFUSAL.format(", ".join(state_kinds(cache))))
-        if length > self.width:
+            return self._in_blocks(inputs, cache, **kwargs)
+        if inputs.shape[1] > self.width:
             return self.model(inputs, cache=cache, **kwargs)
+        return self._padded(inputs, cache, **kwargs)
+
+    def draft_room(self, cache) -> int:
+        """How many drafts the next pass can verify: its block's earlier tokens, the owed ones, the token and
+        the drafts fit one pass."""
+        held = cache.lag.shape[1] if getattr(cache, "lag", None) is not None else 0
+        return max(self.width - 1 - held - len(getattr(cache, "owed", ())), 0)
+
+    def _padded(self, inputs: mx.array, cache: list, **kwargs) -> mx.array:
+        length = inputs.shape[1]
         pad = self.width - length
         if pad:  # repeats of the last token: any token would do, only real rows are kept
             inputs = mx.concatenate([inputs, mx.repeat(inputs[:, -1:], pad, axis=1)], axis=1)
@@ -108,8 +127,28 @@ class FixedWidthModel:
             logits = self.model(inputs, cache=cache, **kwargs)
         finally:
             _per_row.reset(token)
-        rewind(cache, pad)
+        _drop_positions(cache, pad)
         return logits[:, :length]
+
+    def _in_blocks(self, inputs: mx.array, cache, **kwargs) -> mx.array:
+        """The pass on a model with state layers: its block's earlier tokens fed again ahead of it."""
+        if not hasattr(cache, "lag"):
+            raise OptionsError("exact mode on a model with state layers needs akunu's cache (akunu.kv_cache.make_cache)")
+        held = 0 if cache.lag is None else cache.lag.shape[1]
+        tokens = inputs if not held else mx.concatenate([cache.lag.astype(inputs.dtype), inputs], axis=1)
+        _drop_positions(cache, held)  # the position layers take the block's tokens again from this pass
+        cache.lag = None
+        if inputs.shape[1] > self.width:  # a prefill: the state takes it all, and blocks start after it
+            return self.model(tokens, cache=cache, **kwargs)[:, held:]
+        rows = []
+        for start in range(0, tokens.shape[1], self.width):
+            block = tokens[:, start : start + self.width]
+            before = Snapshot(cache)
+            rows.append(self._padded(block, cache, **kwargs))
+            if block.shape[1] < self.width:  # the padding entered the state: it stays at the block's start
+                before.restore(cache)
+                cache.lag = block
+        return mx.concatenate(rows, axis=1)[:, held:]
 
 
 # Every exact pass, plain steps included, is padded to the widest draft, so the width is paid on

@@ -30,6 +30,7 @@ class ModelCache(list):
         self.fed = 0  # positions fed through `run`, less those rolled back
         self.torn = False  # a pass was interrupted: a state may hold part of it
         self.owed: list[int] = []  # accepted tokens a state rolled back past, fed again ahead of the next pass
+        self.lag: mx.array | None = None  # exact mode: tokens (1, n) the position layers hold and the state layers not yet
 
 
 def _full(c):
@@ -72,7 +73,7 @@ class Snapshot:
     """The state layers of a cache as they are now; `restore` puts them back."""
 
     def __init__(self, cache) -> None:
-        self.fed = getattr(cache, "fed", 0)
+        self.fed, self.lag = getattr(cache, "fed", 0), getattr(cache, "lag", None)
         self.saved = [(c, {k: list(v) if isinstance(v, list) else v for k, v in vars(c).items()})
                       for c in leaves(cache) if not holds_positions(c)]  # fmt: skip
 
@@ -80,7 +81,7 @@ class Snapshot:
         for c, attributes in self.saved:
             vars(c).update({k: list(v) if isinstance(v, list) else v for k, v in attributes.items()})
         if isinstance(cache, ModelCache):
-            cache.fed = self.fed
+            cache.fed, cache.lag = self.fed, self.lag
 
 
 def run(model, inputs: mx.array, cache) -> mx.array:
