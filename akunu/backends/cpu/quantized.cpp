@@ -19,13 +19,19 @@
 
 #include <nanobind/nanobind.h>
 
+#include <omp.h>
+
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__BMI2__)
@@ -46,6 +52,86 @@ namespace {
 
 constexpr int GROUP = 32;
 constexpr size_t PARALLEL_FROM = size_t(1) << 18;  // weights: smaller matrices are not worth waking a second thread
+
+// Persistent helper threads that share one call's items with the calling thread. The caller works too
+// and waits only for items a helper has claimed, never for a helper to wake: on a busy machine a
+// descheduled helper costs nothing (an OpenMP region's barrier would wait a whole time slice for it).
+class Pool {
+ public:
+  using Task = void (*)(const void* context, int begin, int end);
+
+  static Pool& get() {
+    static Pool* pool = new Pool(std::max(omp_get_max_threads(), 1) - 1);  // never destroyed: helpers outlive exit
+    return *pool;
+  }
+
+  void run(Task task, const void* context, int items, int share, bool parallel) {
+    if (!parallel || helpers_ == 0 || items <= share) return task(context, 0, items);
+    std::lock_guard<std::mutex> one_call_at_a_time(calling_);
+    task_.store(task);
+    context_.store(context);
+    items_.store(items);
+    share_.store(share);
+    done_.store(0);
+    const uint64_t generation = (ticket_.load() >> 32) + 1;
+    ticket_.store(generation << 32);  // item 0 of a new generation
+    if (sleeping_.load()) ticket_.notify_all();
+    work(generation);
+    while (done_.load() < items) pause();
+    ticket_.store((generation << 32) | CLOSED);  // late helpers' claims fail from here on
+  }
+
+ private:
+  static constexpr uint64_t CLOSED = 0xffffffffu;
+  static constexpr auto SPIN = std::chrono::microseconds(200);  // then sleep until the next call
+
+  explicit Pool(int helpers) : helpers_(helpers) {
+    for (int i = 0; i < helpers; i++) std::thread([this] { serve(); }).detach();
+  }
+  static void pause() { __builtin_ia32_pause(); }
+
+  // Claims shares of the current call's items while it is still generation `generation` and has some left.
+  void work(uint64_t generation) {
+    for (;;) {
+      uint64_t ticket = ticket_.load();
+      const int items = items_.load(), share = share_.load();
+      const uint64_t item = ticket & CLOSED;
+      if (ticket >> 32 != generation || item >= uint64_t(items)) return;
+      if (!ticket_.compare_exchange_weak(ticket, ticket + share)) continue;
+      const int end = std::min<int>(int(item) + share, items);
+      task_.load()(context_.load(), int(item), end);
+      done_.fetch_add(end - int(item));
+    }
+  }
+
+  void serve() {
+    uint64_t seen = 0;
+    for (;;) {
+      uint64_t ticket = ticket_.load();
+      const auto start = std::chrono::steady_clock::now();
+      for (int spins = 0; ticket >> 32 == seen; spins++) {
+        pause();
+        ticket = ticket_.load();
+        if (spins % 256 == 255 && std::chrono::steady_clock::now() - start > SPIN) {
+          sleeping_.fetch_add(1);
+          ticket_.wait(ticket);
+          sleeping_.fetch_sub(1);
+          ticket = ticket_.load();
+        }
+      }
+      seen = ticket >> 32;
+      work(seen);
+    }
+  }
+
+  const int helpers_;
+  std::mutex calling_;
+  std::atomic<uint64_t> ticket_{0};  // generation << 32 | next unclaimed item
+  std::atomic<int> done_{0}, sleeping_{0};
+  std::atomic<Task> task_{nullptr};
+  std::atomic<const void*> context_{nullptr};
+  std::atomic<int> items_{0}, share_{1};
+};
 
 enum class Scale { f32, f16, bf16 };
 
@@ -406,24 +492,36 @@ void row_block_sums(const QuantizedRows& qx, const Weights& w, const Layout& lay
   }
 }
 
+struct ProductCall {
+  const QuantizedRows& qx;
+  const Weights& w;
+  const Layout& layout;
+  float* y;
+};
+
+// Blocks [begin, end) of OUT_BLOCK weight rows: their outputs for every row of x.
+void product_rows(const void* context, int begin, int end) {
+  const ProductCall& call = *static_cast<const ProductCall*>(context);
+  const Weights& w = call.w;
+  const int rows = call.qx.rows;
+  auto buffer = std::make_unique<Unpacked>();
+  Aligned<__m512> acc(size_t(rows) * OUT_BLOCK);
+  for (int row_block = begin; row_block < end; row_block++) {
+    const int first = row_block * OUT_BLOCK, count = std::min(OUT_BLOCK, w.outputs - first);
+    row_block_sums(call.qx, w, call.layout, first, count, *buffer, acc.get());
+    for (int m = 0; m < rows; m++)
+      for (int n = 0; n < count; n++)
+        call.y[size_t(m) * w.outputs + first + n] = finish(w, first + n, call.qx.sums_row(m), acc.get()[m * OUT_BLOCK + n]);
+  }
+}
+
 // x's rows quantized once, then blocks of OUT_BLOCK weight rows shared among threads; each weight read once.
 void quantized_product(const float* x, int rows, const Weights& w, float* y) {
   const Layout layout(w.bits);
   const QuantizedRows qx(x, rows, w.columns, layout);
-  const int row_blocks = (w.outputs + OUT_BLOCK - 1) / OUT_BLOCK;
-#pragma omp parallel if (size_t(w.outputs) * w.columns >= PARALLEL_FROM)
-  {
-    auto buffer = std::make_unique<Unpacked>();
-    Aligned<__m512> acc(size_t(rows) * OUT_BLOCK);
-#pragma omp for schedule(dynamic, SHARE)
-    for (int row_block = 0; row_block < row_blocks; row_block++) {
-      const int first = row_block * OUT_BLOCK, count = std::min(OUT_BLOCK, w.outputs - first);
-      row_block_sums(qx, w, layout, first, count, *buffer, acc.get());
-      for (int m = 0; m < rows; m++)
-        for (int n = 0; n < count; n++)
-          y[size_t(m) * w.outputs + first + n] = finish(w, first + n, qx.sums_row(m), acc.get()[m * OUT_BLOCK + n]);
-    }
-  }
+  const ProductCall call{qx, w, layout, y};
+  const bool parallel = size_t(w.outputs) * w.columns >= PARALLEL_FROM;
+  Pool::get().run(product_rows, &call, (w.outputs + OUT_BLOCK - 1) / OUT_BLOCK, SHARE, parallel);
 }
 #else
 void quantized_product(const float* x, int rows, const Weights& w, float* y) { quantized_product_scalar(x, rows, w, y); }
@@ -450,19 +548,23 @@ inline void unpack_group(const uint8_t* p, int bits, int32_t* values) {
   unpack_scalar(p, bits, values);
 }
 
-// The whole matrix as float32, scale * q + bias with one rounding (for prefill: one float32 GEMM).
-void dequantize_all(const Weights& w, float* out) {
-  const int groups = w.groups();
-#pragma omp parallel for schedule(static) if (size_t(w.outputs) * w.columns >= PARALLEL_FROM)
-  for (int o = 0; o < w.outputs; o++) {
-    int32_t values[GROUP];
-    for (int g = 0; g < groups; g++) {
+// Rows [begin, end) of the whole matrix as float32, scale * q + bias with one rounding.
+void dequantize_rows(const void* context, int begin, int end) {
+  const auto& [w, out] = *static_cast<const std::pair<const Weights&, float*>*>(context);
+  int32_t values[GROUP];
+  for (int o = begin; o < end; o++)
+    for (int g = 0; g < w.groups(); g++) {
       unpack_group(w.packed + size_t(o) * w.row_bytes() + size_t(g) * 4 * w.bits, w.bits, values);
       const float scale = w.scale(o, g), bias = w.bias(o, g);
       float* row = out + size_t(o) * w.columns + g * GROUP;
       for (int i = 0; i < GROUP; i++) row[i] = std::fma(float(values[i]), scale, bias);
     }
-  }
+}
+
+// The whole matrix as float32 (for prefill: one float32 GEMM).
+void dequantize_all(const Weights& w, float* out) {
+  const std::pair<const Weights&, float*> context{w, out};
+  Pool::get().run(dequantize_rows, &context, w.outputs, 16, size_t(w.outputs) * w.columns >= PARALLEL_FROM);
 }
 
 // ---- MLX primitives -----------------------------------------------------------------------------
