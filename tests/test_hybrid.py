@@ -2,14 +2,16 @@
 sampled speculation keeps the distribution, and a chat's and a server's prompt caches are reused across
 turns and requests (state layers restored from snapshots) with output equal to a fresh run's."""
 
+import itertools
 from collections import Counter
 
 import mlx.core as mx
 import pytest
 
 from akunu.drafters.specs import DraftLengthPolicy
+from akunu.exact import FixedWidthModel
 from akunu.generate import GenerationConfig, SpecConfig, generate
-from akunu.kv_cache import PromptCache, cache_length, has_state
+from akunu.kv_cache import PromptCache, cache_length, has_state, make_cache, run
 from akunu.sampling import SamplingParams
 from tests.fakes import FakeTokenizer
 from tests.greedy_checks import assert_same_or_near_tie
@@ -128,3 +130,27 @@ def test_owed_tokens_stay_bounded_when_drafts_keep_being_rejected():
     assert_same_or_near_tie(model, prompt, plain, fast)
     assert stats.drafted > stats.accepted > 0
     assert max(spy.widths[2:]) <= MAX_OWED + 1 + 2  # past the prefill: the debt, the last token and a draft
+
+
+def _logits_in_passes(model, prompt, tokens, widths):
+    """Logits after each of `tokens`, fed in passes of the given widths in turn after `prompt`."""
+    cache = make_cache(model)
+    model(mx.array([prompt]), cache=cache)
+    rows, start = [], 0
+    for width in itertools.cycle(widths):
+        if start >= len(tokens):
+            return mx.concatenate(rows)
+        rows.append(run(model, mx.array([tokens[start : start + width]]), cache)[0])
+        start += width
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "mamba2"])  # a gated-delta scan; a chunked SSD scan
+def test_exact_mode_gives_a_token_the_same_logits_in_every_pass_of_a_state_model(name):
+    model = tiny_model(name, seed=5)  # by default a 4-token pass rounds differently here
+    exact = FixedWidthModel(model, width=4)
+    prompt, tokens = [3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
+    steps = _logits_in_passes(exact, prompt, tokens, [1])
+    for widths in ([4], [3, 1, 2]):  # blocks filled in one pass; passes that part blocks
+        assert mx.array_equal(_logits_in_passes(exact, prompt, tokens, widths), steps).item(), widths
+    plain = _logits_in_passes(model, prompt, tokens, [1])
+    assert mx.allclose(steps, plain, atol=1e-4, rtol=1e-4).item()  # and they are the model's logits
