@@ -41,8 +41,9 @@ def byte_level_bpe_from_gguf(metadata: Mapping[str, Any], source: str) -> Tokeni
     spec = _pre_tokenizer(pre)
     if not spec.byte_level:
         return raw_bpe_from_gguf(metadata, source, pre=pre)
-    build = _hf_builder(tokens, types, _merges(metadata, source), spec, nfc=pre in _NFC_PRE, source=source)
-    words = build(with_specials=False)
+    words, with_specials = _hf_tokenizers(
+        tokens, types, _merges(metadata, source), spec, nfc=pre in _NFC_PRE, source=source
+    )
     token_bytes = _byte_level_token_bytes(tokens, types)
     return _tokenizer(
         metadata,
@@ -52,7 +53,7 @@ def byte_level_bpe_from_gguf(metadata: Mapping[str, Any], source: str) -> Tokeni
         token_bytes=token_bytes,
         add_bos_default=spec.add_bos,
         decoding="byte_level",
-        hf_tokenizer=lambda: build(with_specials=True),
+        hf_tokenizer=with_specials,
     )
 
 
@@ -62,8 +63,7 @@ def raw_bpe_from_gguf(metadata: Mapping[str, Any], source: str, pre: str = "gemm
     types = _token_types(metadata, len(tokens))
     spec = PRE_TOKENIZERS[pre]
     gemma4 = pre != "sarvam-moe"
-    build = _hf_builder(tokens, types, _merges(metadata, source), spec, nfc=False, source=source)
-    words = build(with_specials=False)
+    words, with_specials = _hf_tokenizers(tokens, types, _merges(metadata, source), spec, nfc=False, source=source)
     newline_tokens = {token: i for i, token in enumerate(tokens) if gemma4 and token and not token.strip("\n")}
 
     def encode_words(text: str) -> list[int]:
@@ -90,7 +90,7 @@ def raw_bpe_from_gguf(metadata: Mapping[str, Any], source: str, pre: str = "gemm
         add_bos_default=gemma4,
         force_bos=gemma4,  # llama.cpp turns BOS on for Gemma 4 whatever the file says
         decoding="sentencepiece",
-        hf_tokenizer=lambda: build(with_specials=True),
+        hf_tokenizer=with_specials,
     )
 
 
@@ -168,7 +168,7 @@ def _merges(metadata: Mapping[str, Any], source: str) -> list[tuple[str, str]]:
     return merges
 
 
-def _hf_builder(
+def _hf_tokenizers(
     tokens: Sequence[str],
     types: Sequence[int],
     merges: list[tuple[str, str]],
@@ -176,32 +176,33 @@ def _hf_builder(
     *,
     nfc: bool,
     source: str,
-) -> Callable[..., tokenizers.Tokenizer]:
-    """Builds the `tokenizers` equivalent: without special tokens to encode plain text, with them for mlx-lm."""
+) -> tuple[tokenizers.Tokenizer, Callable[[], tokenizers.Tokenizer]]:
+    """The `tokenizers` equivalent without special tokens (to encode plain text), and a maker of the one with
+    them (for mlx-lm), which copies the first rather than keep the merges alive for it."""
+    vocab: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        vocab.setdefault(token, i)
+    try:
+        model = models.BPE(
+            vocab=vocab, merges=merges, ignore_merges=spec.ignore_merges, byte_fallback=not spec.byte_level
+        )
+    except Exception as error:  # noqa: BLE001 - a malformed vocabulary is the file's fault
+        raise ModelError(f"{source} has an inconsistent BPE vocabulary: {error}") from None
+    words = tokenizers.Tokenizer(model)
+    if spec.byte_level:
+        words.pre_tokenizer = hf_pre_tokenizer(spec)
+        words.decoder = decoders.ByteLevel()
+    else:
+        words.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    if nfc:
+        words.normalizer = normalizers.NFC()
 
-    def build(*, with_specials: bool) -> tokenizers.Tokenizer:
-        vocab: dict[str, int] = {}
-        for i, token in enumerate(tokens):
-            vocab.setdefault(token, i)
-        try:
-            model = models.BPE(
-                vocab=vocab, merges=merges, ignore_merges=spec.ignore_merges, byte_fallback=not spec.byte_level
-            )
-        except Exception as error:  # noqa: BLE001 - a malformed vocabulary is the file's fault
-            raise ModelError(f"{source} has an inconsistent BPE vocabulary: {error}") from None
-        hf = tokenizers.Tokenizer(model)
-        if spec.byte_level:
-            hf.pre_tokenizer = hf_pre_tokenizer(spec)
-            hf.decoder = decoders.ByteLevel()
-        else:
-            hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
-        if nfc:
-            hf.normalizer = normalizers.NFC()
-        if with_specials:
-            _add_special_tokens(hf, tokens, types, escape_spaces=not spec.byte_level)
+    def with_specials() -> tokenizers.Tokenizer:
+        hf = tokenizers.Tokenizer.from_str(words.to_str())
+        _add_special_tokens(hf, tokens, types, escape_spaces=not spec.byte_level)
         return hf
 
-    return build
+    return words, with_specials
 
 
 def _add_special_tokens(

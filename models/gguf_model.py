@@ -8,7 +8,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from akunu import backends
 from akunu.errors import ModelError
 from akunu.models.architectures import architecture_of
 from akunu.models.gguf_file import GGUFFile
@@ -34,10 +33,7 @@ def load_gguf_model(
     except ValueError as error:
         layout = f"the {gguf_file.architecture} layout"
         raise ModelError(f"{path.name}: weights do not match {layout} ({_first_line(error)})") from None
-    del weights  # the model holds them now; what `_narrow_scales` replaces is freed as it goes
     mx.eval(model.parameters())
-    if backends.quantized_kernel_reads_float16_scales():
-        _narrow_scales(model)
     return model, config
 
 
@@ -59,18 +55,6 @@ def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
         return {"group_size": GROUP_SIZE, "bits": bits_by_path[path]}
 
     nn.quantize(model, group_size=GROUP_SIZE, bits=4, class_predicate=predicate)
-
-
-def _narrow_scales(model: nn.Module) -> None:
-    """Hold a linear layer's scales and biases as float16 where every value is exactly a float16 (GGUF's
-    d and m are, in the 32-weight types): the same weights in fewer bytes. Embeddings keep float32, as a
-    float16 lookup would make float16 activations."""
-    for _, module in model.named_modules():
-        if type(module) is nn.QuantizedLinear and module.get("biases") is not None:
-            narrow = {name: module[name].astype(mx.float16) for name in ("scales", "biases")}
-            if all(mx.array_equal(narrow[name], module[name]).item() for name in narrow):  # inf != an overflowed value
-                mx.eval(narrow)
-                module.update(narrow)
 
 
 def _first_line(error: Exception) -> str:

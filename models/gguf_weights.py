@@ -29,6 +29,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from akunu import backends
 from akunu.errors import ModelError
 from akunu.models.dtype_measure import Product
 from akunu.models.fetch import Progress
@@ -82,7 +83,9 @@ def read_weights(gguf_file: GGUFFile, *, keep_quantized: bool, progress: Progres
             progress("load", len(gguf_file.tensors), len(gguf_file.tensors))
     else:
         weights = _read_with_dequantize(gguf_file, keep_quantized, progress)
-    return to_float32(weights) if not keep_quantized else _float_tensors_to_f32(weights)
+    if not keep_quantized:
+        return to_float32(weights)
+    return _float_tensors_to_f32(weights, narrow=backends.quantized_kernel_reads_float16_scales())
 
 
 def _read_with_mx_load(gguf_file: GGUFFile) -> dict[str, mx.array]:
@@ -95,8 +98,9 @@ def _read_with_mx_load(gguf_file: GGUFFile) -> dict[str, mx.array]:
 def _read_with_dequantize(gguf_file: GGUFFile, keep_quantized: bool, progress: Progress | None) -> dict[str, mx.array]:
     weights: dict[str, mx.array] = {}
     infos = list(gguf_file.tensors.values())
+    narrow = keep_quantized and backends.quantized_kernel_reads_float16_scales()
     for done, info in enumerate(infos, 1):
-        weights.update(_decode_tensor(gguf_file, info, requantize_inexact=keep_quantized))
+        weights.update(_decode_tensor(gguf_file, info, requantize_inexact=keep_quantized, narrow=narrow))
         if progress:
             progress("load", done, len(infos))
     return weights
@@ -107,7 +111,9 @@ def exact_triple_exists(info: TensorInfo) -> bool:
     return layout is not None and layout.group == GROUP_SIZE and len(info.shape) >= 2
 
 
-def _decode_tensor(gguf_file: GGUFFile, info: TensorInfo, *, requantize_inexact: bool) -> dict[str, mx.array]:
+def _decode_tensor(
+    gguf_file: GGUFFile, info: TensorInfo, *, requantize_inexact: bool, narrow: bool = False
+) -> dict[str, mx.array]:
     raw = gguf_file.tensor_bytes(info)
     stem = info.name.removesuffix(".weight")
     with np.errstate(all="ignore"):  # garbage scales overflow; checked below, naming the tensor
@@ -116,7 +122,11 @@ def _decode_tensor(gguf_file: GGUFFile, info: TensorInfo, *, requantize_inexact:
         # Exact in both modes: `to_float32` dequantizes it later in float32 mode.
         del raw  # copied into MLX one array at a time, each numpy array freed as it goes
         _check_finite(info, triple.scales, triple.biases)
-        arrays = {info.name: triple.packed, f"{stem}.scales": triple.scales, f"{stem}.biases": triple.biases}
+        scales, biases = triple.scales, triple.biases
+        if narrow and _linear_weight(info.name, len(info.shape)):
+            scales, biases = _narrowed(scales, biases)
+        arrays = {info.name: triple.packed, f"{stem}.scales": scales, f"{stem}.biases": biases}
+        del scales, biases
         del triple
         return {name: _to_mlx(arrays, name) for name in list(arrays)}
     array = mx.array(_to_float32(raw, info), dtype=mx.float32)
@@ -131,6 +141,20 @@ def _decode_tensor(gguf_file: GGUFFile, info: TensorInfo, *, requantize_inexact:
     packed, scales, biases = mx.quantize(array, group_size=GROUP_SIZE, bits=requantize_bits(info.ggml_type))
     mx.eval(packed, scales, biases)  # drop the float copy now, not at the end of the load
     return {info.name: packed, f"{stem}.scales": scales, f"{stem}.biases": biases}
+
+
+def _linear_weight(name: str, ndim: int) -> bool:
+    """Whether a triple is a linear layer's (float16 scales are for those: an embedding's lookup in float16
+    would make float16 activations; expert stacks run MLX's own products)."""
+    return ndim == 2 and not name.split(".")[0].endswith("_embd")
+
+
+def _narrowed(scales: np.ndarray, biases: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Float16 scales and biases if every value is exactly a float16 (GGUF's d and m are, in the 32-weight
+    types): the same weights in fewer bytes. Else float32 as they are."""
+    narrow = scales.astype(np.float16), biases.astype(np.float16)
+    exact = np.array_equal(narrow[0], scales) and np.array_equal(narrow[1], biases)  # inf != an overflowed value
+    return narrow if exact else (scales, biases)
 
 
 def _to_mlx(arrays: dict[str, np.ndarray], name: str) -> mx.array:
@@ -215,10 +239,19 @@ def to_float32(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
-def _float_tensors_to_f32(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Keep packed weights, cast everything else (norms, biases, scales) to float32.
+def _float_tensors_to_f32(weights: dict[str, mx.array], *, narrow: bool = False) -> dict[str, mx.array]:
+    """Keep packed weights, cast everything else (norms, biases, scales) to float32, except, with `narrow`,
+    linear layers' float16 scales and biases as `mx.load` reads them (exact: GGUF's own values).
 
-    Float32 scales keep activations in float32: on the CPU backend float16 arithmetic is
+    Float32 everywhere else keeps activations in float32: on the CPU backend float16 arithmetic is
     slower (SmolLM2 quantized: ~102 vs ~110 ms/token) as well as less precise.
     """
-    return {name: array if array.dtype == mx.uint32 else array.astype(mx.float32) for name, array in weights.items()}
+    stems = quantized_stems(weights)
+
+    def kept(name: str, array: mx.array) -> bool:
+        stem, _, part = name.rpartition(".")
+        return array.dtype == mx.uint32 or (
+            narrow and part in ("scales", "biases") and stem in stems and _linear_weight(name, array.ndim)
+        )
+
+    return {name: array if kept(name, array) else array.astype(mx.float32) for name, array in weights.items()}

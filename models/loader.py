@@ -116,8 +116,10 @@ def _load_gguf(path: Path, name: str, dtype: str, progress: Progress | None) -> 
         float32_bytes=4 * sum(_element_count(t.shape) for t in gguf_file.tensors.values()),
         products=decode_products(gguf_file) if dtype == "auto" else None,
     )
-    model, config = load_gguf_model(gguf_file, quantized=choice.dtype == "quantized", progress=progress)
+    # The tokenizer first: its build's scratch is freed before the weights arrive, not on top of them.
     tokenizer = Tokenizer.from_gguf_metadata(gguf_file.metadata, source=str(path))
+    _return_freed_memory()
+    model, config = load_gguf_model(gguf_file, quantized=choice.dtype == "quantized", progress=progress)
     if tokenizer.vocab_size > config["vocab_size"]:  # ids past the embedding would read out of bounds
         raise ModelError(
             f"{Path(path).name}: the vocabulary has {tokenizer.vocab_size} tokens, but "

@@ -122,6 +122,7 @@ def _dequantize_value_head_matrices(weights: Weights) -> Weights:
     for stem, bits in quantized_stems(weights).items():
         if f"{stem.rpartition('.linear_attn.')[2]}.weight" in _VALUE_HEAD_AXES and ".linear_attn." in stem:
             packed, scales, biases = (weights.pop(f"{stem}.{part}") for part in ("weight", "scales", "biases"))
+            scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)  # float16 ones: float32 weights
             weights[f"{stem}.weight"] = mx.dequantize(packed, scales, biases, group_size=GROUP_SIZE, bits=bits)
     return weights
 
