@@ -18,6 +18,7 @@ it directly make one call per pass: the same bits as the per-row calls.)
 from __future__ import annotations
 
 import contextvars
+import inspect
 import sys
 from collections.abc import Callable, Sequence
 
@@ -59,9 +60,39 @@ def _dispatcher(attend: Callable) -> Callable:
     return scaled_dot_product_attention
 
 
+# Attention modules that compute attention inline (mlx-lm module -> class): inside exact passes the
+# whole module runs one row at a time, its projections included.
+_INLINE_ATTENTION = {"mlx_lm.models.gemma2": "Attention", "mlx_lm.models.plamo2": "Attention"}
+
+
+def _module_per_row(call: Callable) -> Callable:
+    """An attention module's `__call__(x, mask, cache)` (by position or by name) that, inside exact passes,
+    feeds its rows one by one."""
+
+    signature = inspect.signature(call)
+
+    def __call__(self, *args, **kwargs):
+        x, mask, cache = (signature.bind(self, *args, **kwargs).arguments.get(p) for p in list(signature.parameters)[1:4])
+        if not _per_row.get() or cache is None:
+            return call(self, x, mask, cache)
+        rows = []
+        for j in range(x.shape[1]):
+            end = cache.offset + 1  # the keys row j may see, its own included
+            row_mask = mask[..., j : j + 1, :end] if isinstance(mask, mx.array) else None
+            rows.append(call(self, x[:, j : j + 1], row_mask, cache))
+        return mx.concatenate(rows, axis=1)
+
+    __call__.akunu_original = call
+    return __call__
+
+
 def _install_per_row_attention(model: nn.Module) -> None:
     """Route the attention of `model`'s modules through the dispatcher (inactive outside exact passes)."""
     found = False
+    for cls in {type(m) for m in model.modules() if _INLINE_ATTENTION.get(type(m).__module__) == type(m).__name__}:
+        found = True
+        if not hasattr(cls.__call__, "akunu_original"):
+            cls.__call__ = _module_per_row(cls.__call__)
     for name in {cls.__module__ for m in model.modules() for cls in type(m).__mro__}:  # a subclass's base's module too
         module = sys.modules.get(name)
         attend = getattr(module, _ATTENTION, None)

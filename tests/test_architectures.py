@@ -3,8 +3,7 @@
 Each architecture is built tiny with random weights (tests/tiny_archs.py). An oracle drafter
 proposes the plain run's own tokens with planted errors, so drafts are accepted and rolled back
 in the middle on random weights; greedy speculative output must equal plain output token for
-token (by default up to a near-tie, with --exact bit for bit, state layers included; a model whose
-attention mlx-lm computes inline refuses --exact with one line).
+token (by default up to a near-tie, with --exact bit for bit, state layers and inline attention included).
 """
 
 import random
@@ -13,7 +12,6 @@ import pytest
 
 from akunu.drafters.base import Draft, Drafter
 from akunu.drafters.specs import DraftLengthPolicy
-from akunu.errors import OptionsError
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from tests.fakes import FakeTokenizer
 from tests.greedy_checks import assert_same_or_near_tie
@@ -70,17 +68,9 @@ def test_speculative_equals_plain(arch):
     assert drafted > accepted > TOKENS  # drafts landed, and some were rejected mid-draft and rolled back
 
 
-# mlx-lm computes these models' attention inline, so exact mode has no per-row hook and refuses them
-INLINE_ATTENTION = {"gemma2", "plamo2"}
-
-
 @pytest.mark.slow
 def test_exact_speculative_equals_exact_plain(arch):
     name, model, prompt = arch
-    if name in INLINE_ATTENTION:
-        with pytest.raises(OptionsError, match="--exact|exact mode"):
-            run(model, prompt, SpecConfig(enabled=False, exact=True))
-        return
     _, plain, _ = run(model, prompt, SpecConfig(enabled=False, draft_tokens=3, exact=True))
     _, default, _ = run(model, prompt, SpecConfig(enabled=False))
     assert_same_or_near_tie(model, prompt, default, plain, f"{name}, exact plain")  # exact mode decodes the model

@@ -144,8 +144,9 @@ def _logits_in_passes(model, prompt, tokens, widths):
         start += width
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "mamba2"])  # a gated-delta scan; a chunked SSD scan
-def test_exact_mode_gives_a_token_the_same_logits_in_every_pass_of_a_state_model(name):
+# a gated-delta scan; a chunked SSD scan; a chunked SSD scan beside attention mlx-lm computes inline
+@pytest.mark.parametrize("name", ["qwen3_next", "mamba2", "plamo2"])
+def test_exact_mode_gives_a_token_the_same_logits_in_every_pass(name):
     model = tiny_model(name, seed=5)  # by default a 4-token pass rounds differently here
     exact = FixedWidthModel(model, width=4)
     prompt, tokens = [3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
