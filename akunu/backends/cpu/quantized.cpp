@@ -88,7 +88,13 @@ class Pool {
   explicit Pool(int helpers) : helpers_(helpers) {
     for (int i = 0; i < helpers; i++) std::thread([this] { serve(); }).detach();
   }
-  static void pause() { __builtin_ia32_pause(); }
+  static void pause() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
 
   // Claims shares of the current call's items while it is still generation `generation` and has some left.
   void work(uint64_t generation) {
