@@ -1,14 +1,17 @@
 """How fast akunu's quantized `x @ Wᵀ` kernel (akunu/backends/cpu/quantized.cpp) reads weights, by rows of x.
 
     .venv/bin/python scripts/quantized_rows.py [--bits 4 5 8] [--rows 1 4 16 33] [--layers 24] [--reps 5] [--mlx]
+        [--scales float32|float16] [--cpu-time]
 
 The weights are Qwen2.5-0.5B's layer products (q 896x896, k and v 128x896, o 896x896, gate and up
-4864x896, down 896x4864), `--layers` sets of them at each bit width with float32 scales and biases
-(group 32), so they stream from memory as in a decode step. All products of one repetition are one
+4864x896, down 896x4864), `--layers` sets of them at each bit width with float32 (or --scales float16)
+scales and biases (group 32), so they stream from memory as in a decode step. All products of one repetition are one
 MLX evaluation; best of --reps. GB/s counts the bytes the weights occupy (packed + scales + biases),
 against the machine's copy bandwidth (numpy copying a 512 MB array: read + write bytes per second).
 --mlx also times MLX's own quantized_matmul on the same weights. Prefill-sized row counts (over
 quantized.MAX_ROWS) time what CpuQuantizedLinear does with them: dequantize, then one float32 product.
+--cpu-time times the process's CPU seconds instead of the wall clock: steadier on a shared machine
+(with OMP_NUM_THREADS=1, one core's throughput).
 """
 
 from __future__ import annotations
@@ -34,19 +37,21 @@ def copy_bandwidth(megabytes: int = 512, reps: int = 3) -> float:
     return 2 * source.nbytes / best / 1e9
 
 
+CLOCK = [time.perf_counter]
+
+
 def _timed(run) -> float:
-    start = time.perf_counter()
+    start = CLOCK[0]()
     run()
-    return time.perf_counter() - start
+    return CLOCK[0]() - start
 
 
-def quantized_layers(bits: int, layers: int) -> list[tuple[mx.array, mx.array, mx.array]]:
+def quantized_layers(bits: int, layers: int, scales=mx.float32) -> list[tuple[mx.array, mx.array, mx.array]]:
     out = []
     for layer in range(layers):
         for i, shape in enumerate(SHAPES):
             w = mx.random.normal(shape, key=mx.random.key(layer * 16 + i)) * 0.05
-            packed, scales, biases = mx.quantize(w, group_size=32, bits=bits)
-            out.append((packed, scales, biases))
+            out.append(mx.quantize(w.astype(scales), group_size=32, bits=bits))
     mx.eval(out)
     return out
 
@@ -78,14 +83,18 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--mlx", action="store_true", help="also time mx.quantized_matmul")
+    parser.add_argument("--scales", choices=["float32", "float16"], default="float32")
+    parser.add_argument("--cpu-time", action="store_true", help="time CPU seconds, not the wall clock")
     args = parser.parse_args()
+    if args.cpu_time:
+        CLOCK[0] = time.process_time
     kernel = quantized.load()
     if kernel is None:
         raise SystemExit(f"the quantized kernel is unavailable: {quantized.unavailable()}")
     print(f"copy bandwidth: {copy_bandwidth():.1f} GB/s (read + write)")
     print("bits rows      ms   GB/s   MLX ms")
     for bits in args.bits:
-        weights = quantized_layers(bits, args.layers)
+        weights = quantized_layers(bits, args.layers, getattr(mx, args.scales))
         nbytes = sum(a.nbytes for triple in weights for a in triple)
         for rows in args.rows:
             ours = seconds(
