@@ -34,6 +34,7 @@ def load_gguf_model(
         layout = f"the {gguf_file.architecture} layout"
         raise ModelError(f"{path.name}: weights do not match {layout} ({_first_line(error)})") from None
     mx.eval(model.parameters())
+    _look_up_in_float32(model)
     return model, config
 
 
@@ -55,6 +56,21 @@ def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
         return {"group_size": GROUP_SIZE, "bits": bits_by_path[path]}
 
     nn.quantize(model, group_size=GROUP_SIZE, bits=4, class_predicate=predicate)
+
+
+class Float32Lookup(nn.QuantizedEmbedding):
+    """A quantized embedding holding float16 scales that looks rows up in float32 (the same exact values:
+    float16 rows would make float16 activations)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        scales, biases = (self[name][x].astype(mx.float32) for name in ("scales", "biases"))
+        return mx.dequantize(self["weight"][x], scales, biases, group_size=self.group_size, bits=self.bits)
+
+
+def _look_up_in_float32(model: nn.Module) -> None:
+    for _, module in model.named_modules():
+        if type(module) is nn.QuantizedEmbedding and module["scales"].dtype != mx.float32:
+            module.__class__ = Float32Lookup
 
 
 def _first_line(error: Exception) -> str:

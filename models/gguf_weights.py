@@ -24,6 +24,8 @@ Weight policy (the README quotes this):
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -37,6 +39,7 @@ from akunu.models.ggml_blocks import LAYOUTS, dequantize_exact, exact_triple
 from akunu.models.gguf_file import GGUFFile, TensorInfo
 
 GROUP_SIZE = 32
+REQUANTIZE_WEIGHTS = 1 << 20  # re-quantize this many weights at a time
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 # Types MLX's own GGUF reader turns into exact MLX-quantized (or float) arrays.
 MX_LOAD_TYPES = {
@@ -99,8 +102,10 @@ def _read_with_dequantize(gguf_file: GGUFFile, keep_quantized: bool, progress: P
     weights: dict[str, mx.array] = {}
     infos = list(gguf_file.tensors.values())
     narrow = keep_quantized and backends.quantized_kernel_reads_float16_scales()
+    tied = "output.weight" not in gguf_file.tensors
     for done, info in enumerate(infos, 1):
-        weights.update(_decode_tensor(gguf_file, info, requantize_inexact=keep_quantized, narrow=narrow))
+        narrow_this = narrow and _narrowable(info.name, len(info.shape), tied)
+        weights.update(_decode_tensor(gguf_file, info, requantize_inexact=keep_quantized, narrow=narrow_this))
         if progress:
             progress("load", done, len(infos))
     return weights
@@ -123,29 +128,45 @@ def _decode_tensor(
         del raw  # copied into MLX one array at a time, each numpy array freed as it goes
         _check_finite(info, triple.scales, triple.biases)
         scales, biases = triple.scales, triple.biases
-        if narrow and _linear_weight(info.name, len(info.shape)):
+        if narrow:
             scales, biases = _narrowed(scales, biases)
         arrays = {info.name: triple.packed, f"{stem}.scales": scales, f"{stem}.biases": biases}
         del scales, biases
         del triple
         return {name: _to_mlx(arrays, name) for name in list(arrays)}
-    array = mx.array(_to_float32(raw, info), dtype=mx.float32)
     requantize = (
         requantize_inexact
         and info.ggml_type not in FLOAT_TYPES
-        and array.ndim == 2
-        and array.shape[-1] % GROUP_SIZE == 0
+        and len(info.shape) == 2
+        and info.shape[-1] % GROUP_SIZE == 0
     )
     if not requantize:
-        return {info.name: array}
-    packed, scales, biases = mx.quantize(array, group_size=GROUP_SIZE, bits=requantize_bits(info.ggml_type))
-    mx.eval(packed, scales, biases)  # drop the float copy now, not at the end of the load
+        return {info.name: mx.array(_to_float32(raw, info), dtype=mx.float32)}
+    packed, scales, biases = _requantized(raw, info)
     return {info.name: packed, f"{stem}.scales": scales, f"{stem}.biases": biases}
 
 
-def _linear_weight(name: str, ndim: int) -> bool:
-    """Whether a triple is a linear layer's (float16 scales are for those: an embedding's lookup in float16
-    would make float16 activations; expert stacks run MLX's own products)."""
+def _requantized(raw: np.ndarray, info: TensorInfo) -> tuple[mx.array, mx.array, mx.array]:
+    """A matrix with no exact MLX form, dequantized and re-quantized a block of rows at a time: the float32
+    scratch stays a block's, whatever the matrix's size."""
+    rows, cols = info.shape
+    step = max(1, REQUANTIZE_WEIGHTS // cols)
+    row_bytes = len(raw) // rows
+    parts = []
+    for start in range(0, rows, step):
+        block = replace(info, shape=(min(step, rows - start), cols))
+        values = mx.array(_to_float32(raw[start * row_bytes : (start + block.shape[0]) * row_bytes], block))
+        parts.append(mx.quantize(values, group_size=GROUP_SIZE, bits=requantize_bits(info.ggml_type)))
+        mx.eval(parts[-1])
+    return tuple(mx.concatenate([part[i] for part in parts]) for i in range(3))
+
+
+def _narrowable(name: str, ndim: int, tied: bool) -> bool:
+    """Whether a triple may hold float16 scales: a linear layer's, or the token embedding when only looked up
+    (`gguf_model.Float32Lookup` reads it in float32). Not a tied embedding, which is also the output product,
+    nor other tables or expert stacks, which run MLX's own float16 arithmetic."""
+    if name == "token_embd.weight":
+        return not tied
     return ndim == 2 and not name.split(".")[0].endswith("_embd")
 
 
@@ -247,11 +268,12 @@ def _float_tensors_to_f32(weights: dict[str, mx.array], *, narrow: bool = False)
     slower (SmolLM2 quantized: ~102 vs ~110 ms/token) as well as less precise.
     """
     stems = quantized_stems(weights)
+    tied = "output.weight" not in weights
 
     def kept(name: str, array: mx.array) -> bool:
         stem, _, part = name.rpartition(".")
         return array.dtype == mx.uint32 or (
-            narrow and part in ("scales", "biases") and stem in stems and _linear_weight(name, array.ndim)
+            narrow and part in ("scales", "biases") and stem in stems and _narrowable(f"{stem}.weight", 2, tied)
         )
 
     return {name: array if kept(name, array) else array.astype(mx.float32) for name, array in weights.items()}

@@ -27,6 +27,12 @@ HF_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # What `_load_mlx_folder` reads: config.json, tokenizer.json and other configs, the weights, a chat template.
 MLX_FOLDER_FILES = ["*.json", "model*.safetensors", "chat_template.jinja"]
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+VOCABULARY_KEYS = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.scores",
+)
 
 
 @dataclass
@@ -56,20 +62,25 @@ def load_model(spec: str, *, dtype: str = "auto", progress: Progress | None = No
     choose_dtype(dtype)  # reject a bad --dtype before any download
     _map_large_allocations()
     started = time.perf_counter()
-    if spec in catalogue.KNOWN:
-        loaded = _load_gguf(catalogue.resolve(spec, progress=progress), spec, dtype, progress)
-    else:
-        loaded = _load_local_or_hub(spec, dtype, progress)
-    backends.apply(loaded.model)  # the CPU backend's faster step where it applies; elsewhere mlx-lm's model as it is
+    cache_limit = mx.set_cache_limit(0)  # arrays replaced while loading are freed, not cached on top of the rest
+    try:
+        if spec in catalogue.KNOWN:
+            loaded = _load_gguf(catalogue.resolve(spec, progress=progress), spec, dtype, progress)
+        else:
+            loaded = _load_local_or_hub(spec, dtype, progress)
+        backends.apply(loaded.model)  # the CPU backend's faster step where it applies; elsewhere mlx-lm's model
+    finally:
+        mx.set_cache_limit(cache_limit)
     _return_freed_memory()
     loaded.load_seconds = time.perf_counter() - started
     return loaded
 
 
 def _map_large_allocations() -> None:
-    """Have glibc map buffers of a megabyte or more on their own, so a freed one goes back to the system at
-    once: loading replaces weights-sized arrays one by one, and in the heap their holes would stay resident."""
-    _glibc_call("mallopt", M_MMAP_THRESHOLD, 1 << 20)
+    """Have glibc map buffers of 128 KiB or more on their own (its default, which it otherwise raises as large
+    buffers are freed), so a freed one goes back to the system at once: a load makes and frees many arrays,
+    and in the heap their holes would stay resident."""
+    _glibc_call("mallopt", M_MMAP_THRESHOLD, 128 << 10)
 
 
 def _return_freed_memory() -> None:
@@ -118,6 +129,8 @@ def _load_gguf(path: Path, name: str, dtype: str, progress: Progress | None) -> 
     )
     # The tokenizer first: its build's scratch is freed before the weights arrive, not on top of them.
     tokenizer = Tokenizer.from_gguf_metadata(gguf_file.metadata, source=str(path))
+    for key in VOCABULARY_KEYS:  # the tokenizer has what it needs of them
+        gguf_file.metadata.pop(key, None)
     _return_freed_memory()
     model, config = load_gguf_model(gguf_file, quantized=choice.dtype == "quantized", progress=progress)
     if tokenizer.vocab_size > config["vocab_size"]:  # ids past the embedding would read out of bounds

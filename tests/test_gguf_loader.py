@@ -17,7 +17,7 @@ from akunu.models import catalogue, load_model
 from akunu.models.architectures import llama3_rope_divisors
 from akunu.models.dtype_policy import choose_dtype
 from akunu.models.gguf_file import read_gguf
-from akunu.models.gguf_model import load_gguf_model
+from akunu.models.gguf_model import Float32Lookup, load_gguf_model
 from akunu.models.gguf_weights import requantize_bits
 from tests.tiny_gguf import (
     FFN,
@@ -386,9 +386,17 @@ def test_exact_float16_scales_are_held_as_float16_where_the_kernel_reads_them(tm
     assert layers[0].mlp.gate_proj.scales.dtype == layers[0].mlp.gate_proj.biases.dtype == mx.float16  # Q5_0
     assert model.lm_head.scales.dtype == mx.float16  # Q8_0
     assert layers[0].mlp.down_proj.scales.dtype == mx.float32  # Q6_K re-quantized: its scales are not float16s
-    assert model.model.embed_tokens.scales.dtype == mx.float32  # a float16 lookup would give float16 activations
     for module, name in [(layers[0].mlp.gate_proj, "blk.0.ffn_gate.weight"), (model.lm_head, "output.weight")]:
         np.testing.assert_array_equal(_dense_weight(module), expected[name], err_msg=name)
+    # Only looked up (untied): float16 scales too, its rows looked up in float32, exactly.
+    embedding = model.model.embed_tokens
+    assert embedding.scales.dtype == mx.float16 and type(embedding) is Float32Lookup
+    rows = embedding(mx.array([[0, 5, VOCAB - 1]]))
+    assert rows.dtype == mx.float32
+    np.testing.assert_array_equal(np.asarray(rows[0]), expected["token_embd.weight"][[0, 5, VOCAB - 1]])
+    write_tiny_gguf(path, matrix_type=Q.Q5_0, embedding_type=Q.Q8_0, tie=True, types_by_name=types)
+    tied, _ = load_gguf_model(read_gguf(path), quantized=True)  # also the output product: float32 scales
+    assert tied.model.embed_tokens.scales.dtype == mx.float32 and type(tied.model.embed_tokens) is nn.QuantizedEmbedding
     monkeypatch.setattr(backends, "quantized_kernel_reads_float16_scales", lambda: False)
     model, _ = load_gguf_model(read_gguf(path), quantized=True)
     assert model.model.layers[0].mlp.gate_proj.scales.dtype == mx.float32
