@@ -4,6 +4,7 @@ turns and requests (state layers restored from snapshots) with output equal to a
 
 import itertools
 from collections import Counter
+from dataclasses import replace
 
 import mlx.core as mx
 import pytest
@@ -16,6 +17,7 @@ from akunu.sampling import SamplingParams
 from tests.fakes import FakeTokenizer
 from tests.greedy_checks import assert_same_or_near_tie
 from tests.stats_tools import PROMPT, exact_model_probs, fits
+from tests.test_architectures import OracleDrafter
 from tests.tiny_archs import tiny_model
 
 TOKENIZER = FakeTokenizer()
@@ -155,3 +157,21 @@ def test_exact_mode_gives_a_token_the_same_logits_in_every_pass(name):
         assert mx.array_equal(_logits_in_passes(exact, prompt, tokens, widths), steps).item(), widths
     plain = _logits_in_passes(model, prompt, tokens, [1])
     assert mx.allclose(steps, plain, atol=1e-4, rtol=1e-4).item()  # and they are the model's logits
+
+
+def test_an_exact_chat_speculates_bit_for_bit_as_it_decodes_plainly_across_turns():
+    model, history = hybrid(), [7, 3, 9, 3, 7, 3, 9]
+    plain_cache, fast_cache = PromptCache(model), PromptCache(model)  # each keeps its state's blocks across turns
+    plain_spec = SpecConfig(enabled=False, draft_tokens=3, exact=True)
+    for turn, user in enumerate(([5, 6, 7, 5, 6, 7], [1, 2, 1, 2], [9, 9, 8])):
+        prompt = history + user
+        plain, _ = answer(model, prompt, plain_cache, spec=plain_spec)
+        _, fast, stats = generate(
+            model, TOKENIZER, prompt, GenerationConfig(max_tokens=12, spec=replace(SPEC, draft_tokens=3, exact=True)),
+            prompt_cache=fast_cache, drafter=OracleDrafter(prompt, plain, every=2, seed=turn),
+        )  # fmt: skip
+        assert fast == plain, f"turn {turn}"
+        assert stats.drafted > stats.accepted > 0
+        if turn:
+            assert stats.prefilled_tokens == len(user) + 1
+        history = prompt + plain
