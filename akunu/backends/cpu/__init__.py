@@ -3,7 +3,8 @@
 - `blas`: OpenBLAS loaded ahead of MLX, with akunu's decode-shaped matmuls (`_matvec.c`) in front of it;
 - `kernels` (`kernels.cpp`): fused attention, SwiGLU, RMSNorm and q|k|v split, built on first use;
 - `fast_step`: the model's attention, RoPE, RMSNorm and SwiGLU routed through them (`rope`, `elementwise`);
-- `fused_layers`: llama layers with stacked products; `compiled_pass`: whole llama passes as compiled traces;
+- `fused_layers`: llama and qwen2 layers with stacked products (float32 or quantized); `compiled_pass`: whole
+  passes of them as compiled traces;
 - `quantized` (`quantized.cpp`): products over MLX affine-quantized weights for decode steps, built on first use.
 
 The rest of akunu sees only `apply`, `unpatched`, `describe` and `REVISION`, through `akunu.backends`.
@@ -19,7 +20,7 @@ from typing import Any
 
 # Bumped whenever the decode step changes what a pass of each width costs, so cost curves saved before
 # are measured again.
-STEP_REVISION = 8
+STEP_REVISION = 9
 FAST_STEP_SWITCH = "AKUNU_FAST_STEP"  # =0: the BLAS stays, the model is left unpatched (the older switch)
 
 
