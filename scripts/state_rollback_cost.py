@@ -1,6 +1,6 @@
 """What rolling back a recurrent state costs a verification pass, at 1, 4, 8 and 16 drafts.
 
-    .venv/bin/python scripts/state_rollback_cost.py [--hidden 512] [--layers 8] [--context 256]
+    .venv/bin/python scripts/state_rollback_cost.py [--hidden 512] [--layers 8] [--context 256] [--exact]
 
 A hybrid model (Qwen3-Next layout: three gated-delta layers to one attention layer, random weights)
 verifies n drafts in an (n + 1)-token pass. Its state layers roll back by a snapshot taken before the
@@ -10,6 +10,10 @@ JSON line per draft length: the pass alone, the snapshot and restore, and the wi
 rejection halfway (j = n // 2), in milliseconds and relative to the pass. A pass that kept every
 position's state instead (the other approach) would need each model's scan changed, so it is not
 measured here.
+
+With --exact, it prints instead what exact mode's passes cost (`akunu.exact`): every pass is padded
+to one width and its attention runs row by row, and the state layers take the pass's block of
+tokens again from the block's start; each line gives the default pass of the same real tokens beside it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
 import mlx.core as mx
 from mlx_lm.models import qwen3_next
 
+from akunu.exact import EXACT_MAX_DRAFT, exact_model
 from akunu.kv_cache import Snapshot, make_cache, rewind, run
 
 
@@ -59,11 +64,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--exact", action="store_true", help="the cost of exact mode's passes instead")
     options = parser.parse_args()
     model, cache = hybrid(options.hidden, options.layers), None
     cache = make_cache(model)
     mx.eval(run(model, mx.zeros((1, options.context), mx.uint32), cache))
     start = Snapshot(cache)
+    if options.exact:
+        return exact_costs(model, cache, options.repeats)
 
     def pass_of(width: int, snapshot: bool = False):
         saved = Snapshot(cache) if snapshot else None
@@ -87,6 +95,28 @@ def main() -> None:
             "rejected_round_vs_pass": round((wider + state) / plain, 3),
         }))  # fmt: skip
 
+
+def exact_costs(model, cache, repeats: int) -> None:
+    """Per pass of 1 to width real tokens: the default pass and the exact one (padded to the width; a pass holding
+    its block's earlier tokens again costs the same), rolled back after; relative to the default 1-token step."""
+    exact = exact_model(model, EXACT_MAX_DRAFT)
+
+    def pass_of(m, tokens: int):
+        saved = Snapshot(cache)
+        mx.eval(run(m, mx.zeros((1, tokens), mx.uint32), cache))
+        rewind(cache, tokens)
+        saved.restore(cache)
+
+    for tokens in range(1, exact.width + 1):  # warm up the shapes
+        pass_of(model, tokens), pass_of(exact, tokens)
+    step = timed(lambda: pass_of(model, 1), repeats)
+    for tokens in range(1, exact.width + 1):
+        default = timed(lambda tokens=tokens: pass_of(model, tokens), repeats)
+        fixed = timed(lambda tokens=tokens: pass_of(exact, tokens), repeats)
+        print(json.dumps({
+            "width": exact.width, "tokens": tokens, "default_pass_ms": round(default, 3), "exact_pass_ms": round(fixed, 3),
+            "default_vs_step": round(default / step, 3), "exact_vs_step": round(fixed / step, 3),
+        }))  # fmt: skip
 
 if __name__ == "__main__":
     main()
