@@ -12,7 +12,13 @@ of a fixed-shape product does not depend on its place or on the other rows), and
 is computed one query row at a time over exactly the keys that row may see, so its call
 shape depends only on the row's position. The padding's cache entries are rolled back.
 (akunu's CPU attention kernel computes each row alone by construction, so llama layers that call
-it directly make one call per pass: the same bits as the per-row calls.)
+it directly make one call per pass: the same bits as the per-row calls.) Where mlx-lm computes
+attention inline (gemma2, plamo2), the attention module itself runs one row at a time.
+
+State layers (Mamba, gated delta-nets...) would take the padding into their state, and their scan
+may compute a row differently at another place in the pass (a chunked SSD scan does). So the tokens
+after the prompt go through them in blocks of the width: every pass starts at its block's start,
+from the state there, and a token is always computed at the same row after the same tokens.
 """
 
 from __future__ import annotations
@@ -68,13 +74,13 @@ _INLINE_ATTENTION = {"mlx_lm.models.gemma2": "Attention", "mlx_lm.models.plamo2"
 def _module_per_row(call: Callable) -> Callable:
     """An attention module's `__call__(x, mask, cache)` (by position or by name) that, inside exact passes,
     feeds its rows one by one."""
-
     signature = inspect.signature(call)
 
     def __call__(self, *args, **kwargs):
-        x, mask, cache = (signature.bind(self, *args, **kwargs).arguments.get(p) for p in list(signature.parameters)[1:4])
-        if not _per_row.get() or cache is None:
-            return call(self, x, mask, cache)
+        if not _per_row.get():
+            return call(self, *args, **kwargs)
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        x, mask, cache = (arguments.get(name) for name in list(signature.parameters)[1:4])
         rows = []
         for j in range(x.shape[1]):
             end = cache.offset + 1  # the keys row j may see, its own included
@@ -87,7 +93,7 @@ def _module_per_row(call: Callable) -> Callable:
 
 
 def _install_per_row_attention(model: nn.Module) -> None:
-    """Route the attention of `model`'s modules through the dispatcher (inactive outside exact passes)."""
+    """Route the attention of `model`'s modules through per-row calls (inactive outside exact passes)."""
     found = False
     for cls in {type(m) for m in model.modules() if _INLINE_ATTENTION.get(type(m).__module__) == type(m).__name__}:
         found = True
@@ -164,7 +170,7 @@ class FixedWidthModel:
     def _in_blocks(self, inputs: mx.array, cache, **kwargs) -> mx.array:
         """The pass on a model with state layers: its block's earlier tokens fed again ahead of it."""
         if not hasattr(cache, "lag"):
-            raise OptionsError("exact mode on a model with state layers needs akunu's cache (akunu.kv_cache.make_cache)")
+            raise OptionsError("exact mode on a model with state layers needs akunu.kv_cache.make_cache's cache")
         held = 0 if cache.lag is None else cache.lag.shape[1]
         tokens = inputs if not held else mx.concatenate([cache.lag.astype(inputs.dtype), inputs], axis=1)
         _drop_positions(cache, held)  # the position layers take the block's tokens again from this pass

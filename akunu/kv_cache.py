@@ -30,7 +30,7 @@ class ModelCache(list):
         self.fed = 0  # positions fed through `run`, less those rolled back
         self.torn = False  # a pass was interrupted: a state may hold part of it
         self.owed: list[int] = []  # accepted tokens a state rolled back past, fed again ahead of the next pass
-        self.lag: mx.array | None = None  # exact mode: tokens (1, n) the position layers hold and the state layers not yet
+        self.lag: mx.array | None = None  # exact mode: tokens (1, n) held by position layers, not yet by states
 
 
 def _full(c):

@@ -118,5 +118,6 @@ def exact_costs(model, cache, repeats: int) -> None:
             "default_vs_step": round(default / step, 3), "exact_vs_step": round(fixed / step, 3),
         }))  # fmt: skip
 
+
 if __name__ == "__main__":
     main()
