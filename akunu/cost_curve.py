@@ -50,8 +50,10 @@ def measure(
     slowed by load: a wider pass does all a narrower one does, so the curve is made
     non-decreasing from the widest end.
     """
+    from akunu.decode import feed  # here: decode imports this module through draft_length
+
     cache = make_cache(model)
-    mx.eval(model(mx.zeros((1, context), mx.uint32), cache=cache))
+    feed(model, cache, mx.zeros((context,), mx.uint32))  # the cache filled, no logits for every position
     timed = timed_widths(max_width, widths)
     inputs = {width: mx.zeros((1, width), mx.uint32) for width in timed}
     samples: dict[int, list[float]] = {width: [] for width in inputs}
