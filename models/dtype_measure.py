@@ -147,13 +147,22 @@ def cached_seconds(products: Sequence[Product], measure=seconds_per_step) -> tup
     entry = saved.get(key)
     if isinstance(entry, dict) and all(isinstance(entry.get(f), (int, float)) and entry[f] > 0 for f in FORMS):
         return {form: float(entry[form]) for form in FORMS}, "measured before"
+    busy_before = machine_busy()
     measured = measure(products)
     seconds = {form: float(measured[form]) for form in FORMS}
-    if measured.get("spread", 0.0) > MAX_SPREAD:
+    if busy_before or machine_busy() or measured.get("spread", 0.0) > MAX_SPREAD:
         return seconds, "measured now; not kept, the machine was busy"
     saved[key] = seconds
     _write(path, saved)
     return seconds, "measured now"
+
+
+def machine_busy() -> bool:
+    """Other work running on as many cores as there are (load average): timings would be that work's."""
+    try:
+        return os.getloadavg()[0] >= (os.cpu_count() or 1)
+    except OSError:
+        return False
 
 
 def _read(path: Path) -> dict:

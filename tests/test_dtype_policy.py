@@ -38,6 +38,7 @@ def timings(monkeypatch):
 
     monkeypatch.setattr(dtype_measure, "seconds_per_step", fake)
     monkeypatch.setattr(dtype_measure.cached_seconds, "__defaults__", (fake,))
+    monkeypatch.setattr(dtype_measure, "machine_busy", lambda: False)
     return Timings
 
 
@@ -63,13 +64,17 @@ def test_the_measurement_is_kept_per_machine_and_backend_revision(cpu_with_kerne
     assert choose_dtype("auto", products=BIG).dtype == "float32" and timings.calls == 3
 
 
-def test_a_measurement_on_a_busy_machine_is_used_but_not_kept(cpu_with_kernel, timings):
+def test_a_measurement_on_a_busy_machine_is_used_but_not_kept(cpu_with_kernel, timings, monkeypatch):
     timings.seconds = {"float32": 0.03, "quantized": 0.01, "spread": 0.6}
     choice = choose_dtype("auto", products=BIG)
     assert choice.dtype == "quantized" and "not kept" in choice.reason
+    monkeypatch.setattr(dtype_measure, "machine_busy", lambda: True)  # other work running: not kept either
+    timings.seconds = {"float32": 0.03, "quantized": 0.01, "spread": 0.0}
+    assert "not kept" in choose_dtype("auto", products=BIG).reason and timings.calls == 2
+    monkeypatch.setattr(dtype_measure, "machine_busy", lambda: False)
     timings.seconds = {"float32": 0.01, "quantized": 0.03, "spread": 0.1}
-    assert choose_dtype("auto", products=BIG).dtype == "float32" and timings.calls == 2
-    assert choose_dtype("auto", products=BIG).dtype == "float32" and timings.calls == 2
+    assert choose_dtype("auto", products=BIG).dtype == "float32" and timings.calls == 3
+    assert choose_dtype("auto", products=BIG).dtype == "float32" and timings.calls == 3
 
 
 def test_a_corrupt_record_is_measured_again(cpu_with_kernel, timings):
