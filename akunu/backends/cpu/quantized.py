@@ -2,10 +2,10 @@
 
 MLX's CPU `quantized_matmul` reads quantized weights far below the memory bandwidth, so on the
 CPU a quantized model's QuantizedLinear layers (and a tied QuantizedEmbedding's output product)
-get a subclass whose products of up to MAX_ROWS rows (decode steps, verification passes) run
+get a subclass whose products of up to MAX_ROWS rows (decode steps, verification passes, prefill chunks) run
 akunu's kernel: each weight read once at its stored width and multiplied as an integer with x
 quantized to int8 per group of 32 (as llama.cpp does), a row's result independent of the rows
-beside it. Longer inputs (prefill) dequantize the weight to float32 for one BLAS product.
+beside it. Longer inputs dequantize the weight to float32 for one BLAS product.
 Layers the kernel does not cover (other modes or group sizes) keep MLX's path.
 Built on first use like `kernels`; AKUNU_QUANTIZED_KERNEL=0 turns it off.
 """
@@ -26,7 +26,7 @@ from akunu.backends.cpu import kernels
 ENV_SWITCH = "AKUNU_QUANTIZED_KERNEL"
 SOURCE = Path(__file__).with_name("quantized.cpp")
 MODULE_NAME = "akunu_quantized_kernels"
-MAX_ROWS = 64  # decode steps and verification passes; prefill chunks dequantize into one float32 product
+MAX_ROWS = 256  # the kernel beats dequantizing for one float32 product up to here; longer inputs dequantize
 BITS = (2, 3, 4, 5, 6, 8)
 SCALE_TYPES = (mx.float32, mx.float16, mx.bfloat16)
 REVISION = 3  # bumped when the kernel's speed changes, so cost curves are measured again
