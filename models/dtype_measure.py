@@ -106,7 +106,10 @@ def _layer(product: Product, form: str) -> nn.Module:
     linear = nn.Linear(product.cols, product.rows, bias=False)
     if form == "float32" or product.bits is None:
         return linear
-    return nn.QuantizedLinear.from_linear(linear, group_size=GROUP_SIZE, bits=product.bits)
+    layer = nn.QuantizedLinear.from_linear(linear, group_size=GROUP_SIZE, bits=product.bits)
+    if backends.quantized_kernel_reads_float16_scales():  # as the loader holds them
+        layer.update({name: layer[name].astype(mx.float16) for name in ("scales", "biases")})
+    return layer
 
 
 class _Holder(nn.Module):
