@@ -17,7 +17,6 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 
 import akunu  # noqa: F401  (must precede mlx)
 from akunu.backends.cpu import quantized
-from akunu.errors import OptionsError
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.models import load_model
 from akunu.models.gguf_file import read_gguf
@@ -58,25 +57,12 @@ def test_logits_and_greedy_tokens_match_llama_cpp(case):
     assert greedy(loaded.model, len(expected_tokens)) == expected_tokens
 
 
-# mlx-lm's gemma2 computes its soft-capped attention inline, so exact mode has no attention to run per row;
-# qwen35's delta-net layers would take exact mode's padding into their state.
-EXACT_REFUSED = {
-    "gemma2": "exact mode needs",
-    "qwen35": "would take the padding",
-    "qwen35moe": "would take the padding",
-}
-
-
 @pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
 def test_greedy_speculative_equals_plain(case, exact):
     arch, _, loaded = case
     rng = random.Random(0)
     motif = [rng.randrange(tiny.VOCAB) for _ in range(5)]
     spec, plain_spec = SpecConfig(draft_tokens=6, exact=exact), SpecConfig(enabled=False, exact=exact)
-    if exact and arch.name in EXACT_REFUSED:
-        with pytest.raises(OptionsError, match=EXACT_REFUSED[arch.name]):
-            generate(loaded.model, FakeTokenizer(), motif, GenerationConfig(max_tokens=4, spec=spec))
-        return
     prompt = motif * 4  # repeated, so n-gram drafts are proposed from the first step
     plain = generate(loaded.model, FakeTokenizer(), prompt, GenerationConfig(max_tokens=24, spec=plain_spec))[1]
     # A random delta-net model never repeats the motif, so an oracle drafts its plain run with planted errors.
