@@ -142,14 +142,13 @@ def _decode_tensor(
     )
     if not requantize:
         return {info.name: mx.array(_to_float32(raw, info), dtype=mx.float32)}
-    packed, scales, biases = _requantized(raw, info, narrow=narrow)
+    packed, scales, biases = _requantized(raw, info)
     return {info.name: packed, f"{stem}.scales": scales, f"{stem}.biases": biases}
 
 
-def _requantized(raw: np.ndarray, info: TensorInfo, *, narrow: bool) -> tuple[mx.array, mx.array, mx.array]:
+def _requantized(raw: np.ndarray, info: TensorInfo) -> tuple[mx.array, mx.array, mx.array]:
     """A matrix with no exact MLX form, dequantized and re-quantized a block of rows at a time: the float32
-    scratch stays a block's, whatever the matrix's size. With `narrow`, from float16 values, which gives
-    float16 scales and biases (the values move by under 2^-11 of themselves, far below an 8-bit step)."""
+    scratch stays a block's, whatever the matrix's size."""
     rows, cols = info.shape
     step = max(1, REQUANTIZE_WEIGHTS // cols)
     row_bytes = len(raw) // rows
@@ -157,7 +156,6 @@ def _requantized(raw: np.ndarray, info: TensorInfo, *, narrow: bool) -> tuple[mx
     for start in range(0, rows, step):
         block = replace(info, shape=(min(step, rows - start), cols))
         values = mx.array(_to_float32(raw[start * row_bytes : (start + block.shape[0]) * row_bytes], block))
-        values = values.astype(mx.float16) if narrow else values
         parts.append(mx.quantize(values, group_size=GROUP_SIZE, bits=requantize_bits(info.ggml_type)))
         mx.eval(parts[-1])
     return tuple(mx.concatenate([part[i] for part in parts]) for i in range(3))
