@@ -83,9 +83,10 @@ def test_refusing_keeps_the_stacks(unfused_llama):
     assert fused_layers.stacks(unfused_llama.layers[0].self_attn)["qkv"] is stack
 
 
-def quantize(model: nn.Module, v_bits: int = 8) -> nn.Module:
-    """The layers' projections affine-quantized in groups of 32 as the GGUF loader gives them (float32 scales
-    holding float16 values), v_proj at another width than the rest, as GGUF files mix types within a layer."""
+def quantize(model: nn.Module, v_bits: int = 8, half_scales: bool = False) -> nn.Module:
+    """The layers' projections affine-quantized in groups of 32 as the GGUF loader gives them (scales holding
+    float16 values, as float32, or as float16 but v_proj's with `half_scales`), v_proj at another width than
+    the rest, as GGUF files mix types within a layer."""
 
     def bits(path: str, module: nn.Module):
         return (
@@ -95,11 +96,10 @@ def quantize(model: nn.Module, v_bits: int = 8) -> nn.Module:
         )
 
     nn.quantize(model, class_predicate=bits)
-    for _, module in model.named_modules():
+    for name, module in model.named_modules():
         if isinstance(module, nn.QuantizedLinear):
-            module.scales, module.biases = (
-                a.astype(mx.float16).astype(mx.float32) for a in (module.scales, module.biases)
-            )
+            dtype = mx.float16 if half_scales and "v_proj" not in name else mx.float32
+            module.scales, module.biases = (a.astype(mx.float16).astype(dtype) for a in (module.scales, module.biases))
     mx.eval(model.parameters())
     return model
 
@@ -112,6 +112,7 @@ def tiny_qwen2(seed: int = 0) -> nn.Module:
 MODELS = {
     "llama quantized, v at 8 bits": lambda: quantize(tiny_llama(seed=7, hidden=64, layers=2)),
     "llama quantized at one width": lambda: quantize(tiny_llama(seed=8, hidden=64, layers=2), v_bits=4),
+    "llama quantized, float16 scales but v's": lambda: quantize(tiny_llama(seed=9, hidden=64, layers=2), 4, True),
     "qwen2 with biases": lambda: tiny_qwen2(seed=3),
     "qwen2 quantized, with biases": lambda: quantize(tiny_qwen2(seed=4)),
 }
@@ -136,8 +137,9 @@ def test_quantized_and_biased_projections_take_the_fused_path_and_give_mlx_lm_s_
             for m in (block.self_attn, block.mlp)
             for name in fused_layers.stacks(m)
         )
-    v_proj = other_model.layers[0].self_attn.v_proj
-    mixed = isinstance(v_proj, nn.QuantizedLinear) and v_proj.bits == 8  # q|k one product, v another
+    q, v = other_model.layers[0].self_attn.q_proj, other_model.layers[0].self_attn.v_proj
+    stored = [(p.bits, p.scales.dtype) if isinstance(p, nn.QuantizedLinear) else None for p in (q, v)]
+    mixed = stored[0] != stored[1]  # then q|k is one product, v another
     assert len(fused_layers.stacks(other_model.layers[0].self_attn)["qkv"].parts) == (2 if mixed else 1)
     fused = decode_logits(other_model)
     # float32 rounding apart (RoPE and attention as kernels), which int8 activations can round a step further

@@ -17,15 +17,15 @@ attention or MLP, residual add) one kernel node, the keys and values written int
 place, and no Python to build them. Each output element is still one weight row times the input, so results match mlx-lm's to
 float32 rounding.
 
-Quantized projections (affine, group 32, float32 scales, as akunu's loader gives them from GGUF) stack
+Quantized projections (affine, group 32, as akunu's loader gives them from GGUF) stack
 the same way, their packed weights, scales and biases along the outputs, and run akunu's quantized kernel
 (`quantized`), whose rows are independent too. A GGUF file may store a layer's parts at different widths
 (q at 5 bits, v at 8): then each run of parts stored alike is one product, their outputs side by side.
 Such layers, and those with biases, take the eager fused path: a compiled pass needs float32 products
 without biases (`compiles`).
 
-Passes wider than `MAX_ROWS` (prefill chunks), projections stored otherwise (float16 scales, other
-modes), and weights replaced since `fuse` (a loaded adapter) take mlx-lm's own `__call__`.
+Passes wider than `MAX_ROWS` (prefill chunks), projections the quantized kernel does not cover (other
+modes or group sizes), and weights replaced since `fuse` (a loaded adapter) take mlx-lm's own `__call__`.
 """
 
 from __future__ import annotations
@@ -127,11 +127,12 @@ class Stacked:
 
 
 def _kind(layer: nn.Module) -> Any:
-    """How a layer's weights are stored, for stacking: dense of a dtype, quantized at a width, or None (not stacked)."""
+    """How a layer's weights are stored, for stacking: dense of a dtype, quantized at a width with scales of a
+    dtype, or None (not stacked)."""
     if type(layer) is nn.Linear:
         return ("dense", layer["weight"].dtype)
     if isinstance(layer, nn.QuantizedLinear) and quantized.load() and quantized.covers(layer):
-        return ("quantized", layer.bits)
+        return ("quantized", layer.bits, layer["scales"].dtype)  # scales of one type: a stack never promotes them
     return None
 
 
