@@ -8,8 +8,7 @@ from mlx_lm.models.cache import KVCache
 from akunu import backends
 from akunu.backends.cpu import compiled_pass, kernels, quantized
 from akunu.kv_cache import make_cache, rewind
-from tests.test_fused_layers import quantize, tiny_qwen2
-from tests.tiny import tiny_llama
+from tests.tiny import quantize, tiny_llama, tiny_qwen2
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="compiled passes run on akunu's CPU kernels")
 

@@ -14,8 +14,7 @@ from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import make_cache, rewind
 from tests.fakes import FakeTokenizer
 from tests.test_architectures import OracleDrafter
-from tests.tiny import tiny_gemma3, tiny_llama
-from tests.tiny_archs import tiny_model
+from tests.tiny import quantize, tiny_gemma3, tiny_llama, tiny_qwen2
 
 TOKENS = [random.Random(3).randrange(64) for _ in range(90)]
 
@@ -81,32 +80,6 @@ def test_refusing_keeps_the_stacks(unfused_llama):
     stack = fused_layers.stacks(unfused_llama.layers[0].self_attn)["qkv"]
     fused_layers.fuse(unfused_llama)  # as fast_step.enable does after every unpatched() block
     assert fused_layers.stacks(unfused_llama.layers[0].self_attn)["qkv"] is stack
-
-
-def quantize(model: nn.Module, v_bits: int = 8, half_scales: bool = False) -> nn.Module:
-    """The layers' projections affine-quantized in groups of 32 as the GGUF loader gives them (scales holding
-    float16 values, as float32, or as float16 but v_proj's with `half_scales`), v_proj at another width than
-    the rest, as GGUF files mix types within a layer."""
-
-    def bits(path: str, module: nn.Module):
-        return (
-            "layers" in path
-            and isinstance(module, nn.Linear)
-            and {"group_size": 32, "bits": v_bits if "v_proj" in path else 4}
-        )
-
-    nn.quantize(model, class_predicate=bits)
-    for name, module in model.named_modules():
-        if isinstance(module, nn.QuantizedLinear):
-            dtype = mx.float16 if half_scales and "v_proj" not in name else mx.float32
-            module.scales, module.biases = (a.astype(mx.float16).astype(dtype) for a in (module.scales, module.biases))
-    mx.eval(model.parameters())
-    return model
-
-
-def tiny_qwen2(seed: int = 0) -> nn.Module:
-    """Qwen2: llama's layers with biases on q, k and v; heads of 16 dimensions, as the kernels take."""
-    return tiny_model("qwen2", seed=seed, hidden_size=64, intermediate_size=128, vocab_size=64)
 
 
 MODELS = {

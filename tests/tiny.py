@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_map
 from mlx_lm.models import gemma3_text, llama
+
+from tests.tiny_archs import tiny_model
 
 
 def tiny_llama(
@@ -53,3 +56,29 @@ def tiny_gemma3(vocab: int = 64, layers: int = 4, window: int = 8, seed: int = 0
     model.update(tree_map(lambda p: p * 2.0, model.parameters()))
     mx.eval(model.parameters())
     return model
+
+
+def quantize(model: nn.Module, v_bits: int = 8, half_scales: bool = False) -> nn.Module:
+    """The layers' projections affine-quantized in groups of 32 as the GGUF loader gives them (scales holding
+    float16 values, as float32, or as float16 but v_proj's with `half_scales`), v_proj at another width than
+    the rest, as GGUF files mix types within a layer."""
+
+    def bits(path: str, module: nn.Module):
+        return (
+            "layers" in path
+            and isinstance(module, nn.Linear)
+            and {"group_size": 32, "bits": v_bits if "v_proj" in path else 4}
+        )
+
+    nn.quantize(model, class_predicate=bits)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.QuantizedLinear):
+            dtype = mx.float16 if half_scales and "v_proj" not in name else mx.float32
+            module.scales, module.biases = (a.astype(mx.float16).astype(dtype) for a in (module.scales, module.biases))
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_qwen2(seed: int = 0) -> nn.Module:
+    """Qwen2: llama's layers with biases on q, k and v; heads of 16 dimensions, as the kernels take."""
+    return tiny_model("qwen2", seed=seed, hidden_size=64, intermediate_size=128, vocab_size=64)
