@@ -10,37 +10,15 @@ import random
 
 import pytest
 
-from akunu.drafters.base import Draft, Drafter
 from akunu.drafters.specs import DraftLengthPolicy
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from tests.fakes import FakeTokenizer
-from tests.greedy_checks import assert_same_or_near_tie
+from tests.greedy_checks import OracleDrafter, assert_same_or_near_tie
 from tests.tiny_archs import ARCHITECTURES, VOCAB, tiny_model
 
 TOKENIZER = FakeTokenizer()
 TOKENS = 12
 FIXED = DraftLengthPolicy.fixed
-
-
-class OracleDrafter(Drafter):
-    """Drafts the plain run's continuation, with every `every`-th proposed token made wrong."""
-
-    def __init__(self, prompt, plain, every=4, seed=0):
-        self.expected, self.every, self.rng = [*prompt, *plain], every, random.Random(seed)
-        self.position = 0
-
-    def start(self, context):
-        self.position = len(context)
-
-    def update(self, tokens):
-        self.position += len(tokens)
-
-    def draft(self, n):
-        tokens = self.expected[self.position : self.position + n]
-        if len(tokens) > 1 and self.rng.randrange(self.every) == 0:  # a wrong token somewhere past the first
-            i = self.rng.randrange(1, len(tokens))
-            tokens[i] = (tokens[i] + 1) % VOCAB
-        return Draft(tokens)
 
 
 def run(model, prompt, spec, drafter=None):

@@ -13,7 +13,7 @@ from akunu.backends.cpu import fast_step, fused_layers, quantized
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import make_cache, rewind
 from tests.fakes import FakeTokenizer
-from tests.test_architectures import OracleDrafter
+from tests.greedy_checks import OracleDrafter
 from tests.tiny import quantize, tiny_gemma3, tiny_llama, tiny_qwen2
 
 TOKENS = [random.Random(3).randrange(64) for _ in range(90)]

@@ -15,9 +15,8 @@ from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import PromptCache, cache_length, has_state, make_cache, run
 from akunu.sampling import SamplingParams
 from tests.fakes import FakeTokenizer
-from tests.greedy_checks import assert_same_or_near_tie
+from tests.greedy_checks import OracleDrafter, assert_same_or_near_tie
 from tests.stats_tools import PROMPT, exact_model_probs, fits
-from tests.test_architectures import OracleDrafter
 from tests.tiny_archs import tiny_model
 
 TOKENIZER = FakeTokenizer()

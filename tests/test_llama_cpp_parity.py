@@ -23,8 +23,7 @@ from akunu.models.gguf_file import read_gguf
 from akunu.models.gguf_model import load_gguf_model
 from tests import llama_cpp_tiny as tiny
 from tests.fakes import FakeTokenizer
-from tests.greedy_checks import assert_same_or_near_tie
-from tests.test_architectures import OracleDrafter
+from tests.greedy_checks import OracleDrafter, assert_same_or_near_tie
 
 FIXTURES = tiny.Path(__file__).parent / "fixtures" / "llama_cpp"
 # Logits are stored as float16 (rounding up to 2e-3 at these sizes) and llama.cpp sums in another order.
