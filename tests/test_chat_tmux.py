@@ -87,12 +87,12 @@ def test_chat_in_a_real_terminal(model_home):
     try:
         terminal.wait_for(lambda s: s.rstrip().endswith(">>>"), 120, "the first prompt")
 
-        terminal.type("What is the capital of France?")
+        terminal.type("Tell me the capital of France.")
         ((generated1, prefill1, cached1, _),) = terminal.wait_for(answer_count(1), 90, "the first answer")
         assert "Paris" in terminal.screen()
         assert cached1 == 0 and prefill1 > 20  # the whole prompt, default system prompt included
 
-        terminal.type("And what is the capital of Germany?")
+        terminal.type("And the capital of Germany?")
         _, (_, prefill2, cached2, _) = terminal.wait_for(answer_count(2), 90, "the second answer")
         assert "Berlin" in terminal.screen()
         # only the new turn is prefilled: the first prompt and answer (with its end-of-turn token, if fed) are reused
