@@ -27,6 +27,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "pool.h"
+
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -35,6 +37,7 @@
 
 namespace nb = nanobind;
 using namespace mlx::core;
+using akunu::Pool;
 
 namespace {
 
@@ -318,6 +321,24 @@ void attention_block(const View& q, const View& k, const View& v, float* out, fl
     for (int d = 0; d < s.value_dims; d++) outs[i][d] /= totals[i];
 }
 
+struct AttentionCall {
+  const View &q, &k, &v;
+  float* out;
+  float scale;
+  AttentionShape shape;
+  int rows, blocks;
+};
+
+// Tasks [begin, end): task t is block t % blocks of ROW_BLOCK rows of KV head (t / blocks) % kv_heads.
+void attention_tasks(const void* context, int begin, int end) {
+  const AttentionCall& c = *static_cast<const AttentionCall*>(context);
+  for (int t = begin; t < end; t++) {
+    int block = t % c.blocks, kv = (t / c.blocks) % c.shape.kv_heads, b = t / c.blocks / c.shape.kv_heads;
+    int first = block * ROW_BLOCK, last = first + ROW_BLOCK < c.rows ? first + ROW_BLOCK : c.rows;
+    attention_block(c.q, c.k, c.v, c.out, c.scale, c.shape, b, kv, first, last);
+  }
+}
+
 // keys: how many of k's and v's first positions to read (a cache buffer holds more than it has filled).
 void attention_kernel(const array& q, const array& k, const array& v, array& out, float scale, bool causal, int keys,
                       bool rows_out) {
@@ -325,16 +346,11 @@ void attention_kernel(const array& q, const array& k, const array& v, array& out
   const int rows = s.heads / s.kv_heads * s.queries, blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
   const int tasks = s.batch * s.kv_heads * blocks;
   const int64_t work = int64_t(s.batch) * s.heads * s.queries * s.keys * (s.dims + s.value_dims);
-  float* o = out.data<float>();
   View query_view(q), key_view(k), value_view(v);
   key_view.make_rows_contiguous(k);
   value_view.make_rows_contiguous(v);
-#pragma omp parallel for schedule(dynamic) if (work > 200000)
-  for (int t = 0; t < tasks; t++) {
-    int block = t % blocks, kv = (t / blocks) % s.kv_heads, b = t / blocks / s.kv_heads;
-    int first = block * ROW_BLOCK, last = first + ROW_BLOCK < rows ? first + ROW_BLOCK : rows;
-    attention_block(query_view, key_view, value_view, o, scale, s, b, kv, first, last);
-  }
+  const AttentionCall call{query_view, key_view, value_view, out.data<float>(), scale, s, rows, blocks};
+  Pool::get().run(attention_tasks, &call, tasks, 1, work > 200000);
 }
 
 // ---- SwiGLU and RMSNorm --------------------------------------------------------------------------
@@ -839,6 +855,8 @@ array mlp_half_op(const array& x, const array& norm_weight, float eps, const arr
 
 NB_MODULE(akunu_cpu_kernels, m) {
   m.doc() = "akunu's fused CPU decode kernels (akunu/backends/cpu/kernels.cpp)";
+  m.def("pool_address", []() { return reinterpret_cast<uintptr_t>(&Pool::get()); },
+        "the address of this module's thread pool, for akunu's other kernel modules to share (`use_pool`)");
   m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"), nb::arg("causal"),
         nb::arg("keys") = -1, nb::arg("rows") = false,
         "softmax(scale * q @ k^T, causal from the last query) @ v: q (B, H, L, D), k (B, KVH, S, D), v (B, KVH, S, Dv), "

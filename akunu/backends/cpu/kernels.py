@@ -101,9 +101,10 @@ def _give_up(reason: str) -> None:
 
 
 def _build_key(nanobind_version: str, source: Path = SOURCE) -> str:
-    """What the binary depends on: the source, MLX, nanobind, Python and this CPU's features."""
+    """What the binary depends on: the source and the headers beside it, MLX, nanobind, Python and this CPU's features."""
     parts = [
         source.read_bytes(),
+        *(header.read_bytes() for header in sorted(source.parent.glob("*.h"))),
         mx.__version__.encode(),
         nanobind_version.encode(),
         sys.version.encode(),

@@ -19,25 +19,21 @@
 
 #include <nanobind/nanobind.h>
 
-#include <omp.h>
-
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <stdexcept>
-#include <thread>
 #include <vector>
 
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__BMI2__)
 #include <immintrin.h>
 #define AKUNU_VNNI 1
 #endif
+
+#include "pool.h"
 
 #include "mlx/allocator.h"
 #include "mlx/array.h"
@@ -47,97 +43,12 @@
 
 namespace nb = nanobind;
 using namespace mlx::core;
+using akunu::Pool;
 
 namespace {
 
 constexpr int GROUP = 32;
 constexpr size_t PARALLEL_FROM = size_t(1) << 18;  // weights: smaller matrices are not worth waking a second thread
-
-// Persistent helper threads that share one call's items with the calling thread. The caller works too
-// and waits only for items a helper has claimed, never for a helper to wake: on a busy machine a
-// descheduled helper costs nothing (an OpenMP region's barrier would wait a whole time slice for it).
-class Pool {
- public:
-  using Task = void (*)(const void* context, int begin, int end);
-
-  static Pool& get() {
-    static Pool* pool = new Pool(std::max(omp_get_max_threads(), 1) - 1);  // never destroyed: helpers outlive exit
-    return *pool;
-  }
-
-  void run(Task task, const void* context, int items, int share, bool parallel) {
-    if (!parallel || helpers_ == 0 || items <= share) return task(context, 0, items);
-    std::lock_guard<std::mutex> one_call_at_a_time(calling_);
-    task_.store(task);
-    context_.store(context);
-    items_.store(items);
-    share_.store(share);
-    done_.store(0);
-    const uint64_t generation = (ticket_.load() >> 32) + 1;
-    ticket_.store(generation << 32);  // item 0 of a new generation
-    if (sleeping_.load()) ticket_.notify_all();
-    work(generation);
-    while (done_.load() < items) pause();
-    ticket_.store((generation << 32) | CLOSED);  // late helpers' claims fail from here on
-  }
-
- private:
-  static constexpr uint64_t CLOSED = 0xffffffffu;
-  static constexpr auto SPIN = std::chrono::microseconds(200);  // then sleep until the next call
-
-  explicit Pool(int helpers) : helpers_(helpers) {
-    for (int i = 0; i < helpers; i++) std::thread([this] { serve(); }).detach();
-  }
-  static void pause() {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    asm volatile("yield");
-#endif
-  }
-
-  // Claims shares of the current call's items while it is still generation `generation` and has some left.
-  void work(uint64_t generation) {
-    for (;;) {
-      uint64_t ticket = ticket_.load();
-      const int items = items_.load(), share = share_.load();
-      const uint64_t item = ticket & CLOSED;
-      if (ticket >> 32 != generation || item >= uint64_t(items)) return;
-      if (!ticket_.compare_exchange_weak(ticket, ticket + share)) continue;
-      const int end = std::min<int>(int(item) + share, items);
-      task_.load()(context_.load(), int(item), end);
-      done_.fetch_add(end - int(item));
-    }
-  }
-
-  void serve() {
-    uint64_t seen = 0;
-    for (;;) {
-      uint64_t ticket = ticket_.load();
-      const auto start = std::chrono::steady_clock::now();
-      for (int spins = 0; ticket >> 32 == seen; spins++) {
-        pause();
-        ticket = ticket_.load();
-        if (spins % 256 == 255 && std::chrono::steady_clock::now() - start > SPIN) {
-          sleeping_.fetch_add(1);
-          ticket_.wait(ticket);
-          sleeping_.fetch_sub(1);
-          ticket = ticket_.load();
-        }
-      }
-      seen = ticket >> 32;
-      work(seen);
-    }
-  }
-
-  const int helpers_;
-  std::mutex calling_;
-  std::atomic<uint64_t> ticket_{0};  // generation << 32 | next unclaimed item
-  std::atomic<int> done_{0}, sleeping_{0};
-  std::atomic<Task> task_{nullptr};
-  std::atomic<const void*> context_{nullptr};
-  std::atomic<int> items_{0}, share_{1};
-};
 
 enum class Scale { f32, f16, bf16 };
 
@@ -510,7 +421,7 @@ void product_rows(const void* context, int begin, int end) {
   const ProductCall& call = *static_cast<const ProductCall*>(context);
   const Weights& w = call.w;
   const int rows = call.qx.rows;
-  auto buffer = std::make_unique<Unpacked>();
+  std::unique_ptr<Unpacked> buffer(new Unpacked);  // not value-initialized: every use writes it first
   Aligned<__m512> acc(size_t(rows) * OUT_BLOCK);
   for (int row_block = begin; row_block < end; row_block++) {
     const int first = row_block * OUT_BLOCK, count = std::min(OUT_BLOCK, w.outputs - first);
@@ -699,6 +610,8 @@ NB_MODULE(akunu_quantized_kernels, m) {
         nb::arg("biases"), nb::arg("bits"), "quantized_product's arithmetic in plain scalar code (the fallback)");
   m.def("dequantize", &dequantize_op, nb::arg("packed"), nb::arg("scales"), nb::arg("biases"), nb::arg("bits"),
         "the float32 matrix the weights hold");
+  m.def("use_pool", [](uintptr_t address) { Pool::adopt(reinterpret_cast<Pool*>(address)); }, nb::arg("address"),
+        "share the helper threads of the pool at `address` (the fused kernels' `pool_address()`)");
   m.def("vectorized", []() {
 #ifdef AKUNU_VNNI
     return true;
