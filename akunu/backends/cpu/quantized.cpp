@@ -303,21 +303,29 @@ inline __m512 in_register(__m512 v) {
 
 // Adds the chunk's products to the running sums acc[m][n] of a tile of MR rows of x and NR weight rows.
 // Every (m, n) sum takes the same steps whatever the tile, so a row's result does not depend on its neighbours.
+// A block's x rows stay in registers while each weight row is loaded once for all of them: loads, not
+// arithmetic, bound a tile that reloads the weights for every row.
 template <int MR, int NR>
 void tile(const QuantizedRows& x, int m0, const Unpacked& w, int block, int blocks, __m512* acc) {
   __m512 a[MR][NR];
   for (int m = 0; m < MR; m++)
     for (int n = 0; n < NR; n++) a[m][n] = acc[m * OUT_BLOCK + n];
   for (int b = 0; b < blocks; b++) {
+    __m512i x0[MR], x1[MR];
     for (int m = 0; m < MR; m++) {
       const int8_t* q = x.q_row(m0 + m) + size_t(block + b) * BLOCK;
-      const __m512i x0 = in_register(_mm512_load_si512(q)), x1 = in_register(_mm512_load_si512(q + 64));
-      const __m512 step = in_register(_mm512_load_ps(x.steps_row(m0 + m) + size_t(block + b) * LANES));
-      for (int n = 0; n < NR; n++) {
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(w.values[n][b]), x0);
-        dot = _mm512_dpbusd_epi32(dot, _mm512_load_si512(w.values[n][b] + 64), x1);
-        const __m512 scale = _mm512_mul_ps(step, _mm512_load_ps(w.scales[n][b]));
-        a[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, a[m][n]);
+      x0[m] = in_register(_mm512_load_si512(q));
+      x1[m] = in_register(_mm512_load_si512(q + 64));
+    }
+    for (int n = 0; n < NR; n++) {
+      const __m512i w0 = in_register(_mm512_load_si512(w.values[n][b]));
+      const __m512i w1 = in_register(_mm512_load_si512(w.values[n][b] + 64));
+      const __m512 scale = in_register(_mm512_load_ps(w.scales[n][b]));
+      for (int m = 0; m < MR; m++) {
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, x0[m]);
+        dot = _mm512_dpbusd_epi32(dot, w1, x1[m]);
+        const __m512 step = _mm512_load_ps(x.steps_row(m0 + m) + size_t(block + b) * LANES);
+        a[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(step, scale), a[m][n]);
       }
     }
   }
