@@ -144,10 +144,8 @@ class ModelEngine:
             self._mlx_tokenizer = self.tokenizer.to_mlx_lm()
         mx.random.seed(self.seed)
         start = time.perf_counter()
-        # On akunu's stream, not a stream of mlx-lm's own: that would be a second thread calling akunu's
-        # OpenMP decode matmuls, and once libgomp manages more threads than there are CPUs it stops letting
-        # idle workers spin, which slowed every later step (akunu's and mlx-lm's) by about a third.
-        # A lone mlx-lm process has one compute thread too.
+        # On akunu's stream, not a stream of mlx-lm's own: a second compute thread would take turns with
+        # the first at akunu's kernels' thread pool. A lone mlx-lm process has one compute thread too.
         responses = stream_generate(
             self.model, self._mlx_tokenizer, prompt_ids, max_tokens=self.max_tokens, sampler=make_sampler(temp=self.temp),
             stream=mx.default_stream(mx.default_device()),

@@ -35,8 +35,8 @@ def machine_threads() -> int:
 def in_own_thread(work: Callable[[], T]) -> T:
     """Run `work` on a short-lived thread.
 
-    llama.cpp and akunu's kernels share the process's OpenMP runtime, which stops letting idle workers
-    spin once it manages more threads than there are CPUs; a thread's pool goes when the thread ends.
+    llama.cpp's OpenMP team belongs to the thread that calls it, and libgomp stops letting idle workers
+    spin once it manages more threads than there are CPUs; a thread's team goes when the thread ends.
     """
     outcome: dict = {}
 

@@ -12,7 +12,9 @@
      - any other product with one row or one column: OpenBLAS's sgemv;
      - everything else (prefill chunks): OpenBLAS's sgemm, unchanged.
    In both kernels a row's result is the same whatever the row count.
-   Plain C with GCC vector extensions and OpenMP; no Python API. */
+   Plain C with GCC vector extensions; no Python API. Tiles are shared among threads by the pool of
+   akunu's fused kernels once they hand it in (one set of helper threads for every CPU kernel), by
+   OpenMP until then. */
 #include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
@@ -34,6 +36,23 @@ static sgemv_fn real_sgemv;
 void akunu_matvec_init(void *sgemm, void *sgemv) {
   real_sgemm = (sgemm_fn)sgemm;
   real_sgemv = (sgemv_fn)sgemv;
+}
+
+typedef void (*task_fn)(const void *context, int begin, int end);
+typedef void (*runner_fn)(task_fn task, const void *context, int items, int share, int parallel);
+static runner_fn runner;
+
+/* Called by kernels.py with its pool's runner: two sets of helper threads would spin on the same cores. */
+void akunu_matvec_use_runner(void *run) { runner = (runner_fn)run; }
+
+/* task(context, i, i + 1) for every i < items, on several threads if `parallel`. */
+static void parallel_for(task_fn task, const void *context, int items, int parallel) {
+  if (runner) {
+    runner(task, context, items, items / 16 > 1 ? items / 16 : 1, parallel);
+    return;
+  }
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int i = 0; i < items; i++) task(context, i, i + 1);
 }
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
@@ -120,20 +139,24 @@ static float *aligned_rows(const float *x, int M, int K, int ldx) {
    tiles of NR rows of W and runs every row block of x past them while they sit in L1; the row
    blocks share out the fetching of the next tile. One row is left to the hardware prefetcher:
    there the loop is bound by its loads, and the fetches only add to them (measured slower). */
-CLONES static void rows_times_wt(int M, int N, int K, const float *x, int ldx, const float *W,
-                                 int ldw, float *C, int ldc, int add) {
-  int tiles = (N + NR - 1) / NR, blocks = (M + MR - 1) / MR, steps = K / 16;
-  float *aligned_x = M > 1 && !aligned(x, ldx) ? aligned_rows(x, M, K, ldx) : NULL;
-  if (aligned_x) x = aligned_x, ldx = K;
-#pragma omp parallel for schedule(static)
-  for (int t = 0; t < tiles; t++) {
+typedef struct {
+  int M, N, K, ldx, ldw, ldc, add;
+  const float *x, *W;
+  float *C;
+} WtProduct;
+
+CLONES static void wt_tiles(const void *context, int begin, int end) {
+  const WtProduct *p = context;
+  const int M = p->M, N = p->N, K = p->K, ldx = p->ldx, ldw = p->ldw, ldc = p->ldc, add = p->add;
+  const int blocks = (M + MR - 1) / MR, steps = K / 16;
+  for (int t = begin; t < end; t++) {
     int j = t * NR, nr = N - j < NR ? N - j : NR, next_rows = M == 1 ? 0 : N - j - nr < NR ? N - j - nr : NR;
-    Prefetch next = {W + (size_t)(j + nr) * ldw, ldw, steps, next_rows * steps, (next_rows + blocks - 1) / blocks, 0};
-    const float *Wj = W + (size_t)j * ldw;
+    Prefetch next = {p->W + (size_t)(j + nr) * ldw, ldw, steps, next_rows * steps, (next_rows + blocks - 1) / blocks, 0};
+    const float *Wj = p->W + (size_t)j * ldw;
     for (int m = 0; m < M; m += MR, next.first += next.per_step * steps) {
       int mr = M - m < MR ? M - m : MR;
-      const float *xm = x + (size_t)m * ldx;
-      float *Cmj = C + (size_t)m * ldc + j;
+      const float *xm = p->x + (size_t)m * ldx;
+      float *Cmj = p->C + (size_t)m * ldc + j;
       switch (mr * 8 + nr) {
 #define CASE(a, b) case a * 8 + b: tile_wt(a, b, K, xm, ldx, Wj, ldw, Cmj, ldc, add, &next); break;
         CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4) CASE(2, 1) CASE(2, 2) CASE(2, 3) CASE(2, 4)
@@ -142,6 +165,14 @@ CLONES static void rows_times_wt(int M, int N, int K, const float *x, int ldx, c
       }
     }
   }
+}
+
+static void rows_times_wt(int M, int N, int K, const float *x, int ldx, const float *W, int ldw, float *C,
+                          int ldc, int add) {
+  float *aligned_x = M > 1 && !aligned(x, ldx) ? aligned_rows(x, M, K, ldx) : NULL;
+  if (aligned_x) x = aligned_x, ldx = K;
+  const WtProduct product = {M, N, K, ldx, ldw, ldc, add, x, W, C};
+  parallel_for(wt_tiles, &product, (N + NR - 1) / NR, 1);
   free(aligned_x);
 }
 
@@ -169,22 +200,32 @@ static inline __attribute__((always_inline)) void group_times_b(const int M, int
     for (int i = 0; i < width; i++) C[(size_t)m * ldc + n0 + i] = acc[m][i / 16][i % 16];
 }
 
-CLONES static void rows_times_b(int M, int N, int K, const float *A, int lda, int a_t,
-                                const float *B, int ldb, float *C, int ldc) {
-  int groups = (N + 63) / 64, chunks = (M + B_ROWS - 1) / B_ROWS;
-#pragma omp parallel for collapse(2) schedule(static) if (groups * chunks > 1 && (long)M * K * N >= 65536)
-  for (int g = 0; g < groups; g++) {
-    for (int c = 0; c < chunks; c++) {
-      int n0 = g * 64, width = N - n0 < 64 ? N - n0 : 64, m = c * B_ROWS;
-      const float *Am = A + (a_t ? (size_t)m : (size_t)m * lda);
-      float *Cm = C + (size_t)m * ldc;
-      switch (M - m < B_ROWS ? M - m : B_ROWS) {
-#define CASE(r) case r: group_times_b(r, K, Am, lda, a_t, B, ldb, n0, width, Cm, ldc); break;
-        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+typedef struct {
+  int M, N, K, lda, a_t, ldb, ldc, chunks;
+  const float *A, *B;
+  float *C;
+} BProduct;
+
+CLONES static void b_groups(const void *context, int begin, int end) {
+  const BProduct *p = context;
+  for (int i = begin; i < end; i++) {
+    int g = i / p->chunks, c = i % p->chunks;
+    int n0 = g * 64, width = p->N - n0 < 64 ? p->N - n0 : 64, m = c * B_ROWS;
+    const float *Am = p->A + (p->a_t ? (size_t)m : (size_t)m * p->lda);
+    float *Cm = p->C + (size_t)m * p->ldc;
+    switch (p->M - m < B_ROWS ? p->M - m : B_ROWS) {
+#define CASE(r) case r: group_times_b(r, p->K, Am, p->lda, p->a_t, p->B, p->ldb, n0, width, Cm, p->ldc); break;
+      CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
-      }
     }
   }
+}
+
+static void rows_times_b(int M, int N, int K, const float *A, int lda, int a_t, const float *B, int ldb,
+                         float *C, int ldc) {
+  int groups = (N + 63) / 64, chunks = (M + B_ROWS - 1) / B_ROWS;
+  const BProduct product = {M, N, K, lda, a_t, ldb, ldc, chunks, A, B, C};
+  parallel_for(b_groups, &product, groups * chunks, groups * chunks > 1 && (long)M * K * N >= 65536);
 }
 
 static void zero(float *y, int n, int inc) {

@@ -33,8 +33,9 @@ LATE_IMPORT = (
 
 loaded_path: str | None = None
 matvec_path: str | None = None
+_router: ctypes.CDLL | None = None
 # Bumped whenever the kernels' speed changes, so cost curves saved for the old ones are measured again.
-MATVEC_REVISION = 4
+MATVEC_REVISION = 5
 
 
 def preload() -> str | None:
@@ -67,7 +68,7 @@ def _put_router_ahead(blas: ctypes.CDLL) -> None:
     """Load akunu's sgemm router globally, handing it `blas`'s own sgemm and sgemv to fall through to.
 
     Only with a BLAS in hand: a router loaded without one would catch MLX's calls and drop them."""
-    global matvec_path
+    global matvec_path, _router
     if os.environ.get("AKUNU_MATVEC", "1") == "0":
         return
     try:
@@ -80,8 +81,14 @@ def _put_router_ahead(blas: ctypes.CDLL) -> None:
         except OSError:
             continue
         router.akunu_matvec_init(*targets)
-        matvec_path = path
+        matvec_path, _router = path, router
         return
+
+
+def share_threads(runner_address: int) -> None:
+    """Run the router's parallel loops on the fused kernels' pool (kernels.py hands in its runner)."""
+    if _router is not None and hasattr(_router, "akunu_matvec_use_runner"):  # a build from before it had none
+        _router.akunu_matvec_use_runner(ctypes.c_void_p(runner_address))
 
 
 def describe() -> str:

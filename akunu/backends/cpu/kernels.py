@@ -24,6 +24,8 @@ from types import ModuleType
 
 import mlx.core as mx
 
+from akunu.backends.cpu import blas
+
 ENV_SWITCH = "AKUNU_KERNELS"
 SOURCE = Path(__file__).with_name("kernels.cpp")
 MODULE_NAME = "akunu_cpu_kernels"
@@ -62,6 +64,7 @@ def load() -> ModuleType | None:
         module = build_and_import(SOURCE, MODULE_NAME, nanobind)
     except BuildError as error:
         return _give_up(str(error))
+    blas.share_threads(module.pool_runner_address())  # one set of helper threads for every CPU kernel
     try:
         _check(module)
     except Exception as error:  # noqa: BLE001 - a module that does not load or check out is not used
