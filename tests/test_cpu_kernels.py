@@ -31,7 +31,7 @@ def _attention_inputs(L, S, heads=6, kv_heads=2, dims=32, seed=0):
     return q, k, v
 
 
-@pytest.mark.parametrize("L, S", [(1, 1), (1, 37), (5, 5), (5, 70), (17, 300), (33, 33)])
+@pytest.mark.parametrize("L, S", [(1, 1), (1, 37), (5, 5), (5, 70), (17, 300), (33, 33), (1, 700), (9, 1100)])
 def test_attention_matches_mlx(kernels, L, S):
     q, k, v = _attention_inputs(L, S)
     causal = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
@@ -53,7 +53,7 @@ def test_attention_reads_strided_caches_and_queries(kernels):
     assert mx.array_equal(kernels.attention(q, k_cols, v, 0.3, True), kernels.attention(q, k, v, 0.3, True)).item()
 
 
-@pytest.mark.parametrize("S", [20, 300])
+@pytest.mark.parametrize("S", [20, 265, 300, 700])
 def test_attention_row_is_independent_of_the_pass(kernels, S):
     """Row j of a causal pass is bit for bit a 1-row call over the keys it may see: a verification
     pass gives a position exactly what a plain step gives it."""
