@@ -1,11 +1,15 @@
 // A pool of persistent helper threads for akunu's CPU kernel modules (kernels.cpp, quantized.cpp).
 #pragma once
 
+#include <linux/futex.h>
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <climits>
 #include <cstdint>
 #include <mutex>
 #include <thread>
@@ -38,7 +42,10 @@ class Pool {
     done_.store(0);
     const uint64_t generation = (ticket_.load() >> 32) + 1;
     ticket_.store(generation << 32);  // item 0 of a new generation
-    if (sleeping_.load()) ticket_.notify_all();
+    if (sleeping_.load()) {
+      wakeups_.fetch_add(1);
+      futex(wakeups_, FUTEX_WAKE_PRIVATE, INT_MAX);
+    }
     work(generation);
     while (done_.load() < items) pause();
     ticket_.store((generation << 32) | CLOSED);  // late helpers' claims fail from here on
@@ -55,6 +62,11 @@ class Pool {
 
   explicit Pool(int helpers) : helpers_(helpers) {
     for (int i = 0; i < helpers; i++) std::thread([this] { serve(); }).detach();
+  }
+  // A raw futex on the word's own address, which every module in the process shares: std::atomic's wait
+  // may keep its bookkeeping in tables private to each module (libstdc++'s waiter pools).
+  static void futex(std::atomic<uint32_t>& word, int op, uint32_t value) {
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), op, value, nullptr, nullptr, 0);
   }
   static void pause() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -88,7 +100,8 @@ class Pool {
         ticket = ticket_.load();
         if (spins % 256 == 255 && std::chrono::steady_clock::now() - start > SPIN) {
           sleeping_.fetch_add(1);
-          ticket_.wait(ticket);
+          const uint32_t wakeups = wakeups_.load();
+          if (ticket_.load() >> 32 == seen) futex(wakeups_, FUTEX_WAIT_PRIVATE, wakeups);  // until a call's wake
           sleeping_.fetch_sub(1);
           ticket = ticket_.load();
         }
@@ -102,6 +115,7 @@ class Pool {
   std::mutex calling_;
   std::atomic<uint64_t> ticket_{0};  // generation << 32 | next unclaimed item
   std::atomic<int> done_{0}, sleeping_{0};
+  std::atomic<uint32_t> wakeups_{0};  // bumped to wake sleeping helpers
   std::atomic<Task> task_{nullptr};
   std::atomic<const void*> context_{nullptr};
   std::atomic<int> items_{0}, share_{1};
