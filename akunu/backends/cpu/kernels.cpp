@@ -321,7 +321,7 @@ void attention_block(const View& q, const View& k, const View& v, float* out, fl
     for (int d = 0; d < s.value_dims; d++) outs[i][d] /= totals[i];
 }
 
-// Pool::run for akunu's C matmul library (_matvec.c), which shares the pool through this address.
+// Pool::run for akunu's other kernel modules (quantized.cpp, _matvec.c), which share the pool through this address.
 void run_on_pool(Pool::Task task, const void* context, int items, int share, int parallel) {
   Pool::get().run(task, context, items, share, parallel != 0);
 }
@@ -861,9 +861,7 @@ array mlp_half_op(const array& x, const array& norm_weight, float eps, const arr
 NB_MODULE(akunu_cpu_kernels, m) {
   m.doc() = "akunu's fused CPU decode kernels (akunu/backends/cpu/kernels.cpp)";
   m.def("pool_runner_address", []() { return reinterpret_cast<uintptr_t>(&run_on_pool); },
-        "the address of a C function that runs a parallel loop on this module's pool (for _matvec.c)");
-  m.def("pool_address", []() { return reinterpret_cast<uintptr_t>(&Pool::get()); },
-        "the address of this module's thread pool, for akunu's other kernel modules to share (`use_pool`)");
+        "the address of a C function that runs a parallel loop on this module's pool (for quantized.cpp, _matvec.c)");
   m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"), nb::arg("causal"),
         nb::arg("keys") = -1, nb::arg("rows") = false,
         "softmax(scale * q @ k^T, causal from the last query) @ v: q (B, H, L, D), k (B, KVH, S, D), v (B, KVH, S, Dv), "

@@ -1,15 +1,12 @@
-// A pool of persistent helper threads for akunu's CPU kernel modules (kernels.cpp, quantized.cpp).
+// The pool of persistent helper threads that runs every parallel loop of akunu's CPU kernels: kernels.cpp's own,
+// and through its `run_on_pool` those of quantized.cpp and _matvec.c.
 #pragma once
 
-#include <linux/futex.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <climits>
 #include <cstdint>
 #include <mutex>
 #include <thread>
@@ -23,14 +20,10 @@ class Pool {
  public:
   using Task = void (*)(const void* context, int begin, int end);
 
-  // The process's pool: each kernel module starts with its own, and a module loaded after another adopts
-  // the other's (`adopt`), so two sets of helpers never spin on the same cores.
   static Pool& get() {
-    if (Pool* shared = adopted()) return *shared;
-    static Pool* own = new Pool(std::max(omp_get_max_threads(), 1) - 1);  // never destroyed: helpers outlive exit
-    return *own;
+    static Pool* pool = new Pool(std::max(omp_get_max_threads(), 1) - 1);  // never destroyed: helpers outlive exit
+    return *pool;
   }
-  static void adopt(Pool* pool) { adopted() = pool; }
 
   void run(Task task, const void* context, int items, int share, bool parallel) {
     if (!parallel || helpers_ == 0 || items <= share) return task(context, 0, items);
@@ -42,31 +35,18 @@ class Pool {
     done_.store(0);
     const uint64_t generation = (ticket_.load() >> 32) + 1;
     ticket_.store(generation << 32);  // item 0 of a new generation
-    if (sleeping_.load()) {
-      wakeups_.fetch_add(1);
-      futex(wakeups_, FUTEX_WAKE_PRIVATE, INT_MAX);
-    }
+    if (sleeping_.load()) ticket_.notify_all();
     work(generation);
     while (done_.load() < items) pause();
     ticket_.store((generation << 32) | CLOSED);  // late helpers' claims fail from here on
   }
 
  private:
-  static Pool*& adopted() {
-    static Pool* pool = nullptr;
-    return pool;
-  }
-
   static constexpr uint64_t CLOSED = 0xffffffffu;
   static constexpr auto SPIN = std::chrono::microseconds(200);  // then sleep until the next call
 
   explicit Pool(int helpers) : helpers_(helpers) {
     for (int i = 0; i < helpers; i++) std::thread([this] { serve(); }).detach();
-  }
-  // A raw futex on the word's own address, which every module in the process shares: std::atomic's wait
-  // may keep its bookkeeping in tables private to each module (libstdc++'s waiter pools).
-  static void futex(std::atomic<uint32_t>& word, int op, uint32_t value) {
-    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), op, value, nullptr, nullptr, 0);
   }
   static void pause() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -100,8 +80,7 @@ class Pool {
         ticket = ticket_.load();
         if (spins % 256 == 255 && std::chrono::steady_clock::now() - start > SPIN) {
           sleeping_.fetch_add(1);
-          const uint32_t wakeups = wakeups_.load();
-          if (ticket_.load() >> 32 == seen) futex(wakeups_, FUTEX_WAIT_PRIVATE, wakeups);  // until a call's wake
+          ticket_.wait(ticket);
           sleeping_.fetch_sub(1);
           ticket = ticket_.load();
         }
@@ -115,7 +94,6 @@ class Pool {
   std::mutex calling_;
   std::atomic<uint64_t> ticket_{0};  // generation << 32 | next unclaimed item
   std::atomic<int> done_{0}, sleeping_{0};
-  std::atomic<uint32_t> wakeups_{0};  // bumped to wake sleeping helpers
   std::atomic<Task> task_{nullptr};
   std::atomic<const void*> context_{nullptr};
   std::atomic<int> items_{0}, share_{1};

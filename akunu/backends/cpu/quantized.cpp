@@ -33,8 +33,6 @@
 #define AKUNU_VNNI 1
 #endif
 
-#include "pool.h"
-
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -43,12 +41,21 @@
 
 namespace nb = nanobind;
 using namespace mlx::core;
-using akunu::Pool;
 
 namespace {
 
 constexpr int GROUP = 32;
 constexpr size_t PARALLEL_FROM = size_t(1) << 18;  // weights: smaller matrices are not worth waking a second thread
+
+using Task = void (*)(const void* context, int begin, int end);
+using Runner = void (*)(Task task, const void* context, int items, int share, int parallel);
+Runner runner = nullptr;  // the fused kernels' pool, handed in by quantized.py (`use_pool`)
+
+// task over items [0, items), shared with the pool's helpers if `parallel`: one set of helper threads for every kernel.
+void parallel_for(Task task, const void* context, int items, int share, bool parallel) {
+  if (runner) return runner(task, context, items, share, parallel);
+  task(context, 0, items);
+}
 
 enum class Scale { f32, f16, bf16 };
 
@@ -446,7 +453,7 @@ void quantized_product(const float* x, int rows, const Weights& w, float* y) {
   const QuantizedRows qx(x, rows, w.columns, layout);
   const ProductCall call{qx, w, layout, y};
   const bool parallel = size_t(w.outputs) * w.columns >= PARALLEL_FROM;
-  Pool::get().run(product_rows, &call, (w.outputs + OUT_BLOCK - 1) / OUT_BLOCK, SHARE, parallel);
+  parallel_for(product_rows, &call, (w.outputs + OUT_BLOCK - 1) / OUT_BLOCK, SHARE, parallel);
 }
 #else
 void quantized_product(const float* x, int rows, const Weights& w, float* y) { quantized_product_scalar(x, rows, w, y); }
@@ -489,7 +496,7 @@ void dequantize_rows(const void* context, int begin, int end) {
 // The whole matrix as float32 (for prefill: one float32 GEMM).
 void dequantize_all(const Weights& w, float* out) {
   const std::pair<const Weights&, float*> context{w, out};
-  Pool::get().run(dequantize_rows, &context, w.outputs, 16, size_t(w.outputs) * w.columns >= PARALLEL_FROM);
+  parallel_for(dequantize_rows, &context, w.outputs, 16, size_t(w.outputs) * w.columns >= PARALLEL_FROM);
 }
 
 // ---- MLX primitives -----------------------------------------------------------------------------
@@ -618,8 +625,8 @@ NB_MODULE(akunu_quantized_kernels, m) {
         nb::arg("biases"), nb::arg("bits"), "quantized_product's arithmetic in plain scalar code (the fallback)");
   m.def("dequantize", &dequantize_op, nb::arg("packed"), nb::arg("scales"), nb::arg("biases"), nb::arg("bits"),
         "the float32 matrix the weights hold");
-  m.def("use_pool", [](uintptr_t address) { Pool::adopt(reinterpret_cast<Pool*>(address)); }, nb::arg("address"),
-        "share the helper threads of the pool at `address` (the fused kernels' `pool_address()`)");
+  m.def("use_pool", [](uintptr_t address) { runner = reinterpret_cast<Runner>(address); }, nb::arg("runner_address"),
+        "run parallel loops through the C function at `runner_address` (the fused kernels' `pool_runner_address()`)");
   m.def("vectorized", []() {
 #ifdef AKUNU_VNNI
     return true;

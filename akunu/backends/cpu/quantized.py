@@ -44,7 +44,7 @@ def load() -> ModuleType | None:
 
     try:
         module = kernels.build_and_import(SOURCE, MODULE_NAME, nanobind)
-        module.use_pool(kernels.load().pool_address())  # one set of helper threads for both modules
+        module.use_pool(kernels.load().pool_runner_address())  # one set of helper threads for every kernel
         _check(module)
     except kernels.BuildError as error:
         return _give_up(str(error))
