@@ -278,6 +278,64 @@ def test_an_attention_half_past_the_buffers_writes_nothing(kernels):
         )
 
 
+def _quantized_operand(w: mx.array, widths: tuple[int, ...], bias: mx.array | None = None):
+    """w (outs, ins) cut along its outputs into parts quantized at `widths`, float16 scales as GGUF's: the arrays a
+    layer half takes, its bit widths, and the same product as separate nodes (the eager fused path's)."""
+    from akunu.backends.cpu import quantized
+
+    arrays, bits, pieces = [], list(widths), []
+    for rows, width in zip(np.array_split(np.arange(w.shape[0]), len(widths)), widths):
+        packed, scales, biases = mx.quantize(w[int(rows[0]) : int(rows[-1]) + 1].astype(mx.float16), 32, width)
+        arrays += [packed, scales, biases]
+        pieces.append((packed, scales, biases, width))
+
+    def nodes(x):
+        out = mx.concatenate([quantized.load().quantized_product(x, *piece) for piece in pieces], axis=1)
+        return out if bias is None else out + bias
+
+    return arrays + ([bias] if bias is not None else []), bits, nodes
+
+
+@pytest.mark.parametrize("batch, length, offset", [(1, 1, 0), (1, 5, 17), (2, 17, 230)])
+def test_quantized_layer_halves_give_the_bits_of_the_nodes_they_replace(kernels, batch, length, offset):
+    """Quantized products (parts at two widths, with and without a bias) inside the two nodes of a layer: the
+    bits of the eager path's products, bias and residual adds around akunu's attention and SwiGLU nodes."""
+    from akunu.backends.cpu import quantized
+    from akunu.backends.cpu import rope as cpu_rope
+
+    if quantized.load() is None:
+        pytest.skip(f"no quantized kernel here: {quantized.unavailable()}")
+    D, H, KV, hd, S, inter = 64, 6, 2, 16, 256, 96
+    norm, wqkv, wo, wgu, wdown = _layer_weights(D, H, KV, hd, inter)
+    qkv_bias = mx.random.normal(((H + 2 * KV) * hd,), key=mx.random.key(5)) / 4
+    qkv, qkv_bits, qkv_nodes = _quantized_operand(wqkv.T, (4, 8), qkv_bias)
+    o, o_bits, o_nodes = _quantized_operand(wo.T, (5,), mx.random.normal((D,), key=mx.random.key(6)))
+    gate_up, gate_up_bits, gate_up_nodes = _quantized_operand(wgu.T, (4,))
+    down, down_bits, down_nodes = _quantized_operand(wdown.T, (8, 6))
+    x = mx.random.normal((batch * length, D), key=mx.random.key(3))
+    keys, values = (mx.random.normal((batch, KV, S, hd), key=mx.random.key(i)) for i in (1, 2))
+    expected_keys, expected_values = (mx.array(np.array(a)) for a in (keys, values))  # the nodes write these
+    tables = cpu_rope.head_tables(S, 0, hd, 1e4, 1.0, False, mx.float32)
+    position = mx.array([offset], mx.int32)
+    shape = (batch, H, KV, False, 0.3)
+
+    half = kernels.attention_half_quantized(x, norm, 1e-5, qkv, qkv_bits, o, o_bits, *tables, keys, values, position, *shape)
+    mx.eval(half)
+    normed = kernels.rms_norm(x, norm, 1e-5)
+    attended = kernels.attention_rows(qkv_nodes(normed), *tables, expected_keys, expected_values, position, *shape)
+    assert mx.array_equal(half, x + o_nodes(attended)).item()
+    assert mx.array_equal(keys, expected_keys).item() and mx.array_equal(values, expected_values).item()
+
+    mlp = kernels.mlp_half_quantized(x, norm, 1e-5, gate_up, gate_up_bits, down, down_bits)
+    expected = x + down_nodes(kernels.swiglu_halves(gate_up_nodes(normed)))
+    assert mx.array_equal(mlp, expected).item()
+
+    with pytest.raises(ValueError, match="packed, scales, biases"):
+        kernels.mlp_half_quantized(x, norm, 1e-5, gate_up[:2], gate_up_bits, down, down_bits)
+    with pytest.raises(ValueError, match="groups of 32"):
+        kernels.mlp_half_quantized(x, norm, 1e-5, gate_up, [8], down, down_bits)
+
+
 @pytest.mark.parametrize("traditional", [True, False])
 @pytest.mark.parametrize("batch, length, offset", [(1, 1, 0), (1, 5, 17), (2, 17, 1500)])
 def test_split_heads_rotates_as_mx_fast_rope_bit_for_bit(kernels, traditional, batch, length, offset):

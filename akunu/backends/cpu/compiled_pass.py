@@ -4,8 +4,9 @@ On a 2-core CPU the Python that builds a pass's graph (a large share of a small 
 the cores the matmuls use, so it adds to every step and every verification pass; so does each graph
 node's dispatch (a few microseconds). Here a pass of akunu's fused layers (`fused_layers`) is traced
 once per (batch, width, cache capacity) and later passes replay the trace, and each half of a layer
-is one kernel node (kernels.cpp's `attention_half`, `mlp_half`): 2 nodes a layer. Layers whose products
-are quantized or biased keep their products as nodes around one attention node (`attention_rows`).
+is one kernel node (kernels.cpp's `attention_half`, `mlp_half`): 2 nodes a layer. Quantized products
+(with or without biases) run inside those nodes too, through quantized.cpp's kernel; float32 layers with
+biases keep their products as nodes around one attention node (`attention_rows`).
 The position goes in as an int32 array: the attention node writes the pass's keys and values into the
 cache's buffers in place at it, reads them up to it, and reads RoPE's rows from tables as long as the
 buffers. The kernels and products are the eager fused path's, so the bits are too.

@@ -195,14 +195,16 @@ class AttentionRows:
 
     def sublayer(self, x: mx.array, norm: nn.RMSNorm, B: int, cache: compiled_pass.CacheBuffers) -> mx.array:
         """x + this attention of norm(x), rows (B * L, D), inside a compiled pass: one kernel node where the
-        products are float32 without biases, else the products as the eager path runs them around one
-        attention node."""
+        products are float32 without biases or quantized, else the products as the eager path runs them around
+        one attention node."""
         held, built = stacks(self), kernels.load()
         qkv, o = held["qkv"], held["o"]
         shape = (B, self.n_heads, self.n_kv_heads, self.rope.traditional, self.scale)
         buffers = (cache.cos, cache.sin, cache.keys, cache.values, cache.offset)
         if _sgemm(qkv) and _sgemm(o):
             return built.attention_half(x, norm["weight"], norm.eps, qkv.transposed, o.transposed, *buffers, *shape)
+        if _quantized(qkv) and _quantized(o):
+            return built.attention_half_quantized(x, norm["weight"], norm.eps, *_operand(qkv), *_operand(o), *buffers, *shape)
         return o(built.attention_rows(qkv(norm(x)), *buffers, *shape), x)
 
     def compiles(self) -> bool:
@@ -261,11 +263,13 @@ class MLPRows:
 
     def sublayer(self, x: mx.array, norm: nn.RMSNorm) -> mx.array:
         """x + this MLP of norm(x), rows (N, D), inside a compiled pass: one kernel node where the products
-        are float32 without biases, else the eager path's nodes."""
+        are float32 without biases or quantized, else the eager path's nodes."""
         held, built = stacks(self), kernels.load()
         gate_up, down = held["gate_up"], held["down"]
         if _sgemm(gate_up) and _sgemm(down):
             return built.mlp_half(x, norm["weight"], norm.eps, gate_up.transposed, down.transposed)
+        if _quantized(gate_up) and _quantized(down):
+            return built.mlp_half_quantized(x, norm["weight"], norm.eps, *_operand(gate_up), *_operand(down))
         return down(built.swiglu_halves(gate_up(norm(x))), x)
 
     def compiles(self) -> bool:
@@ -409,6 +413,17 @@ def _kernel_attention(attend: Any) -> bool:
 def _sgemm(stack: Stacked) -> bool:
     """Whether a stack is one float32 matrix without biases, which a layer half's kernel multiplies itself."""
     return stack.transposed is not None and stack.transposed.dtype == mx.float32 and stack.bias is None
+
+
+def _quantized(stack: Stacked) -> bool:
+    """Whether a layer half's kernel can run a stack's product itself: quantized parts only, a float32 bias or none."""
+    return all(isinstance(p, Quantized) for p in stack.parts) and (stack.bias is None or stack.bias.dtype == mx.float32)
+
+
+def _operand(stack: Stacked) -> tuple[list[mx.array], list[int]]:
+    """A quantized stack as a layer half's kernel takes it: (packed, scales, biases) per part, then the bias; the widths."""
+    arrays = [a for p in stack.parts for a in (p.packed, p.scales, p.biases)]
+    return arrays + ([stack.bias] if stack.bias is not None else []), [p.bits for p in stack.parts]
 
 
 def _compiled_product(stack: Stacked) -> bool:

@@ -511,6 +511,59 @@ void copy_rows(const array& x, array& out) {
     for (int i = 0; i < n; i++) out.data<float>()[r * n + i] = x.data<float>()[rows[r] + i * x.strides().back()];
 }
 
+// quantized.cpp's product into rows y_stride floats apart, handed in by quantized.py (`use_quantized_product`).
+using RowsProduct = void (*)(const float* x, int rows, int columns, const uint8_t* packed, const void* scales,
+                             const void* biases, int scale_type, int outputs, int bits, float* y, int64_t y_stride);
+RowsProduct quantized_rows_product = nullptr;
+
+// How a layer half finds a product's weights among its node's inputs: one float32 (K, N) matrix (no bits), or
+// quantized parts side by side along the outputs, each packed, scales, biases at its bits, then a bias row if `bias`.
+struct Operand {
+  std::vector<int> bits;
+  bool bias = false;
+  int inputs() const { return bits.empty() ? 1 : 3 * int(bits.size()) + int(bias); }
+  bool operator==(const Operand& other) const { return bits == other.bits && bias == other.bias; }
+};
+
+// out = x @ W + bias + residual, as the eager path's nodes compute it: a float32 matrix adds the residual in its
+// sgemm (addmm); quantized parts fill their columns, then the bias and then the residual are added.
+void apply(const Operand& op, const array* w, const array& x, const array* residual, array& out) {
+  if (op.bits.empty()) {
+    if (residual) copy_rows(*residual, out);
+    return product(x, w[0], out, residual != nullptr);
+  }
+  const int rows = x.shape(0), columns = x.shape(1), width = out.shape(1);
+  float* y = out.data<float>();
+  int column = 0;
+  for (size_t part = 0; part < op.bits.size(); part++) {
+    const array &packed = w[3 * part], &scales = w[3 * part + 1];
+    const int scale_type = scales.dtype() == float32 ? 0 : scales.dtype() == float16 ? 1 : 2;
+    quantized_rows_product(x.data<float>(), rows, columns, packed.data<uint8_t>(), scales.data<void>(),
+                           w[3 * part + 2].data<void>(), scale_type, packed.shape(0), op.bits[part], y + column, width);
+    column += packed.shape(0);
+  }
+  const float* bias = op.bias ? w[3 * op.bits.size()].data<float>() : nullptr;
+  std::vector<const float*> residual_rows;
+  const int64_t residual_step = residual ? residual->strides().back() : 0;
+  if (residual)
+    for (int64_t offset : row_offsets(*residual)) residual_rows.push_back(residual->data<float>() + offset);
+  for (int r = 0; r < rows; r++) {
+    float* row = y + int64_t(r) * width;
+    if (bias)
+      for (int i = 0; i < width; i++) row[i] = row[i] + bias[i];
+    if (residual)
+      for (int i = 0; i < width; i++) row[i] = residual_rows[r][i * residual_step] + row[i];
+  }
+}
+
+// The width of a product's output rows.
+int outputs(const Operand& op, const array* w) {
+  if (op.bits.empty()) return w[0].shape(1);
+  int total = 0;
+  for (size_t part = 0; part < op.bits.size(); part++) total += w[3 * part].shape(0);
+  return total;
+}
+
 // The rotated heads of the q|k|v product's rows, the keys and values written into the cache's buffers at
 // `first`, and causal attention over its first + L positions: rows (B * L, H * hd) at `out`.
 void attend_over_cache(const array& qkv, const array& cos, const array& sin, const array& keys, const array& values,
@@ -526,19 +579,20 @@ void attend_over_cache(const array& qkv, const array& cos, const array& sin, con
 // written into the cache's buffers in place at the offset, and the tables read from its row. Writing an
 // input breaks MLX's rule that arrays do not change; it is safe here because the buffers are the cache's
 // own (dense, written by nothing else) and every reader of the rows written runs after this node on the one
-// CPU stream (compiled_pass queues each pass as it is built). Inputs: x, norm weight, wqkv, wo, cos, sin,
-// keys, values, offset.
-void attention_half(const std::vector<array>& in, array& out, float eps, int batch, int heads, int kv_heads,
-                    bool traditional, float scale) {
-  const array &x = in[0], &keys = in[6], &values = in[7];
-  const int first = first_position(in[8]), rows = x.shape(0), length = rows / batch;
-  if (first < 0 || first + length > keys.shape(2) || first + length > in[4].shape(0)) return fill_nan(out);
-  array normed = scratch(x.shape()), qkv = scratch({rows, in[2].shape(1)}), attended = scratch({rows, heads * values.shape(3)});
+// CPU stream (compiled_pass queues each pass as it is built). Inputs: x, norm weight, the q|k|v product's
+// weights, the output projection's, cos, sin, keys, values, offset.
+void attention_half(const std::vector<array>& in, array& out, float eps, const Operand& wqkv, const Operand& wo,
+                    int batch, int heads, int kv_heads, bool traditional, float scale) {
+  const array *qkv_weights = &in[2], *o_weights = qkv_weights + wqkv.inputs(), *buffers = o_weights + wo.inputs();
+  const array &x = in[0], &cos = buffers[0], &sin = buffers[1], &keys = buffers[2], &values = buffers[3];
+  const int first = first_position(buffers[4]), rows = x.shape(0), length = rows / batch;
+  if (first < 0 || first + length > keys.shape(2) || first + length > cos.shape(0)) return fill_nan(out);
+  array normed = scratch(x.shape()), qkv = scratch({rows, outputs(wqkv, qkv_weights)});
+  array attended = scratch({rows, heads * values.shape(3)});
   rms_norm_kernel(x, in[1], eps, normed);
-  product(normed, in[2], qkv, false);
-  attend_over_cache(qkv, in[4], in[5], keys, values, first, batch, heads, kv_heads, traditional, scale, attended);
-  copy_rows(x, out);
-  product(attended, in[3], out, true);
+  apply(wqkv, qkv_weights, normed, nullptr, qkv);
+  attend_over_cache(qkv, cos, sin, keys, values, first, batch, heads, kv_heads, traditional, scale, attended);
+  apply(wo, o_weights, attended, &x, out);
 }
 
 // attention_half's middle, for layers whose products are not float32 sgemms (quantized, biased): rows
@@ -552,16 +606,16 @@ void attention_rows(const std::vector<array>& in, array& out, int batch, int hea
   attend_over_cache(in[0], in[1], in[2], keys, values, first, batch, heads, kv_heads, traditional, scale, out);
 }
 
-// x + swiglu(rms_norm(x) @ wgate_up) @ wdown. Inputs: x, norm weight, wgate_up, wdown.
-void mlp_half(const std::vector<array>& in, array& out, float eps) {
+// x + swiglu(rms_norm(x) @ wgate_up) @ wdown. Inputs: x, norm weight, the gate|up product's weights, the down's.
+void mlp_half(const std::vector<array>& in, array& out, float eps, const Operand& wgate_up, const Operand& wdown) {
   const array& x = in[0];
-  const int rows = x.shape(0);
-  array normed = scratch(x.shape()), gate_up = scratch({rows, in[2].shape(1)}), hidden = scratch({rows, in[2].shape(1) / 2});
+  const array *gate_up_weights = &in[2], *down_weights = gate_up_weights + wgate_up.inputs();
+  const int rows = x.shape(0), width = outputs(wgate_up, gate_up_weights);
+  array normed = scratch(x.shape()), gate_up = scratch({rows, width}), hidden = scratch({rows, width / 2});
   rms_norm_kernel(x, in[1], eps, normed);
-  product(normed, in[2], gate_up, false);
+  apply(wgate_up, gate_up_weights, normed, nullptr, gate_up);
   swiglu_halves_kernel(gate_up, hidden);
-  copy_rows(x, out);
-  product(hidden, in[3], out, true);
+  apply(wdown, down_weights, hidden, &x, out);
 }
 
 // ---- MLX primitives -----------------------------------------------------------------------------
@@ -684,20 +738,21 @@ class SplitHeads : public CpuPrimitive {
 
 class AttentionHalf : public CpuPrimitive {
  public:
-  AttentionHalf(Stream stream, float eps, int batch, int heads, int kv_heads, bool traditional, float scale)
-      : CpuPrimitive(stream), eps_(eps), batch_(batch), heads_(heads), kv_heads_(kv_heads), traditional_(traditional), scale_(scale) {}
+  AttentionHalf(Stream stream, float eps, Operand wqkv, Operand wo, int batch, int heads, int kv_heads, bool traditional, float scale)
+      : CpuPrimitive(stream), eps_(eps), wqkv_(std::move(wqkv)), wo_(std::move(wo)), batch_(batch), heads_(heads),
+        kv_heads_(kv_heads), traditional_(traditional), scale_(scale) {}
   const char* name() const override { return "AkunuAttentionHalf"; }
   bool is_equivalent(const Primitive&) const override { return false; }  // it writes the cache: never merged
 
  protected:
   Kernel kernel() const override {
-    return [e = eps_, b = batch_, h = heads_, kv = kv_heads_, t = traditional_, s = scale_](const std::vector<array>& in, std::vector<array>& out) {
-      attention_half(in, out[0], e, b, h, kv, t, s);
-    };
+    return [e = eps_, qkv = wqkv_, o = wo_, b = batch_, h = heads_, kv = kv_heads_, t = traditional_, s = scale_](
+               const std::vector<array>& in, std::vector<array>& out) { attention_half(in, out[0], e, qkv, o, b, h, kv, t, s); };
   }
 
  private:
   float eps_;
+  Operand wqkv_, wo_;
   int batch_, heads_, kv_heads_;
   bool traditional_;
   float scale_;
@@ -725,17 +780,24 @@ class AttentionRows : public CpuPrimitive {
 
 class MLPHalf : public CpuPrimitive {
  public:
-  MLPHalf(Stream stream, float eps) : CpuPrimitive(stream), eps_(eps) {}
+  MLPHalf(Stream stream, float eps, Operand wgate_up, Operand wdown)
+      : CpuPrimitive(stream), eps_(eps), wgate_up_(std::move(wgate_up)), wdown_(std::move(wdown)) {}
   const char* name() const override { return "AkunuMLPHalf"; }
-  bool is_equivalent(const Primitive& other) const override { return eps_ == static_cast<const MLPHalf&>(other).eps_; }
+  bool is_equivalent(const Primitive& other) const override {
+    auto& o = static_cast<const MLPHalf&>(other);
+    return eps_ == o.eps_ && wgate_up_ == o.wgate_up_ && wdown_ == o.wdown_;
+  }
 
  protected:
   Kernel kernel() const override {
-    return [e = eps_](const std::vector<array>& in, std::vector<array>& out) { mlp_half(in, out[0], e); };
+    return [e = eps_, gate_up = wgate_up_, down = wdown_](const std::vector<array>& in, std::vector<array>& out) {
+      mlp_half(in, out[0], e, gate_up, down);
+    };
   }
 
  private:
   float eps_;
+  Operand wgate_up_, wdown_;
 };
 
 Stream cpu_stream() {
@@ -809,27 +871,88 @@ void require_matrix(const array& w, int rows, const char* what) {
 void require_layer_input(const array& x, const array& norm_weight) {
   require_float32(x, "a layer's rows");
   require_float32(norm_weight, "a norm weight");
-  if (!process_sgemm()) throw std::invalid_argument("no cblas_sgemm in this process");
   if (x.ndim() != 2 || norm_weight.ndim() != 1 || norm_weight.shape(0) != x.shape(1))
     throw std::invalid_argument("a layer half takes rows (N, D) and a norm weight (D,)");
+}
+
+// A quantized operand's weights for rows of `columns` values: parts (packed, scales, biases) at `bits` each, then
+// a float32 bias row if one is left over; how many outputs they give.
+Operand quantized_operand(const std::vector<array>& w, const std::vector<int>& bits, int columns, const char* what) {
+  const std::string name(what);
+  if (!quantized_rows_product) throw std::invalid_argument("no quantized kernel is loaded for " + name);
+  const size_t parts = bits.size();
+  if (parts == 0 || (w.size() != 3 * parts && w.size() != 3 * parts + 1))
+    throw std::invalid_argument(name + " takes (packed, scales, biases) per width, then an optional bias");
+  int total = 0;
+  for (size_t part = 0; part < parts; part++) {
+    const array &packed = w[3 * part], &scales = w[3 * part + 1], &biases = w[3 * part + 2];
+    const int b = bits[part];
+    const auto type = scales.dtype();
+    const bool ok = (b >= 2 && b <= 8 && b != 7) && columns % 32 == 0 && packed.dtype() == uint32 &&
+                    packed.ndim() == 2 && int64_t(packed.shape(1)) * 32 == int64_t(columns) * b &&
+                    (type == float32 || type == float16 || type == bfloat16) && biases.dtype() == type &&
+                    scales.ndim() == 2 && scales.shape() == biases.shape() && scales.shape(0) == packed.shape(0) &&
+                    scales.shape(1) * 32 == columns && packed.flags().row_contiguous &&
+                    scales.flags().row_contiguous && biases.flags().row_contiguous;
+    if (!ok) throw std::invalid_argument(name + ": a part must be weights of `columns` quantized in groups of 32");
+    total += packed.shape(0);
+  }
+  if (w.size() > 3 * parts) {
+    const array& bias = w.back();
+    require_float32(bias, what);
+    if (bias.ndim() != 1 || bias.shape(0) != total || !bias.flags().row_contiguous)
+      throw std::invalid_argument(name + ": the bias must be one float32 row of its outputs");
+  }
+  return Operand{bits, w.size() > 3 * parts};
+}
+
+std::vector<array> inputs_of(std::initializer_list<const std::vector<array>*> groups) {
+  std::vector<array> all;
+  for (auto* group : groups) all.insert(all.end(), group->begin(), group->end());
+  return all;
+}
+
+int width(const Operand& op, const std::vector<array>& w) { return outputs(op, w.data()); }
+
+array make_attention_half(const array& x, const array& norm_weight, float eps, const Operand& qkv_op,
+                          const std::vector<array>& wqkv, const Operand& o_op, const std::vector<array>& wo,
+                          const array& cos, const array& sin, const array& keys, const array& values, const array& offset,
+                          int batch, int heads, int kv_heads, bool traditional, float scale) {
+  for (auto* a : {&cos, &sin, &keys, &values}) require_float32(*a, "attention_half inputs");
+  require_offset(offset);
+  const int dims = cos.ndim() == 2 ? cos.shape(1) : 0;
+  if (cos.ndim() != 2 || cos.shape() != sin.shape() || dims % 2 || dims % W || batch < 1 || x.shape(0) % batch ||
+      width(qkv_op, wqkv) != (heads + 2 * kv_heads) * dims || keys.ndim() != 4 || keys.shape() != values.shape() ||
+      keys.shape(0) != batch || keys.shape(1) != kv_heads || keys.shape(3) != dims || kv_heads < 1 || heads % kv_heads)
+    throw std::invalid_argument("attention_half expects q|k|v weights (D, (H + 2 KV) * hd), tables (S', hd) and buffers (B, KV, S, hd)");
+  if (width(o_op, wo) != x.shape(1)) throw std::invalid_argument("the output projection must give rows of x's width");
+  const std::vector<array> head{x, norm_weight}, tail{cos, sin, keys, values, offset};
+  return array(x.shape(), float32,
+               std::make_shared<AttentionHalf>(cpu_stream(), eps, qkv_op, o_op, batch, heads, kv_heads, traditional, scale),
+               inputs_of({&head, &wqkv, &wo, &tail}));
 }
 
 array attention_half_op(const array& x, const array& norm_weight, float eps, const array& wqkv, const array& wo,
                         const array& cos, const array& sin, const array& keys, const array& values, const array& offset,
                         int batch, int heads, int kv_heads, bool traditional, float scale) {
   require_layer_input(x, norm_weight);
+  if (!process_sgemm()) throw std::invalid_argument("no cblas_sgemm in this process");
   require_matrix(wqkv, x.shape(1), "the q|k|v weight");
-  for (auto* a : {&cos, &sin, &keys, &values}) require_float32(*a, "attention_half inputs");
-  require_offset(offset);
-  const int dims = cos.ndim() == 2 ? cos.shape(1) : 0;
-  if (cos.ndim() != 2 || cos.shape() != sin.shape() || dims % 2 || dims % W || batch < 1 || x.shape(0) % batch ||
-      wqkv.shape(1) != (heads + 2 * kv_heads) * dims || keys.ndim() != 4 || keys.shape() != values.shape() ||
-      keys.shape(0) != batch || keys.shape(1) != kv_heads || keys.shape(3) != dims || kv_heads < 1 || heads % kv_heads)
-    throw std::invalid_argument("attention_half expects q|k|v weights (D, (H + 2 KV) * hd), tables (S', hd) and buffers (B, KV, S, hd)");
-  require_matrix(wo, heads * dims, "the output projection");
-  if (wo.shape(1) != x.shape(1)) throw std::invalid_argument("the output projection must give rows of x's width");
-  return array(x.shape(), float32, std::make_shared<AttentionHalf>(cpu_stream(), eps, batch, heads, kv_heads, traditional, scale),
-               {x, norm_weight, wqkv, wo, cos, sin, keys, values, offset});
+  require_matrix(wo, cos.ndim() == 2 ? heads * cos.shape(1) : -1, "the output projection");
+  return make_attention_half(x, norm_weight, eps, Operand{}, {wqkv}, Operand{}, {wo}, cos, sin, keys, values, offset,
+                             batch, heads, kv_heads, traditional, scale);
+}
+
+array attention_half_quantized_op(const array& x, const array& norm_weight, float eps, const std::vector<array>& wqkv,
+                                  const std::vector<int>& qkv_bits, const std::vector<array>& wo,
+                                  const std::vector<int>& o_bits, const array& cos, const array& sin, const array& keys,
+                                  const array& values, const array& offset, int batch, int heads, int kv_heads,
+                                  bool traditional, float scale) {
+  require_layer_input(x, norm_weight);
+  const Operand qkv_op = quantized_operand(wqkv, qkv_bits, x.shape(1), "the q|k|v weights");
+  const Operand o_op = quantized_operand(wo, o_bits, cos.ndim() == 2 ? heads * cos.shape(1) : -1, "the output projection");
+  return make_attention_half(x, norm_weight, eps, qkv_op, wqkv, o_op, wo, cos, sin, keys, values, offset, batch, heads,
+                             kv_heads, traditional, scale);
 }
 
 array attention_rows_op(const array& qkv, const array& cos, const array& sin, const array& keys, const array& values,
@@ -847,13 +970,30 @@ array attention_rows_op(const array& qkv, const array& cos, const array& sin, co
                {qkv, cos, sin, keys, values, offset});
 }
 
+array make_mlp_half(const array& x, const array& norm_weight, float eps, const Operand& gate_up_op,
+                    const std::vector<array>& wgate_up, const Operand& down_op, const std::vector<array>& wdown) {
+  if (width(gate_up_op, wgate_up) % 2) throw std::invalid_argument("the gate|up weight must have an even width");
+  if (width(down_op, wdown) != x.shape(1)) throw std::invalid_argument("the down projection must give rows of x's width");
+  const std::vector<array> head{x, norm_weight};
+  return array(x.shape(), float32, std::make_shared<MLPHalf>(cpu_stream(), eps, gate_up_op, down_op),
+               inputs_of({&head, &wgate_up, &wdown}));
+}
+
 array mlp_half_op(const array& x, const array& norm_weight, float eps, const array& wgate_up, const array& wdown) {
   require_layer_input(x, norm_weight);
+  if (!process_sgemm()) throw std::invalid_argument("no cblas_sgemm in this process");
   require_matrix(wgate_up, x.shape(1), "the gate|up weight");
-  if (wgate_up.shape(1) % 2) throw std::invalid_argument("the gate|up weight must have an even width");
   require_matrix(wdown, wgate_up.shape(1) / 2, "the down projection");
-  if (wdown.shape(1) != x.shape(1)) throw std::invalid_argument("the down projection must give rows of x's width");
-  return array(x.shape(), float32, std::make_shared<MLPHalf>(cpu_stream(), eps), {x, norm_weight, wgate_up, wdown});
+  return make_mlp_half(x, norm_weight, eps, Operand{}, {wgate_up}, Operand{}, {wdown});
+}
+
+array mlp_half_quantized_op(const array& x, const array& norm_weight, float eps, const std::vector<array>& wgate_up,
+                            const std::vector<int>& gate_up_bits, const std::vector<array>& wdown,
+                            const std::vector<int>& down_bits) {
+  require_layer_input(x, norm_weight);
+  const Operand gate_up_op = quantized_operand(wgate_up, gate_up_bits, x.shape(1), "the gate|up weights");
+  const Operand down_op = quantized_operand(wdown, down_bits, width(gate_up_op, wgate_up) / 2, "the down projection");
+  return make_mlp_half(x, norm_weight, eps, gate_up_op, wgate_up, down_op, wdown);
 }
 
 }  // namespace
@@ -881,6 +1021,17 @@ NB_MODULE(akunu_cpu_kernels, m) {
         nb::arg("traditional"), nb::arg("scale"),
         "attention_half's middle: causal attention rows (B * L, H * hd) of the q|k|v product's rotated heads over the "
         "cache's first offset + L positions, the pass's keys and values written into the buffers in place");
+  m.def("attention_half_quantized", &attention_half_quantized_op, nb::arg("x"), nb::arg("norm_weight"), nb::arg("eps"),
+        nb::arg("wqkv"), nb::arg("qkv_bits"), nb::arg("wo"), nb::arg("o_bits"), nb::arg("cos"), nb::arg("sin"),
+        nb::arg("keys"), nb::arg("values"), nb::arg("offset"), nb::arg("batch"), nb::arg("heads"), nb::arg("kv_heads"),
+        nb::arg("traditional"), nb::arg("scale"),
+        "attention_half with quantized products: each weight list holds (packed, scales, biases) per entry of its "
+        "bits, side by side along the outputs, then an optional float32 bias (quantized.py's kernel, one node)");
+  m.def("mlp_half_quantized", &mlp_half_quantized_op, nb::arg("x"), nb::arg("norm_weight"), nb::arg("eps"),
+        nb::arg("wgate_up"), nb::arg("gate_up_bits"), nb::arg("wdown"), nb::arg("down_bits"),
+        "mlp_half with quantized products, the weights given as attention_half_quantized's");
+  m.def("use_quantized_product", [](uintptr_t address) { quantized_rows_product = reinterpret_cast<RowsProduct>(address); },
+        nb::arg("address"), "multiply quantized weights with the C function at `address` (quantized.cpp's rows_product)");
   m.def("mlp_half", &mlp_half_op, nb::arg("x"), nb::arg("norm_weight"), nb::arg("eps"), nb::arg("wgate_up"), nb::arg("wdown"),
         "x + swiglu_halves(rms_norm(x) @ wgate_up) @ wdown, one node");
   m.def("has_products", []() { return process_sgemm() != nullptr; }, "whether the layer halves can call cblas_sgemm here");

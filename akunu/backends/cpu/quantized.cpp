@@ -132,7 +132,8 @@ inline void quantize_group_scalar(const float* x, int8_t* q, float* step, float*
 }
 
 // Reference arithmetic, used where AVX-512 VNNI/VBMI is missing: the same sums, in column order.
-void quantized_product_scalar(const float* x, int rows, const Weights& w, float* y) {
+// y's rows are `y_stride` floats apart (a part of a stacked product writes its columns of wider rows).
+void quantized_product_scalar(const float* x, int rows, const Weights& w, float* y, int64_t y_stride) {
   const int groups = w.groups();
   std::vector<int8_t> q(size_t(w.columns));
   std::vector<float> steps(groups), sums(groups);
@@ -150,7 +151,7 @@ void quantized_product_scalar(const float* x, int rows, const Weights& w, float*
         acc = std::fma(w.scale(o, g) * steps[g], float(dot), acc);
         acc = std::fma(w.bias(o, g), sums[g], acc);
       }
-      y[size_t(m) * w.outputs + o] = acc;
+      y[m * y_stride + o] = acc;
     }
   }
 }
@@ -429,6 +430,7 @@ struct ProductCall {
   const Weights& w;
   const Layout& layout;
   float* y;
+  int64_t y_stride;
 };
 
 // Blocks [begin, end) of OUT_BLOCK weight rows: their outputs for every row of x.
@@ -436,27 +438,36 @@ void product_rows(const void* context, int begin, int end) {
   const ProductCall& call = *static_cast<const ProductCall*>(context);
   const Weights& w = call.w;
   const int rows = call.qx.rows;
-  std::unique_ptr<Unpacked> buffer(new Unpacked);  // not value-initialized: every use writes it first
-  Aligned<__m512> acc(size_t(rows) * OUT_BLOCK);
+  // A thread's buffers outlive the call: a step claims shares of rows thousands of times (malloc showed in profiles).
+  thread_local std::unique_ptr<Unpacked> buffer(new Unpacked);  // not value-initialized: every use writes it first
+  thread_local Aligned<__m512> acc_held(0);
+  thread_local size_t acc_capacity = 0;
+  if (size_t(rows) * OUT_BLOCK > acc_capacity) {
+    acc_capacity = size_t(rows) * OUT_BLOCK;
+    acc_held = Aligned<__m512>(acc_capacity);
+  }
+  __m512* acc = acc_held.get();
   for (int row_block = begin; row_block < end; row_block++) {
     const int first = row_block * OUT_BLOCK, count = std::min(OUT_BLOCK, w.outputs - first);
-    row_block_sums(call.qx, w, call.layout, first, count, *buffer, acc.get());
+    row_block_sums(call.qx, w, call.layout, first, count, *buffer, acc);
     for (int m = 0; m < rows; m++)
       for (int n = 0; n < count; n++)
-        call.y[size_t(m) * w.outputs + first + n] = finish(w, first + n, call.qx.sums_row(m), acc.get()[m * OUT_BLOCK + n]);
+        call.y[m * call.y_stride + first + n] = finish(w, first + n, call.qx.sums_row(m), acc[m * OUT_BLOCK + n]);
   }
 }
 
 // x's rows quantized once, then blocks of OUT_BLOCK weight rows shared among threads; each weight read once.
-void quantized_product(const float* x, int rows, const Weights& w, float* y) {
+void quantized_product(const float* x, int rows, const Weights& w, float* y, int64_t y_stride) {
   const Layout layout(w.bits);
   const QuantizedRows qx(x, rows, w.columns, layout);
-  const ProductCall call{qx, w, layout, y};
+  const ProductCall call{qx, w, layout, y, y_stride};
   const bool parallel = size_t(w.outputs) * w.columns >= PARALLEL_FROM;
   parallel_for(product_rows, &call, (w.outputs + OUT_BLOCK - 1) / OUT_BLOCK, SHARE, parallel);
 }
 #else
-void quantized_product(const float* x, int rows, const Weights& w, float* y) { quantized_product_scalar(x, rows, w, y); }
+void quantized_product(const float* x, int rows, const Weights& w, float* y, int64_t y_stride) {
+  quantized_product_scalar(x, rows, w, y, y_stride);
+}
 #endif
 
 // One group's 32 values as unsigned integers (4 * bits bytes at p): values[i] = bits i*b.. of the stream.
@@ -497,6 +508,14 @@ void dequantize_rows(const void* context, int begin, int end) {
 void dequantize_all(const Weights& w, float* out) {
   const std::pair<const Weights&, float*> context{w, out};
   parallel_for(dequantize_rows, &context, w.outputs, 16, size_t(w.outputs) * w.columns >= PARALLEL_FROM);
+}
+
+// For kernels.cpp's layer halves (one node a sublayer): y = x W^T for x's contiguous (rows, columns) and
+// weights of `outputs` rows, scale_type 0/1/2 = float32/float16/bfloat16; y's rows y_stride floats apart.
+void rows_product(const float* x, int rows, int columns, const uint8_t* packed, const void* scales,
+                  const void* biases, int scale_type, int outputs, int bits, float* y, int64_t y_stride) {
+  const Scale type = scale_type == 0 ? Scale::f32 : scale_type == 1 ? Scale::f16 : Scale::bf16;
+  quantized_product(x, rows, Weights{packed, scales, biases, type, outputs, columns, bits}, y, y_stride);
 }
 
 // ---- MLX primitives -----------------------------------------------------------------------------
@@ -547,7 +566,7 @@ class QuantizedProduct : public CpuPrimitive {
   Runner runner() const override {
     return [](const std::vector<array>& in, array& out, int bits) {
       const Weights w = weights_of(in, bits);
-      quantized_product(in[0].data<float>(), int(in[0].size() / w.columns), w, out.data<float>());
+      quantized_product(in[0].data<float>(), int(in[0].size() / w.columns), w, out.data<float>(), w.outputs);
     };
   }
 };
@@ -561,7 +580,7 @@ class ScalarProduct : public CpuPrimitive {
   Runner runner() const override {
     return [](const std::vector<array>& in, array& out, int bits) {
       const Weights w = weights_of(in, bits);
-      quantized_product_scalar(in[0].data<float>(), int(in[0].size() / w.columns), w, out.data<float>());
+      quantized_product_scalar(in[0].data<float>(), int(in[0].size() / w.columns), w, out.data<float>(), w.outputs);
     };
   }
 };
@@ -627,6 +646,8 @@ NB_MODULE(akunu_quantized_kernels, m) {
         "the float32 matrix the weights hold");
   m.def("use_pool", [](uintptr_t address) { runner = reinterpret_cast<Runner>(address); }, nb::arg("runner_address"),
         "run parallel loops through the C function at `runner_address` (the fused kernels' `pool_runner_address()`)");
+  m.def("rows_product_address", []() { return reinterpret_cast<uintptr_t>(&rows_product); },
+        "the address of a C function computing a product into rows of a wider output (kernels.cpp's layer halves)");
   m.def("vectorized", []() {
 #ifdef AKUNU_VNNI
     return true;

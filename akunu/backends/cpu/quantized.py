@@ -44,7 +44,9 @@ def load() -> ModuleType | None:
 
     try:
         module = kernels.build_and_import(SOURCE, MODULE_NAME, nanobind)
-        module.use_pool(kernels.load().pool_runner_address())  # one set of helper threads for every kernel
+        fused = kernels.load()
+        module.use_pool(fused.pool_runner_address())  # one set of helper threads for every kernel
+        fused.use_quantized_product(module.rows_product_address())  # a layer half's products, inside its one node
         _check(module)
     except kernels.BuildError as error:
         return _give_up(str(error))
