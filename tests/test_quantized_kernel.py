@@ -88,7 +88,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel, bits):
     packed, scales, biases = _weights(bits, shape=(37, 288))  # 37 outputs, 9 groups: partial blocks both ways
     x = mx.random.normal((33, 288), key=mx.random.key(7))
     together = np.asarray(kernel.quantized_product(x, packed, scales, biases, bits))
-    for rows in (1, 4, 16):
+    for rows in (1, 2, 3, 4, 5, 7, 16):  # each path: one row, direct, tiles of 8 and their remainders
         for start in range(0, 33 - rows + 1, rows):
             part = np.asarray(kernel.quantized_product(x[start : start + rows], packed, scales, biases, bits))
             np.testing.assert_array_equal(part, together[start : start + rows], err_msg=f"rows {start}:{start + rows}")

@@ -159,24 +159,29 @@ void quantized_product_scalar(const float* x, int rows, const Weights& w, float*
 #ifdef AKUNU_VNNI
 // Columns go in blocks of 128 (4 groups). A block's weights become two registers of unsigned bytes and
 // x's block two registers of signed bytes, both ordered so that int32 lane l of either holds 4 values of
-// group l / 4; two vpdpbusd then leave each group's dot product spread over its 4 lanes. The order:
+// group l / 4 (a "quad"); two vpdpbusd then leave each group's dot product spread over its 4 lanes. The order:
 //  4 bits: the packed bytes themselves, low nibbles in the first register and high nibbles in the second;
 //  other widths: chunk c of 8 values (c = 0..15, group c / 4) goes to 64-bit lane c % 2 + 2 * (c / 4) of the
 //    first register if c % 4 < 2, else of the second; each lane's 8 values are cut out of the `bits` stream
 //    bytes gathered into it (vpermt2b) by vpmultishiftqb, then masked (8 bits: the gathered bytes).
+// Each (weight row, group) sum is then one exact int32 (`to_quads` or `group_dots` put the block's 4 rows x
+// 4 groups in one register's 16 lanes), so the float work is one convert, multiply and add per 16 groups:
+//   acc[lane 4n + g] += float(dot) * (dx_g * scale_ng)
+// in block order whatever the path, and a row's result does not depend on the rows beside it.
 constexpr int BLOCK = 128;
 constexpr int LANES = 16;
-constexpr int OUT_BLOCK = 4;   // weight rows unpacked together
-constexpr int ROW_TILE = 4;    // rows of x in one register tile
+constexpr int OUT_BLOCK = 4;   // weight rows taken together: 4 rows x a block's 4 groups fill 16 lanes
+constexpr int QUADS = 8;       // quads in a group: its dot product takes 8 vpdpbusd
+constexpr int ROW_TILE = 8;    // rows of x sharing a block's weights in registers
 constexpr int CHUNK = 8;       // blocks of columns unpacked at a time (stays in L1 with x's rows)
 constexpr int DIRECT_ROWS = 4; // up to this many rows, weights are used straight from registers
 constexpr int DIRECT_BITS = 5; // wider weights (two loads a block) run faster through the buffer
-constexpr int PREFETCH = 1024; // bytes ahead along a weight row that the direct path asks for
+constexpr int PREFETCH = 1024; // bytes ahead along a weight row that a path asks for
 constexpr int SHARE = 8;       // blocks of weight rows a thread takes at a time (a busy core's share moves to the other)
 
 struct Layout {
   int bits;
-  __m512i x_pick[2], w_pick[2], shifts, mask, nibble;
+  __m512i x_pick[2], w_pick[2], shifts, mask, nibble, quad_major, pair_rows[2], pair_quads[2];
   explicit Layout(int b) : bits(b) {
     alignas(64) uint8_t x_picks[2][64], w_picks[2][64], shift[64];
     for (int half = 0; half < 2; half++)
@@ -189,10 +194,26 @@ struct Layout {
           shift[i] = (t * b) % 64;
         }
       }
+    // Lane indices (g group, j quad, n weight row, each 0..3; bit 4 picks vpermt2d's second source):
+    // quad_major: lane 4j + g <- 4g + j; pair_rows[j0]: lane 4g + 2 j1 + n0 <- source n0's 4g + 2 j1 + j0;
+    // pair_quads[j1]: lane 4n + g <- source n / 2's 4g + 2 j1 + n % 2.
+    alignas(64) int32_t quad_major_[16], pair_rows_[2][16], pair_quads_[2][16];
+    for (int g = 0; g < 4; g++)
+      for (int j = 0; j < 4; j++) {
+        quad_major_[4 * j + g] = 4 * g + j;
+        for (int bit = 0; bit < 2; bit++) {
+          const int j1 = j / 2, n0 = j % 2, n = j;
+          pair_rows_[bit][4 * g + 2 * j1 + n0] = 16 * n0 + 4 * g + 2 * j1 + bit;
+          pair_quads_[bit][4 * n + g] = 16 * (n / 2) + 4 * g + 2 * bit + n % 2;
+        }
+      }
     for (int half = 0; half < 2; half++) {
       x_pick[half] = _mm512_load_si512(x_picks[half]);
       w_pick[half] = _mm512_load_si512(w_picks[half]);
+      pair_rows[half] = _mm512_load_si512(pair_rows_[half]);
+      pair_quads[half] = _mm512_load_si512(pair_quads_[half]);
     }
+    quad_major = _mm512_load_si512(quad_major_);
     shifts = _mm512_load_si512(shift);
     mask = _mm512_set1_epi8(char((1 << b) - 1));
     nibble = _mm512_set1_epi8(0x0f);
@@ -215,6 +236,29 @@ struct Layout {
     first = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, first), mask);
     second = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, second), mask);
   }
+
+  // quads[4h + j] lane 4n + g = rows[n][h] lane 4g + j: quad j of half h of every (row, group) in one register.
+  inline void to_quads(const __m512i rows[OUT_BLOCK][2], __m512i* quads) const {
+    for (int h = 0; h < 2; h++) {
+      __m512i paired[2][2];  // [n / 2][j % 2]
+      for (int n1 = 0; n1 < 2; n1++)
+        for (int j0 = 0; j0 < 2; j0++)
+          paired[n1][j0] = _mm512_permutex2var_epi32(rows[2 * n1][h], pair_rows[j0], rows[2 * n1 + 1][h]);
+      for (int j1 = 0; j1 < 2; j1++)
+        for (int j0 = 0; j0 < 2; j0++)
+          quads[4 * h + 2 * j1 + j0] = _mm512_permutex2var_epi32(paired[0][j0], pair_quads[j1], paired[1][j0]);
+    }
+  }
+
+  // Lane 4n + g = the sum of dots[n]'s lanes 4g..4g + 3: the exact group dot products `to_quads` also leads to.
+  inline __m512i group_dots(const __m512i dots[OUT_BLOCK]) const {
+    __m512i pairs[2];
+    for (int n1 = 0; n1 < 2; n1++)
+      pairs[n1] = _mm512_add_epi32(_mm512_permutex2var_epi32(dots[2 * n1], pair_rows[0], dots[2 * n1 + 1]),
+                                   _mm512_permutex2var_epi32(dots[2 * n1], pair_rows[1], dots[2 * n1 + 1]));
+    return _mm512_add_epi32(_mm512_permutex2var_epi32(pairs[0], pair_quads[0], pairs[1]),
+                            _mm512_permutex2var_epi32(pairs[0], pair_quads[1], pairs[1]));
+  }
 };
 
 // `count` (<= 16) scales or biases from i on, as float32 (the rest zero).
@@ -226,24 +270,36 @@ inline __m512 load_scales(const void* p, Scale type, size_t i, int count) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// x's rows quantized per group, in the blocks' order: bytes, each dot lane's group step, each group's dx * sum(qx).
+// Lane 4n + g: the scale of the block's group g in weight row first + n (zero past `count` rows or the groups).
+inline __m512 block_scales(const Weights& w, int first, int count, int block) {
+  const int groups = w.groups(), group = 4 * block;
+  __m512 scales = _mm512_setzero_ps();
+  for (int n = 0; n < count; n++) {
+    const __m512 row = load_scales(w.scales, w.type, size_t(first + n) * groups + group, std::min(4, groups - group));
+    scales = _mm512_mask_broadcast_f32x4(scales, __mmask16(0xf << (4 * n)), _mm512_castps512_ps128(row));
+  }
+  return scales;
+}
+
+// x's rows quantized per group, in the blocks' two orders (`q`: as the weights' registers; `quads`: quad k of
+// the block's 4 groups at 16 k, broadcast to every row's lanes), each group's step, and each group's dx * sum(qx).
 struct QuantizedRows {
   int rows, blocks, sum_stride;
-  Aligned<int8_t> q;
+  Aligned<int8_t> q, quads;
   Aligned<float> steps, sums;
   QuantizedRows(const float* x, int rows_, int columns, const Layout& layout)
       : rows(rows_),
         blocks((columns + BLOCK - 1) / BLOCK),
         sum_stride(blocks * 4 + LANES),
         q(size_t(rows_) * blocks * BLOCK),
-        steps(size_t(rows_) * blocks * LANES),
+        quads(size_t(rows_) * blocks * BLOCK),
+        steps(size_t(rows_) * blocks * 4),
         sums(size_t(rows_) * sum_stride) {
-    const __m512i lane_group = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int m = 0; m < rows; m++)
       for (int b = 0; b < blocks; b++) {
         alignas(64) int8_t natural[BLOCK];
-        alignas(16) float step[4] = {0, 0, 0, 0};
+        float* step = steps.get() + (size_t(m) * blocks + b) * 4;
         float* sum = sums.get() + size_t(m) * sum_stride + 4 * b;
         for (int g = 0; g < 4; g++) {
           const int column = b * BLOCK + g * GROUP;
@@ -263,40 +319,57 @@ struct QuantizedRows {
           sum[g] = d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi)));
         }
         const __m512i low = _mm512_load_si512(natural), high = _mm512_load_si512(natural + 64);
-        int8_t* out = q.get() + (size_t(m) * blocks + b) * BLOCK;
-        _mm512_store_si512(out, _mm512_permutex2var_epi8(low, layout.x_pick[0], high));
-        _mm512_store_si512(out + 64, _mm512_permutex2var_epi8(low, layout.x_pick[1], high));
-        _mm512_store_ps(steps.get() + (size_t(m) * blocks + b) * LANES,
-                        _mm512_permutexvar_ps(lane_group, _mm512_castps128_ps512(_mm_load_ps(step))));
+        const size_t offset = (size_t(m) * blocks + b) * BLOCK;
+        for (int h = 0; h < 2; h++) {
+          const __m512i ordered = _mm512_permutex2var_epi8(low, layout.x_pick[h], high);
+          _mm512_store_si512(q.get() + offset + 64 * h, ordered);
+          _mm512_store_si512(quads.get() + offset + 64 * h, _mm512_permutexvar_epi32(layout.quad_major, ordered));
+        }
       }
   }
   const int8_t* q_row(int m) const { return q.get() + size_t(m) * blocks * BLOCK; }
-  const float* steps_row(int m) const { return steps.get() + size_t(m) * blocks * LANES; }
+  const int8_t* quads_row(int m) const { return quads.get() + size_t(m) * blocks * BLOCK; }
+  const float* steps_row(int m) const { return steps.get() + size_t(m) * blocks * 4; }
   const float* sums_row(int m) const { return sums.get() + size_t(m) * sum_stride; }
 };
 
-// One chunk of blocks of OUT_BLOCK weight rows, unpacked: per row and block 128 bytes, then each dot lane's scale.
+// One chunk of blocks of OUT_BLOCK weight rows, unpacked: per block each row's two registers, then the scales.
 struct Unpacked {
-  alignas(64) uint8_t values[OUT_BLOCK][CHUNK][BLOCK];
-  alignas(64) float scales[OUT_BLOCK][CHUNK][LANES];
+  alignas(64) __m512i rows[CHUNK][OUT_BLOCK][2];
+  alignas(64) float scales[CHUNK][LANES];
 };
 
+// Weight rows [first, first + count) of blocks [block, block + blocks) as registers of unsigned values (zero past count).
+inline void unpack_rows(const Weights& w, const Layout& layout, int first, int count, int block, __m512i rows[OUT_BLOCK][2]) {
+  const int64_t row_bytes = int64_t(w.row_bytes()), offset = int64_t(block) * 16 * w.bits;
+  for (int n = 0; n < OUT_BLOCK; n++) {
+    if (n >= count) {
+      rows[n][0] = rows[n][1] = _mm512_setzero_si512();
+      continue;
+    }
+    const uint8_t* p = w.packed + (first + n) * row_bytes + offset;
+    _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH + 64, _MM_HINT_T0);
+    layout.unpack(p, row_bytes - offset, rows[n][0], rows[n][1]);
+  }
+}
+
 void unpack_chunk(const Weights& w, const Layout& layout, int first, int count, int block, int blocks, Unpacked& out) {
-  const __m512i lane_group = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  const int groups = w.groups();
-  for (int r = 0; r < count; r++) {
-    const uint8_t* row = w.packed + size_t(first + r) * w.row_bytes();
+  // Row by row along the chunk: long sequential runs (taking the 4 rows block by block is slower at 8 bits).
+  const int64_t row_bytes = int64_t(w.row_bytes());
+  for (int n = 0; n < OUT_BLOCK; n++)
     for (int b = 0; b < blocks; b++) {
       const int64_t offset = int64_t(block + b) * 16 * w.bits;
-      __m512i lo, hi;
-      layout.unpack(row + offset, int64_t(w.row_bytes()) - offset, lo, hi);
-      _mm512_store_si512(out.values[r][b], lo);
-      _mm512_store_si512(out.values[r][b] + 64, hi);
-      const int group = 4 * (block + b);
-      const __m512 s = load_scales(w.scales, w.type, size_t(first + r) * groups + group, std::min(4, groups - group));
-      _mm512_store_ps(out.scales[r][b], _mm512_permutexvar_ps(lane_group, s));
+      if (n >= count) {
+        out.rows[b][n][0] = out.rows[b][n][1] = _mm512_setzero_si512();
+        continue;
+      }
+      const uint8_t* p = w.packed + (first + n) * row_bytes + offset;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH + 64, _MM_HINT_T0);
+      layout.unpack(p, row_bytes - offset, out.rows[b][n][0], out.rows[b][n][1]);
     }
-  }
+  for (int b = 0; b < blocks; b++) _mm512_store_ps(out.scales[b], block_scales(w, first, count, block + b));
 }
 
 // Keeps a loaded vector in a register: otherwise GCC folds the load into every instruction that uses it.
@@ -304,103 +377,102 @@ inline __m512i in_register(__m512i v) {
   asm("" : "+v"(v));
   return v;
 }
-inline __m512 in_register(__m512 v) {
-  asm("" : "+v"(v));
-  return v;
-}
 
-// Adds the chunk's products to the running sums acc[m][n] of a tile of MR rows of x and NR weight rows.
-// Every (m, n) sum takes the same steps whatever the tile, so a row's result does not depend on its neighbours.
-// A block's x rows stay in registers while each weight row is loaded once for all of them: loads, not
-// arithmetic, bound a tile that reloads the weights for every row.
-template <int MR, int NR>
-void tile(const QuantizedRows& x, int m0, const Unpacked& w, int block, int blocks, __m512* acc) {
-  __m512 a[MR][NR];
-  for (int m = 0; m < MR; m++)
-    for (int n = 0; n < NR; n++) a[m][n] = acc[m * OUT_BLOCK + n];
-  for (int b = 0; b < blocks; b++) {
-    __m512i x0[MR], x1[MR];
+// acc[m] += float(dots of x's row m0 + m with the block's quads) * (dx * scale), for MR rows of x.
+template <int MR>
+inline void rows_times_quads(const QuantizedRows& x, int m0, int block, const __m512i* quads, __m512 scales, __m512* acc) {
+  __m512i dots[MR];
+  for (int m = 0; m < MR; m++) dots[m] = _mm512_setzero_si512();
+  for (int k = 0; k < QUADS; k++) {
+    const __m512i weights = in_register(quads[k]);
     for (int m = 0; m < MR; m++) {
-      const int8_t* q = x.q_row(m0 + m) + size_t(block + b) * BLOCK;
-      x0[m] = in_register(_mm512_load_si512(q));
-      x1[m] = in_register(_mm512_load_si512(q + 64));
-    }
-    for (int n = 0; n < NR; n++) {
-      const __m512i w0 = in_register(_mm512_load_si512(w.values[n][b]));
-      const __m512i w1 = in_register(_mm512_load_si512(w.values[n][b] + 64));
-      const __m512 scale = in_register(_mm512_load_ps(w.scales[n][b]));
-      for (int m = 0; m < MR; m++) {
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, x0[m]);
-        dot = _mm512_dpbusd_epi32(dot, w1, x1[m]);
-        const __m512 step = _mm512_load_ps(x.steps_row(m0 + m) + size_t(block + b) * LANES);
-        a[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(step, scale), a[m][n]);
-      }
+      const int8_t* q = x.quads_row(m0 + m) + size_t(block) * BLOCK + 16 * k;
+      dots[m] = _mm512_dpbusd_epi32(dots[m], weights, _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(q))));
     }
   }
-  for (int m = 0; m < MR; m++)
-    for (int n = 0; n < NR; n++) acc[m * OUT_BLOCK + n] = a[m][n];
+  for (int m = 0; m < MR; m++) {
+    const __m512 step = _mm512_broadcast_f32x4(_mm_load_ps(x.steps_row(m0 + m) + 4 * block));
+    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[m]), _mm512_mul_ps(step, scales), acc[m]);
+  }
 }
 
-template <int NR>
-void rows_times_chunk(const QuantizedRows& x, const Unpacked& w, int block, int blocks, __m512* acc) {
+// acc += row m of x times the block's weight rows (registers as `unpack` gives them), each group's quads summed
+// as integers (`group_dots`): for one row, cheaper than regrouping the weights into quads first.
+inline void row_times_block(const QuantizedRows& x, int m, int block, const __m512i rows[OUT_BLOCK][2], __m512 scales,
+                            const Layout& layout, __m512& acc) {
+  const int8_t* q = x.q_row(m) + size_t(block) * BLOCK;
+  const __m512i x0 = _mm512_load_si512(q), x1 = _mm512_load_si512(q + 64);
+  __m512i dots[OUT_BLOCK];
+  for (int n = 0; n < OUT_BLOCK; n++)
+    dots[n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), rows[n][0], x0), rows[n][1], x1);
+  const __m512 step = _mm512_broadcast_f32x4(_mm_load_ps(x.steps_row(m) + 4 * block));
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(layout.group_dots(dots)), _mm512_mul_ps(step, scales), acc);
+}
+
+// acc[m] += MR rows of x from m0 times the block's weight rows: one row as `row_times_block`, more sharing quads.
+template <int MR>
+inline void rows_times_block(const QuantizedRows& x, int m0, int block, const __m512i rows[OUT_BLOCK][2], __m512 scales,
+                             const Layout& layout, __m512* acc) {
+  if constexpr (MR == 1) {
+    row_times_block(x, m0, block, rows, scales, layout, acc[0]);
+  } else {
+    __m512i quads[QUADS];
+    layout.to_quads(rows, quads);
+    rows_times_quads<MR>(x, m0, block, quads, scales, acc);
+  }
+}
+
+// The chunk's products added to the running sums acc[m] (lane 4n + g) of MR rows of x from m0.
+template <int MR>
+void tile(const QuantizedRows& x, int m0, const Unpacked& w, const Layout& layout, int block, int blocks, __m512* acc) {
+  __m512 a[MR];
+  for (int m = 0; m < MR; m++) a[m] = acc[m0 + m];
+  for (int b = 0; b < blocks; b++) rows_times_block<MR>(x, m0, block + b, w.rows[b], _mm512_load_ps(w.scales[b]), layout, a);
+  for (int m = 0; m < MR; m++) acc[m0 + m] = a[m];
+}
+
+// The last `left` (< MR) rows of x from m0, in one tile.
+template <int MR>
+void last_rows(const QuantizedRows& x, int m0, int left, const Unpacked& w, const Layout& layout, int block, int blocks,
+               __m512* acc) {
+  if constexpr (MR > 0) {
+    if (left == MR) return tile<MR>(x, m0, w, layout, block, blocks, acc);
+    last_rows<MR - 1>(x, m0, left, w, layout, block, blocks, acc);
+  }
+}
+
+void rows_times_chunk(const QuantizedRows& x, const Unpacked& w, const Layout& layout, int block, int blocks, __m512* acc) {
   int m = 0;
-  for (; m + ROW_TILE <= x.rows; m += ROW_TILE) tile<ROW_TILE, NR>(x, m, w, block, blocks, acc + m * OUT_BLOCK);
-  switch (x.rows - m) {
-    case 3: tile<3, NR>(x, m, w, block, blocks, acc + m * OUT_BLOCK); break;
-    case 2: tile<2, NR>(x, m, w, block, blocks, acc + m * OUT_BLOCK); break;
-    case 1: tile<1, NR>(x, m, w, block, blocks, acc + m * OUT_BLOCK); break;
-    default: break;
-  }
+  for (; m + ROW_TILE <= x.rows; m += ROW_TILE) tile<ROW_TILE>(x, m, w, layout, block, blocks, acc);
+  last_rows<ROW_TILE - 1>(x, m, x.rows - m, w, layout, block, blocks, acc);
 }
 
-// For a few rows of x: each block of the OUT_BLOCK weight rows is unpacked into registers and used at once.
-// The same steps per (m, n) sum as `tile`, so the results are the same bits.
+// For a few rows of x: each block of the OUT_BLOCK weight rows is unpacked into registers and used at once,
+// with the same steps per row as `tile`, so the results are the same bits.
 template <int MR>
 void direct(const QuantizedRows& x, const Weights& w, const Layout& layout, int first, __m512* acc) {
-  const __m512i lane_group = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  const int groups = w.groups();
-  const int64_t row_bytes = int64_t(w.row_bytes());
-  __m512 a[MR][OUT_BLOCK];
-  for (int m = 0; m < MR; m++)
-    for (int n = 0; n < OUT_BLOCK; n++) a[m][n] = _mm512_setzero_ps();
+  __m512 a[MR];
+  for (int m = 0; m < MR; m++) a[m] = _mm512_setzero_ps();
   for (int b = 0; b < x.blocks; b++) {
-    __m512i lo[OUT_BLOCK], hi[OUT_BLOCK];
-    __m512 scale[OUT_BLOCK];
-    const int64_t offset = int64_t(b) * 16 * w.bits;
-    for (int n = 0; n < OUT_BLOCK; n++) {
-      const uint8_t* p = w.packed + (first + n) * row_bytes + offset;
-      _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH + 64, _MM_HINT_T0);
-      layout.unpack(p, row_bytes - offset, lo[n], hi[n]);
-      const __m512 s = load_scales(w.scales, w.type, size_t(first + n) * groups + 4 * b, std::min(4, groups - 4 * b));
-      scale[n] = _mm512_permutexvar_ps(lane_group, s);
-    }
-    for (int m = 0; m < MR; m++) {
-      const int8_t* q = x.q_row(m) + size_t(b) * BLOCK;
-      const __m512i x0 = _mm512_load_si512(q), x1 = _mm512_load_si512(q + 64);
-      const __m512 step = _mm512_load_ps(x.steps_row(m) + size_t(b) * LANES);
-      for (int n = 0; n < OUT_BLOCK; n++) {
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[n], x0);
-        dot = _mm512_dpbusd_epi32(dot, hi[n], x1);
-        a[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(step, scale[n]), a[m][n]);
-      }
-    }
+    __m512i rows[OUT_BLOCK][2];
+    unpack_rows(w, layout, first, OUT_BLOCK, b, rows);
+    rows_times_block<MR>(x, 0, b, rows, block_scales(w, first, OUT_BLOCK, b), layout, a);
   }
-  for (int m = 0; m < MR; m++)
-    for (int n = 0; n < OUT_BLOCK; n++) acc[m * OUT_BLOCK + n] = a[m][n];
+  for (int m = 0; m < MR; m++) acc[m] = a[m];
 }
 
-// sum_g bias_g * dx_g * sum(qx_g) for a weight row, 16 groups at a time, added lane-wise to acc, then acc's lanes summed.
-inline float finish(const Weights& w, int row, const float* sums, __m512 acc) {
+// Output n of a row: its 4 lanes of acc plus sum_g bias_g * dx_g * sum(qx_g), 16 groups at a time, then summed.
+inline float finish(const Weights& w, int row, int n, const float* sums, const __m512& acc) {
+  __m512 total = _mm512_maskz_loadu_ps(0xf, reinterpret_cast<const float*>(&acc) + 4 * n);
   const int groups = w.groups();
   for (int g = 0; g < groups; g += LANES) {
     const __m512 bias = load_scales(w.biases, w.type, size_t(row) * groups + g, std::min(LANES, groups - g));
-    acc = _mm512_fmadd_ps(bias, _mm512_loadu_ps(sums + g), acc);
+    total = _mm512_fmadd_ps(bias, _mm512_loadu_ps(sums + g), total);
   }
-  return _mm512_reduce_add_ps(acc);
+  return _mm512_reduce_add_ps(total);
 }
 
-// Running sums acc[m][n] of one block of OUT_BLOCK weight rows: straight from registers for a few rows of x,
+// Running sums acc[m] of one block of OUT_BLOCK weight rows: straight from registers for a few rows of x,
 // else unpacked CHUNK blocks of columns at a time into a buffer that stays in L1 with the rows it meets.
 void row_block_sums(const QuantizedRows& qx, const Weights& w, const Layout& layout, int first, int count,
                     Unpacked& buffer, __m512* acc) {
@@ -412,16 +484,11 @@ void row_block_sums(const QuantizedRows& qx, const Weights& w, const Layout& lay
       default: return direct<4>(qx, w, layout, first, acc);
     }
   }
-  for (size_t i = 0; i < size_t(qx.rows) * OUT_BLOCK; i++) acc[i] = _mm512_setzero_ps();
+  for (int m = 0; m < qx.rows; m++) acc[m] = _mm512_setzero_ps();
   for (int block = 0; block < qx.blocks; block += CHUNK) {
     const int blocks = std::min(CHUNK, qx.blocks - block);
     unpack_chunk(w, layout, first, count, block, blocks, buffer);
-    switch (count) {
-      case 4: rows_times_chunk<4>(qx, buffer, block, blocks, acc); break;
-      case 3: rows_times_chunk<3>(qx, buffer, block, blocks, acc); break;
-      case 2: rows_times_chunk<2>(qx, buffer, block, blocks, acc); break;
-      default: rows_times_chunk<1>(qx, buffer, block, blocks, acc); break;
-    }
+    rows_times_chunk(qx, buffer, layout, block, blocks, acc);
   }
 }
 
@@ -442,8 +509,8 @@ void product_rows(const void* context, int begin, int end) {
   thread_local std::unique_ptr<Unpacked> buffer(new Unpacked);  // not value-initialized: every use writes it first
   thread_local Aligned<__m512> acc_held(0);
   thread_local size_t acc_capacity = 0;
-  if (size_t(rows) * OUT_BLOCK > acc_capacity) {
-    acc_capacity = size_t(rows) * OUT_BLOCK;
+  if (size_t(rows) > acc_capacity) {
+    acc_capacity = size_t(rows);
     acc_held = Aligned<__m512>(acc_capacity);
   }
   __m512* acc = acc_held.get();
@@ -452,7 +519,7 @@ void product_rows(const void* context, int begin, int end) {
     row_block_sums(call.qx, w, call.layout, first, count, *buffer, acc);
     for (int m = 0; m < rows; m++)
       for (int n = 0; n < count; n++)
-        call.y[m * call.y_stride + first + n] = finish(w, first + n, call.qx.sums_row(m), acc[m * OUT_BLOCK + n]);
+        call.y[m * call.y_stride + first + n] = finish(w, first + n, n, call.qx.sums_row(m), acc[m]);
   }
 }
 
