@@ -348,8 +348,9 @@ inline void unpack_rows(const Weights& w, const Layout& layout, int first, int c
       continue;
     }
     const uint8_t* p = w.packed + (first + n) * row_bytes + offset;
-    _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH + 64, _MM_HINT_T0);
+    const int64_t ahead = std::max<int64_t>(PREFETCH, OUT_BLOCK * row_bytes);
+    _mm_prefetch(reinterpret_cast<const char*>(p) + ahead, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p) + ahead + 64, _MM_HINT_T0);
     layout.unpack(p, row_bytes - offset, rows[n][0], rows[n][1]);
   }
 }
