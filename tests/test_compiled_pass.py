@@ -79,6 +79,17 @@ def test_compiled_passes_give_the_eager_passes_bits_and_cache(each_model, eager,
         assert mx.array_equal(c.values[..., : c.offset, :], r.values[..., : r.offset, :]).item()
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2 quantized, with biases"])
+def test_one_trace_serves_every_width_and_capacity(name, monkeypatch):
+    """Where every half-layer is one node, passes of widths 1-5 across a grown cache replay a single trace
+    (a trace costs milliseconds; speculation's passes come in dozens of widths)."""
+    traces = []
+    monkeypatch.setattr(compiled_pass, "_traced", _counting(compiled_pass._traced, traces))
+    _, cache = decode(_applied(name))
+    assert cache[0].keys.shape[2] > 256  # the buffers grew, and passes ran at both capacities
+    assert len(traces) == 1
+
+
 def _counting(function, calls: list):
     def counted(*args, **kwargs):
         calls.append(1)

@@ -3,17 +3,18 @@
 On a 2-core CPU the Python that builds a pass's graph (a large share of a small model's step) runs on
 the cores the matmuls use, so it adds to every step and every verification pass; so does each graph
 node's dispatch (a few microseconds). Here a pass of akunu's fused layers (`fused_layers`) is traced
-once per (batch, width, cache capacity) and later passes replay the trace, and each half of a layer
-is one kernel node (kernels.cpp's `attention_half`, `mlp_half`): 2 nodes a layer. Quantized products
-(with or without biases) run inside those nodes too, through quantized.cpp's kernel; float32 layers with
-biases keep their products as nodes around one attention node (`attention_rows`).
+once and later passes replay the trace, and each half of a layer is one kernel node (kernels.cpp's
+`attention_half`, `mlp_half`): 2 nodes a layer. Quantized products (with or without biases) run inside
+those nodes too, through quantized.cpp's kernel. Such a trace is shapeless: one serves every pass width
+and cache capacity. Float32 layers with biases keep their products as nodes around one attention node
+(`attention_rows`), and MLX traces those passes once per (width, capacity). The embedding runs before
+the trace (a quantized one's ops need their shapes).
 The position goes in as an int32 array: the attention node writes the pass's keys and values into the
 cache's buffers in place at it, reads them up to it, and reads RoPE's rows from tables as long as the
 buffers. The kernels and products are the eager fused path's, so the bits are too.
 
 The weights are the trace's constants. A replaced projection is caught before a pass is compiled
-(its stack no longer holds, so nothing is fused); a replaced norm or embedding weight makes a new
-trace. (As `mx.compile`'s implicit inputs they would come back as new Python objects, under the
+(its stack no longer holds, so nothing is fused); a replaced norm weight makes a new trace. (As `mx.compile`'s implicit inputs they would come back as new Python objects, under the
 stacks' identity checks.)
 
 The cache's arrays do not depend on the in-place writes, so each pass is queued as soon as it is
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -71,29 +72,38 @@ def has_room(caches: Sequence[Any], L: int) -> bool:
 @dataclass(frozen=True)
 class _Trace:
     function: Callable
-    constants: tuple[mx.array, ...]  # the norms' and embedding's arrays it was traced with
-    capacity: int  # the caches' capacity it is traced for: a new one makes a new function, so MLX drops
-    # the old traces (they would never be used again, and every call searches the function's traces)
-    coss: list[mx.array]  # each layer's RoPE tables for positions 0..capacity-1
+    constants: tuple[mx.array, ...]  # the norms' arrays it was traced with
+    shapeless: bool  # one trace for every pass width and cache capacity (a trace costs several milliseconds, and
+    # speculation's passes come in dozens of widths): where every half-layer is one node. Else MLX traces each
+    # width, and a new capacity makes a new function (the old traces would never be used again).
+    batch: int  # the layers' kernels take it as a constant
+    capacity: int  # the caches' capacity when traced
+    coss: list[mx.array]  # each layer's RoPE tables for positions 0..n-1, n at least the caches' capacity
     sins: list[mx.array]
+
+    def serves(self, constants: tuple[mx.array, ...], batch: int, capacity: int) -> bool:
+        same = len(self.constants) == len(constants) and all(a is b for a, b in zip(self.constants, constants))
+        return same and self.batch == batch and (self.capacity == capacity or self.shapeless)
 
 
 def run(model: nn.Module, inputs: mx.array, caches: Sequence[KVCache]) -> mx.array:
     """The model's (B, L, D) output for `inputs` (B, L), `has_room` having said yes; the caches advance by L."""
     constants, capacity = _constants(model), caches[0].keys.shape[2]
     compiled = model.__dict__.get(_TRACE)
-    if (
-        compiled is None
-        or compiled.capacity != capacity
-        or len(compiled.constants) != len(constants)
-        or any(a is not b for a, b in zip(compiled.constants, constants))
-    ):
-        coss, sins = _tables(model, capacity, caches[0].keys.shape[3])
-        compiled = _Trace(mx.compile(partial(_traced, model)), constants, capacity, coss, sins)
+    batch = inputs.shape[0]
+    if compiled is None or not compiled.serves(constants, batch, capacity):
+        shapeless = all(block.one_node_halves() for block in model["layers"])
+        function = mx.compile(partial(_traced, model), shapeless=shapeless)
+        tables = _tables(model, capacity, caches[0].keys.shape[3])
+        compiled = _Trace(function, constants, shapeless, batch, capacity, *tables)
         model.__dict__[_TRACE] = compiled
+    elif compiled.capacity < capacity:  # longer tables for grown caches, the same trace
+        tables = _tables(model, capacity, caches[0].keys.shape[3])
+        compiled = model.__dict__[_TRACE] = replace(compiled, capacity=capacity, coss=tables[0], sins=tables[1])
     offset = mx.array([caches[0].offset], mx.int32)
     keys, values = [c.keys for c in caches], [c.values for c in caches]
-    hidden = compiled.function(inputs, offset, keys, values, compiled.coss, compiled.sins)
+    embedded = model["embed_tokens"](inputs)  # outside the trace: a quantized embedding's ops need their shapes
+    hidden = compiled.function(embedded, offset, keys, values, compiled.coss, compiled.sins)
     # The cache's new rows are written by the pass, not by arrays the cache holds: queue the pass now, so
     # they are written even if its output is dropped (prefill's chunks), before any later pass reads them.
     if _queue_passes:
@@ -117,15 +127,15 @@ def unqueued() -> Iterator[None]:
 
 def _constants(model: nn.Module) -> tuple[mx.array, ...]:
     """The arrays a trace holds besides the stacks: the embedding's and every norm's."""
-    modules = [model["embed_tokens"], model["norm"]]  # item lookups: a Module's attribute lookups are slower
+    modules = [model["norm"]]  # item lookups: a Module's attribute lookups are slower
     for block in model["layers"]:
         modules += (block["input_layernorm"], block["post_attention_layernorm"])
     return tuple(v for m in modules for v in m.values() if isinstance(v, mx.array))
 
 
-def _traced(model: nn.Module, inputs, offset, keys, values, coss, sins) -> mx.array:
+def _traced(model: nn.Module, embedded, offset, keys, values, coss, sins) -> mx.array:
     buffers = [CacheBuffers(*layer, offset) for layer in zip(keys, values, coss, sins)]
-    return model.rows_through(model.embed_tokens(inputs), buffers, {False: None})  # the halves are causal themselves
+    return model.rows_through(embedded, buffers, {False: None})  # the halves are causal themselves
 
 
 def _tables(model: nn.Module, capacity: int, head_dim: int) -> tuple[list[mx.array], list[mx.array]]:

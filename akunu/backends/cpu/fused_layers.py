@@ -203,9 +203,14 @@ class AttentionRows:
         buffers = (cache.cos, cache.sin, cache.keys, cache.values, cache.offset)
         if _sgemm(qkv) and _sgemm(o):
             return built.attention_half(x, norm["weight"], norm.eps, qkv.transposed, o.transposed, *buffers, *shape)
-        if _quantized(qkv) and _quantized(o):
+        if _quantized(qkv) and _quantized(o):  # (`one_node` says which of these two applies)
             return built.attention_half_quantized(x, norm["weight"], norm.eps, *_operand(qkv), *_operand(o), *buffers, *shape)
         return o(built.attention_rows(qkv(norm(x)), *buffers, *shape), x)
+
+    def one_node(self) -> bool:
+        """Whether `sublayer` is one kernel node, whose output has the input's shape whatever the pass width."""
+        held = stacks(self)
+        return (_sgemm(held["qkv"]) and _sgemm(held["o"])) or (_quantized(held["qkv"]) and _quantized(held["o"]))
 
     def compiles(self) -> bool:
         """Whether `sublayer` applies: float32 rows, heads of a size the kernels take, and a RoPE over whole heads."""
@@ -272,6 +277,11 @@ class MLPRows:
             return built.mlp_half_quantized(x, norm["weight"], norm.eps, *_operand(gate_up), *_operand(down))
         return down(built.swiglu_halves(gate_up(norm(x))), x)
 
+    def one_node(self) -> bool:
+        """Whether `sublayer` is one kernel node, whose output has the input's shape whatever the pass width."""
+        held = stacks(self)
+        return (_sgemm(held["gate_up"]) and _sgemm(held["down"])) or (_quantized(held["gate_up"]) and _quantized(held["down"]))
+
     def compiles(self) -> bool:
         """Whether `sublayer` applies: products giving float32 rows."""
         held = stacks(self)
@@ -288,6 +298,10 @@ class BlockRows:
         if not self.fused_applies(L, cache):
             return super().__call__(x, mask, cache)
         return self.rows(x.reshape(B * L, D), B, L, mask, cache).reshape(B, L, D)
+
+    def one_node_halves(self) -> bool:
+        """Whether each half runs as one kernel node in a compiled pass (else some products are graph nodes)."""
+        return self["self_attn"].one_node() and self["mlp"].one_node()
 
     def fused_applies(self, L: int, cache: Any) -> bool:
         attention, mlp = self["self_attn"], self["mlp"]
@@ -352,10 +366,10 @@ class ModelRows:
     def rows_through(self, h: mx.array, caches: Sequence[Any], masks: dict[bool, Any]) -> mx.array:
         """The blocks and the final norm over embeddings (B, L, D), as rows between blocks."""
         B, L, D = h.shape
-        rows = h.reshape(B * L, D)
+        rows = h.flatten(0, 1)  # not reshape(B * L, D): compiled passes are traced for any L
         for block, c in zip(self.layers, caches):
             rows = block.rows(rows, B, L, masks[getattr(block, "use_sliding", False)], c)
-        return self.norm(rows).reshape(B, L, D)
+        return self.norm(rows).reshape(B, -1, D)
 
 
 class FusedAttention(AttentionRows, llama.Attention):

@@ -678,6 +678,7 @@ class SwiGLU : public CpuPrimitive {
  public:
   using CpuPrimitive::CpuPrimitive;
   const char* name() const override { return "AkunuSwiGLU"; }
+  std::vector<Shape> output_shapes(const std::vector<array>& in) override { return {in[0].shape()}; }  // shapeless traces
   bool is_equivalent(const Primitive&) const override { return true; }
 
  protected:
@@ -690,6 +691,11 @@ class SwiGLUHalves : public CpuPrimitive {
  public:
   using CpuPrimitive::CpuPrimitive;
   const char* name() const override { return "AkunuSwiGLUHalves"; }
+  std::vector<Shape> output_shapes(const std::vector<array>& in) override {
+    Shape shape = in[0].shape();
+    shape.back() /= 2;
+    return {shape};
+  }
   bool is_equivalent(const Primitive&) const override { return true; }
 
  protected:
@@ -702,6 +708,7 @@ class RMSNorm : public CpuPrimitive {
  public:
   RMSNorm(Stream stream, float eps) : CpuPrimitive(stream), eps_(eps) {}
   const char* name() const override { return "AkunuRMSNorm"; }
+  std::vector<Shape> output_shapes(const std::vector<array>& in) override { return {in[0].shape()}; }  // shapeless traces
   bool is_equivalent(const Primitive& other) const override { return eps_ == static_cast<const RMSNorm&>(other).eps_; }
 
  protected:
@@ -742,6 +749,7 @@ class AttentionHalf : public CpuPrimitive {
       : CpuPrimitive(stream), eps_(eps), wqkv_(std::move(wqkv)), wo_(std::move(wo)), batch_(batch), heads_(heads),
         kv_heads_(kv_heads), traditional_(traditional), scale_(scale) {}
   const char* name() const override { return "AkunuAttentionHalf"; }
+  std::vector<Shape> output_shapes(const std::vector<array>& in) override { return {in[0].shape()}; }  // shapeless traces
   bool is_equivalent(const Primitive&) const override { return false; }  // it writes the cache: never merged
 
  protected:
@@ -763,6 +771,9 @@ class AttentionRows : public CpuPrimitive {
   AttentionRows(Stream stream, int batch, int heads, int kv_heads, bool traditional, float scale)
       : CpuPrimitive(stream), batch_(batch), heads_(heads), kv_heads_(kv_heads), traditional_(traditional), scale_(scale) {}
   const char* name() const override { return "AkunuAttentionRows"; }
+  std::vector<Shape> output_shapes(const std::vector<array>& in) override {
+    return {{in[0].shape(0), heads_ * in[1].shape(1)}};
+  }
   bool is_equivalent(const Primitive&) const override { return false; }  // it writes the cache: never merged
 
  protected:
@@ -783,6 +794,7 @@ class MLPHalf : public CpuPrimitive {
   MLPHalf(Stream stream, float eps, Operand wgate_up, Operand wdown)
       : CpuPrimitive(stream), eps_(eps), wgate_up_(std::move(wgate_up)), wdown_(std::move(wdown)) {}
   const char* name() const override { return "AkunuMLPHalf"; }
+  std::vector<Shape> output_shapes(const std::vector<array>& in) override { return {in[0].shape()}; }  // shapeless traces
   bool is_equivalent(const Primitive& other) const override {
     auto& o = static_cast<const MLPHalf&>(other);
     return eps_ == o.eps_ && wgate_up_ == o.wgate_up_ && wdown_ == o.wdown_;

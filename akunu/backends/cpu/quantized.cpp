@@ -618,6 +618,11 @@ class CpuPrimitive : public Primitive {
   bool is_equivalent(const Primitive& other) const override {
     return bits_ == static_cast<const CpuPrimitive&>(other).bits_ && std::string(name()) == other.name();
   }
+  std::vector<Shape> output_shapes(const std::vector<array>& in) override {  // x's rows times the weights' outputs
+    Shape shape = in[0].shape();
+    shape.back() = in[1].shape(0);
+    return {shape};
+  }
 
  protected:
   using Runner = void (*)(const std::vector<array>&, array&, int);
@@ -657,6 +662,7 @@ class Dequantize : public CpuPrimitive {
  public:
   using CpuPrimitive::CpuPrimitive;
   const char* name() const override { return "AkunuDequantize"; }
+  std::vector<Shape> output_shapes(const std::vector<array>& in) override { return {{in[1].shape(0), in[2].shape(1) * GROUP}}; }
 
  protected:
   Runner runner() const override {
