@@ -319,7 +319,9 @@ def test_quantized_layer_halves_give_the_bits_of_the_nodes_they_replace(kernels,
     position = mx.array([offset], mx.int32)
     shape = (batch, H, KV, False, 0.3)
 
-    half = kernels.attention_half_quantized(x, norm, 1e-5, qkv, qkv_bits, o, o_bits, *tables, keys, values, position, *shape)
+    half = kernels.attention_half_quantized(
+        x, norm, 1e-5, qkv, qkv_bits, o, o_bits, *tables, keys, values, position, *shape
+    )
     mx.eval(half)
     normed = kernels.rms_norm(x, norm, 1e-5)
     attended = kernels.attention_rows(qkv_nodes(normed), *tables, expected_keys, expected_values, position, *shape)

@@ -204,7 +204,9 @@ class AttentionRows:
         if _sgemm(qkv) and _sgemm(o):
             return built.attention_half(x, norm["weight"], norm.eps, qkv.transposed, o.transposed, *buffers, *shape)
         if _quantized(qkv) and _quantized(o):  # (`one_node` says which of these two applies)
-            return built.attention_half_quantized(x, norm["weight"], norm.eps, *_operand(qkv), *_operand(o), *buffers, *shape)
+            return built.attention_half_quantized(
+                x, norm["weight"], norm.eps, *_operand(qkv), *_operand(o), *buffers, *shape
+            )
         return o(built.attention_rows(qkv(norm(x)), *buffers, *shape), x)
 
     def one_node(self) -> bool:
@@ -280,7 +282,9 @@ class MLPRows:
     def one_node(self) -> bool:
         """Whether `sublayer` is one kernel node, whose output has the input's shape whatever the pass width."""
         held = stacks(self)
-        return (_sgemm(held["gate_up"]) and _sgemm(held["down"])) or (_quantized(held["gate_up"]) and _quantized(held["down"]))
+        return (_sgemm(held["gate_up"]) and _sgemm(held["down"])) or (
+            _quantized(held["gate_up"]) and _quantized(held["down"])
+        )
 
     def compiles(self) -> bool:
         """Whether `sublayer` applies: products giving float32 rows."""
