@@ -14,8 +14,9 @@ cache's buffers in place at it, reads them up to it, and reads RoPE's rows from 
 buffers. The kernels and products are the eager fused path's, so the bits are too.
 
 The weights are the trace's constants. A replaced projection is caught before a pass is compiled
-(its stack no longer holds, so nothing is fused); a replaced norm weight makes a new trace. (As `mx.compile`'s implicit inputs they would come back as new Python objects, under the
-stacks' identity checks.)
+(its stack no longer holds, so nothing is fused); a replaced norm weight makes a new trace. (As
+`mx.compile`'s implicit inputs they would come back as new Python objects, under the stacks' identity
+checks.)
 
 The cache's arrays do not depend on the in-place writes, so each pass is queued as soon as it is
 built (`mx.async_eval`): the rows are written before any later pass reads them, even where the
@@ -126,7 +127,7 @@ def unqueued() -> Iterator[None]:
 
 
 def _constants(model: nn.Module) -> tuple[mx.array, ...]:
-    """The arrays a trace holds besides the stacks: the embedding's and every norm's."""
+    """The arrays a trace holds besides the stacks: every norm's."""
     modules = [model["norm"]]  # item lookups: a Module's attribute lookups are slower
     for block in model["layers"]:
         modules += (block["input_layernorm"], block["post_attention_layernorm"])
