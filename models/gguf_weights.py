@@ -11,8 +11,9 @@ Weight policy (the README quotes this):
   llama.cpp's dequantisation value for value. Types with 16-weight groups (Q2_K, Q3_K, Q6_K)
   have no MLX form: "float32" mode dequantizes them exactly; "quantized" mode re-quantizes them
   to MLX affine with group size 32 (not exact: within one step of the new grid): 4-bit for types
-  of at most 5 bits per weight (Q2_K, Q3_K), 8-bit for Q6_K, whose 8-bit step is about a quarter
-  of its own. Held as float32 they would take 3-5x their file size and be read at that width every token.
+  of at most 5 bits per weight (Q2_K, Q3_K), 6-bit for Q6_K (its own width, over groups of two of its
+  16-weight sub-blocks). Held as float32 they would take 3-5x their file size and be read at that
+  width every token.
   Other types (IQ1-IQ3, TQ*, ...) are refused with one line.
 * A quantized tensor that is not a matrix (a relabelled norm, say) is dequantized, never
   handed to MLX as a triple; a dequantized weight that is NaN or infinite means a corrupt file.
@@ -52,9 +53,11 @@ MX_LOAD_TYPES = {
 
 
 def requantize_bits(ggml_type: GGMLQuantizationType) -> int:
-    """MLX bit width for a dequantized GGUF matrix: 4 up to 5 bits/weight, else 8."""
+    """MLX bit width for a GGUF matrix without an exact MLX form: 4 up to 5 bits/weight (Q2_K, Q3_K), 6 up to
+    7 (Q6_K: Qwen2.5's perplexity within 0.1% of llama.cpp's, BENCHMARKS.md), else 8."""
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-    return 4 if type_size * 8 / block_size <= 5.0 else 8
+    per_weight = type_size * 8 / block_size
+    return 4 if per_weight <= 5.0 else 6 if per_weight <= 7.0 else 8
 
 
 # The types akunu decodes and tests; others (IQ1-IQ3, TQ*) are refused rather than trusted untested.
