@@ -165,7 +165,7 @@ void quantized_product_scalar(const float* x, int rows, const Weights& w, float*
 //    first register if c % 4 < 2, else of the second; each lane's 8 values are cut out of the `bits` stream
 //    bytes gathered into it (vpermt2b) by vpmultishiftqb, then masked (8 bits: the gathered bytes).
 // Each (weight row, group) sum is then one exact int32 (`to_quads` or `group_dots` put the block's 4 rows x
-// 4 groups in one register's 16 lanes), so the float work is one convert, multiply and add per 16 groups:
+// 4 groups in one register's 16 lanes), so the float work is one convert, multiply and add per 16 such pairs:
 //   acc[lane 4n + g] += float(dot) * (dx_g * scale_ng)
 // in block order whatever the path, and a row's result does not depend on the rows beside it.
 constexpr int BLOCK = 128;
