@@ -203,7 +203,7 @@ class AttentionRows:
         buffers = (cache.cos, cache.sin, cache.keys, cache.values, cache.offset)
         if _sgemm(qkv) and _sgemm(o):
             return built.attention_half(x, norm["weight"], norm.eps, qkv.transposed, o.transposed, *buffers, *shape)
-        if _quantized(qkv) and _quantized(o):  # (`one_node` says which of these two applies)
+        if _quantized(qkv) and _quantized(o):
             return built.attention_half_quantized(
                 x, norm["weight"], norm.eps, *_operand(qkv), *_operand(o), *buffers, *shape
             )
@@ -212,7 +212,7 @@ class AttentionRows:
     def one_node(self) -> bool:
         """Whether `sublayer` is one kernel node, whose output has the input's shape whatever the pass width."""
         held = stacks(self)
-        return (_sgemm(held["qkv"]) and _sgemm(held["o"])) or (_quantized(held["qkv"]) and _quantized(held["o"]))
+        return _one_node(held["qkv"], held["o"])
 
     def compiles(self) -> bool:
         """Whether `sublayer` applies: float32 rows, heads of a size the kernels take, and a RoPE over whole heads."""
@@ -282,9 +282,7 @@ class MLPRows:
     def one_node(self) -> bool:
         """Whether `sublayer` is one kernel node, whose output has the input's shape whatever the pass width."""
         held = stacks(self)
-        return (_sgemm(held["gate_up"]) and _sgemm(held["down"])) or (
-            _quantized(held["gate_up"]) and _quantized(held["down"])
-        )
+        return _one_node(held["gate_up"], held["down"])
 
     def compiles(self) -> bool:
         """Whether `sublayer` applies: products giving float32 rows."""
@@ -436,6 +434,11 @@ def _sgemm(stack: Stacked) -> bool:
 def _quantized(stack: Stacked) -> bool:
     """Whether a layer half's kernel can run a stack's product itself: quantized parts only, a float32 bias or none."""
     return all(isinstance(p, Quantized) for p in stack.parts) and (stack.bias is None or stack.bias.dtype == mx.float32)
+
+
+def _one_node(*products: Stacked) -> bool:
+    """Whether a layer half's kernel runs all of a sublayer's products itself: all float32 sgemms or all quantized."""
+    return all(map(_sgemm, products)) or all(map(_quantized, products))
 
 
 def _operand(stack: Stacked) -> tuple[list[mx.array], list[int]]:

@@ -339,37 +339,24 @@ struct Unpacked {
   alignas(64) float scales[CHUNK][LANES];
 };
 
-// Weight rows [first, first + count) of blocks [block, block + blocks) as registers of unsigned values (zero past count).
-inline void unpack_rows(const Weights& w, const Layout& layout, int first, int count, int block, __m512i rows[OUT_BLOCK][2]) {
-  const int64_t row_bytes = int64_t(w.row_bytes()), offset = int64_t(block) * 16 * w.bits;
-  for (int n = 0; n < OUT_BLOCK; n++) {
-    if (n >= count) {
-      rows[n][0] = rows[n][1] = _mm512_setzero_si512();
-      continue;
-    }
-    const uint8_t* p = w.packed + (first + n) * row_bytes + offset;
-    const int64_t ahead = std::max<int64_t>(PREFETCH, OUT_BLOCK * row_bytes);
-    _mm_prefetch(reinterpret_cast<const char*>(p) + ahead, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p) + ahead + 64, _MM_HINT_T0);
-    layout.unpack(p, row_bytes - offset, rows[n][0], rows[n][1]);
+// Block `block` of weight row `row` as `unpack`'s two registers (zero past the matrix's rows), asking for the
+// bytes `ahead` further on.
+inline void unpack_block(const Weights& w, const Layout& layout, int row, int block, int64_t ahead, __m512i out[2]) {
+  if (row >= w.outputs) {
+    out[0] = out[1] = _mm512_setzero_si512();
+    return;
   }
+  const int64_t row_bytes = int64_t(w.row_bytes()), offset = int64_t(block) * 16 * w.bits;
+  const uint8_t* p = w.packed + row * row_bytes + offset;
+  _mm_prefetch(reinterpret_cast<const char*>(p) + ahead, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(p) + ahead + 64, _MM_HINT_T0);
+  layout.unpack(p, row_bytes - offset, out[0], out[1]);
 }
 
 void unpack_chunk(const Weights& w, const Layout& layout, int first, int count, int block, int blocks, Unpacked& out) {
   // Row by row along the chunk: long sequential runs (taking the 4 rows block by block is slower at 8 bits).
-  const int64_t row_bytes = int64_t(w.row_bytes());
   for (int n = 0; n < OUT_BLOCK; n++)
-    for (int b = 0; b < blocks; b++) {
-      const int64_t offset = int64_t(block + b) * 16 * w.bits;
-      if (n >= count) {
-        out.rows[b][n][0] = out.rows[b][n][1] = _mm512_setzero_si512();
-        continue;
-      }
-      const uint8_t* p = w.packed + (first + n) * row_bytes + offset;
-      _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH + 64, _MM_HINT_T0);
-      layout.unpack(p, row_bytes - offset, out.rows[b][n][0], out.rows[b][n][1]);
-    }
+    for (int b = 0; b < blocks; b++) unpack_block(w, layout, first + n, block + b, PREFETCH, out.rows[b][n]);
   for (int b = 0; b < blocks; b++) _mm512_store_ps(out.scales[b], block_scales(w, first, count, block + b));
 }
 
@@ -452,11 +439,13 @@ void rows_times_chunk(const QuantizedRows& x, const Unpacked& w, const Layout& l
 // with the same steps per row as `tile`, so the results are the same bits.
 template <int MR>
 void direct(const QuantizedRows& x, const Weights& w, const Layout& layout, int first, __m512* acc) {
+  // A row block ahead: with short rows, PREFETCH bytes on would fall inside the block being read.
+  const int64_t ahead = std::max<int64_t>(PREFETCH, OUT_BLOCK * int64_t(w.row_bytes()));
   __m512 a[MR];
   for (int m = 0; m < MR; m++) a[m] = _mm512_setzero_ps();
   for (int b = 0; b < x.blocks; b++) {
     __m512i rows[OUT_BLOCK][2];
-    unpack_rows(w, layout, first, OUT_BLOCK, b, rows);
+    for (int n = 0; n < OUT_BLOCK; n++) unpack_block(w, layout, first + n, b, ahead, rows[n]);
     rows_times_block<MR>(x, 0, b, rows, block_scales(w, first, OUT_BLOCK, b), layout, a);
   }
   for (int m = 0; m < MR; m++) acc[m] = a[m];
