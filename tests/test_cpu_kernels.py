@@ -278,14 +278,17 @@ def test_an_attention_half_past_the_buffers_writes_nothing(kernels):
         )
 
 
-def _quantized_operand(w: mx.array, widths: tuple[int, ...], bias: mx.array | None = None):
-    """w (outs, ins) cut along its outputs into parts quantized at `widths`, float16 scales as GGUF's: the arrays a
-    layer half takes, its bit widths, and the same product as separate nodes (the eager fused path's)."""
+def _quantized_operand(w: mx.array, widths: tuple[int, ...], bias: mx.array | None = None, centered: int = -1):
+    """w (outs, ins) cut along its outputs into parts quantized at `widths`, float16 scales as GGUF's, part
+    `centered` with its zero point at mid-range and no biases (as Q8_0's reach the kernel): the arrays a layer
+    half takes, its bit widths, and the same product as separate nodes (the eager fused path's)."""
     from akunu.backends.cpu import quantized
 
     arrays, bits, pieces = [], list(widths), []
-    for rows, width in zip(np.array_split(np.arange(w.shape[0]), len(widths)), widths):
+    for part, (rows, width) in enumerate(zip(np.array_split(np.arange(w.shape[0]), len(widths)), widths)):
         packed, scales, biases = mx.quantize(w[int(rows[0]) : int(rows[-1]) + 1].astype(mx.float16), 32, width)
+        if part == centered:
+            biases = quantized.kernel_biases(scales, scales * -(2 ** (width - 1)), width)
         arrays += [packed, scales, biases]
         pieces.append((packed, scales, biases, width))
 
@@ -298,8 +301,8 @@ def _quantized_operand(w: mx.array, widths: tuple[int, ...], bias: mx.array | No
 
 @pytest.mark.parametrize("batch, length, offset", [(1, 1, 0), (1, 5, 17), (2, 17, 230)])
 def test_quantized_layer_halves_give_the_bits_of_the_nodes_they_replace(kernels, batch, length, offset):
-    """Quantized products (parts at two widths, with and without a bias) inside the two nodes of a layer: the
-    bits of the eager path's products, bias and residual adds around akunu's attention and SwiGLU nodes."""
+    """Quantized products (parts at two widths, with and without a bias, one centered) inside the two nodes of a
+    layer: the bits of the eager path's products, bias and residual adds around akunu's attention and SwiGLU nodes."""
     from akunu.backends.cpu import quantized
     from akunu.backends.cpu import rope as cpu_rope
 
@@ -311,7 +314,7 @@ def test_quantized_layer_halves_give_the_bits_of_the_nodes_they_replace(kernels,
     qkv, qkv_bits, qkv_nodes = _quantized_operand(wqkv.T, (4, 8), qkv_bias)
     o, o_bits, o_nodes = _quantized_operand(wo.T, (5,), mx.random.normal((D,), key=mx.random.key(6)))
     gate_up, gate_up_bits, gate_up_nodes = _quantized_operand(wgu.T, (4,))
-    down, down_bits, down_nodes = _quantized_operand(wdown.T, (8, 6))
+    down, down_bits, down_nodes = _quantized_operand(wdown.T, (8, 6), centered=0)
     x = mx.random.normal((batch * length, D), key=mx.random.key(3))
     keys, values = (mx.random.normal((batch, KV, S, hd), key=mx.random.key(i)) for i in (1, 2))
     expected_keys, expected_values = (mx.array(np.array(a)) for a in (keys, values))  # the nodes write these

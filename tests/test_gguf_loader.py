@@ -374,6 +374,20 @@ def test_requantize_bits():
     ]
 
 
+@pytest.mark.parametrize(
+    ("matrix_type", "centered"), [(Q.Q4_0, True), (Q.Q5_0, True), (Q.Q8_0, True), (Q.Q4_1, False), (Q.Q5_1, False)]
+)
+def test_symmetric_types_reach_the_kernel_as_centered_weights(tmp_path, matrix_type, centered):
+    """Each bias of a symmetric type is exactly -2^(bits-1) times its scale, so the kernel skips reading them."""
+    from akunu.backends.cpu import quantized
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, matrix_type=matrix_type, tie=False)
+    model, _ = load_gguf_model(read_gguf(path), quantized=True)
+    for module in (model.model.layers[0].mlp.gate_proj, model.lm_head):
+        assert (quantized.kernel_biases(module.scales, module.biases, module.bits).size == 0) == centered
+
+
 def test_exact_float16_scales_are_held_as_float16_where_the_kernel_reads_them(tmp_path, monkeypatch):
     from akunu import backends
 

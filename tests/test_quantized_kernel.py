@@ -94,6 +94,29 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel, bits):
             np.testing.assert_array_equal(part, together[start : start + rows], err_msg=f"rows {start}:{start + rows}")
 
 
+@pytest.mark.parametrize("bits", (4, 5, 8))
+def test_centered_weights_are_multiplied_without_reading_their_biases(kernel, bits):
+    """Biases each -2^(bits-1) times their scale (GGUF's Q4_0, Q5_0, Q8_0) are left out: the kernel takes the zero
+    point away as an integer, to the reference's arithmetic, each row's result alone, in every path."""
+    packed, scales, _ = _weights(bits, shape=(37, 288))
+    biases = scales * -(2 ** (bits - 1))
+    held = quantized.kernel_biases(scales, biases, bits)
+    assert held.size == 0
+    assert quantized.kernel_biases(scales, biases + 1e-3, bits).shape == biases.shape  # not centered: read as given
+    dense = mx.dequantize(packed, scales, biases, group_size=32, bits=bits)
+    assert mx.array_equal(kernel.dequantize(packed, scales, held, bits), dense).item()
+    x = mx.random.normal((33, 288), key=mx.random.key(5))
+    together = np.asarray(kernel.quantized_product(x, packed, scales, held, bits))
+    expected = quantized.reference_product(x, packed, scales, biases, bits)
+    np.testing.assert_allclose(together, expected, rtol=1e-5, atol=1e-5)
+    scalar = np.asarray(kernel.scalar_product(x, packed, scales, held, bits))
+    np.testing.assert_allclose(scalar, expected, rtol=1e-5, atol=1e-5)
+    for rows in (1, 2, 4, 5, 16):
+        for start in range(0, 33 - rows + 1, rows):
+            part = np.asarray(kernel.quantized_product(x[start : start + rows], packed, scales, held, bits))
+            np.testing.assert_array_equal(part, together[start : start + rows], err_msg=f"rows {start}:{start + rows}")
+
+
 @pytest.mark.parametrize("ggml_type", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.MXFP4], ids=lambda t: t.name)
 def test_gguf_weights_unpack_to_llama_cpps_values(kernel, ggml_type):
     rng = np.random.default_rng(0)

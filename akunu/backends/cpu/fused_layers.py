@@ -65,11 +65,12 @@ class Quantized:
     scales: mx.array
     biases: mx.array
     bits: int
+    kernel_biases: mx.array  # the biases the kernel reads (`quantized.kernel_biases`)
 
     def __call__(self, rows: mx.array) -> mx.array:
         """The kernel's product; rows are fresh outputs of a kernel or op here, so already row-contiguous."""
         if rows.dtype == mx.float32:
-            return quantized.load().quantized_product(rows, self.packed, self.scales, self.biases, self.bits)
+            return quantized.load().quantized_product(rows, self.packed, self.scales, self.kernel_biases, self.bits)
         return mx.quantized_matmul(
             rows, self.packed, self.scales, self.biases, transpose=True, group_size=GROUP, bits=self.bits
         )
@@ -141,7 +142,8 @@ def _stack_part(linears: Sequence[nn.Module]) -> Dense | Quantized:
     if type(linears[0]) is nn.Linear:
         return Dense(_stack_rows(linears, "weight").T)
     packed, scales, biases = (_stack_rows(linears, name) for name in ("weight", "scales", "biases"))
-    return Quantized(packed, scales, biases, linears[0].bits)
+    bits = linears[0].bits
+    return Quantized(packed, scales, biases, bits, quantized.kernel_biases(scales, biases, bits))
 
 
 def _stack_rows(linears: Sequence[nn.Module], name: str) -> mx.array:
@@ -443,7 +445,7 @@ def _one_node(*products: Stacked) -> bool:
 
 def _operand(stack: Stacked) -> tuple[list[mx.array], list[int]]:
     """A quantized stack as a layer half's kernel takes it: (packed, scales, biases) per part, then the bias; the widths."""
-    arrays = [a for p in stack.parts for a in (p.packed, p.scales, p.biases)]
+    arrays = [a for p in stack.parts for a in (p.packed, p.scales, p.kernel_biases)]
     return arrays + ([stack.bias] if stack.bias is not None else []), [p.bits for p in stack.parts]
 
 

@@ -538,8 +538,10 @@ void apply(const Operand& op, const array* w, const array& x, const array* resid
   for (size_t part = 0; part < op.bits.size(); part++) {
     const array &packed = w[3 * part], &scales = w[3 * part + 1];
     const int scale_type = scales.dtype() == float32 ? 0 : scales.dtype() == float16 ? 1 : 2;
+    const array& biases = w[3 * part + 2];  // empty: centered weights, whose zero point the kernel takes away
     quantized_rows_product(x.data<float>(), rows, columns, packed.data<uint8_t>(), scales.data<void>(),
-                           w[3 * part + 2].data<void>(), scale_type, packed.shape(0), op.bits[part], y + column, width);
+                           biases.size() ? biases.data<void>() : nullptr, scale_type, packed.shape(0), op.bits[part],
+                           y + column, width);
     column += packed.shape(0);
   }
   const float* bias = op.bias ? w[3 * op.bits.size()].data<float>() : nullptr;
@@ -903,7 +905,8 @@ Operand quantized_operand(const std::vector<array>& w, const std::vector<int>& b
     const bool ok = (b >= 2 && b <= 8 && b != 7) && columns % 32 == 0 && packed.dtype() == uint32 &&
                     packed.ndim() == 2 && int64_t(packed.shape(1)) * 32 == int64_t(columns) * b &&
                     (type == float32 || type == float16 || type == bfloat16) && biases.dtype() == type &&
-                    scales.ndim() == 2 && scales.shape() == biases.shape() && scales.shape(0) == packed.shape(0) &&
+                    scales.ndim() == 2 && (biases.size() == 0 || scales.shape() == biases.shape()) &&
+                    scales.shape(0) == packed.shape(0) &&
                     scales.shape(1) * 32 == columns && packed.flags().row_contiguous &&
                     scales.flags().row_contiguous && biases.flags().row_contiguous;
     if (!ok) throw std::invalid_argument(name + ": a part must be weights of `columns` quantized in groups of 32");

@@ -89,13 +89,16 @@ float to_float(const void* p, Scale type, size_t i) {
 struct Weights {
   const uint8_t* packed;
   const void* scales;
-  const void* biases;
+  const void* biases;  // null: each bias is -zero() * its scale, a zero point the kernel takes away as an integer
   Scale type;
   int outputs, columns, bits;
   size_t row_bytes() const { return size_t(columns) * bits / 8; }
   int groups() const { return columns / GROUP; }
+  int zero() const { return biases ? 0 : 1 << (bits - 1); }
   float scale(int row, int group) const { return to_float(scales, type, size_t(row) * groups() + group); }
-  float bias(int row, int group) const { return to_float(biases, type, size_t(row) * groups() + group); }
+  float bias(int row, int group) const {
+    return biases ? to_float(biases, type, size_t(row) * groups() + group) : -float(zero()) * scale(row, group);
+  }
 };
 
 template <typename T>
@@ -181,8 +184,9 @@ constexpr int SHARE = 8;       // blocks of weight rows a thread takes at a time
 
 struct Layout {
   int bits;
+  bool centered;  // the weights' zero point is taken away from each group's dot product (`Weights::zero`)
   __m512i x_pick[2], w_pick[2], shifts, mask, nibble, quad_major, pair_rows[2], pair_quads[2];
-  explicit Layout(int b) : bits(b) {
+  explicit Layout(int b, bool centered_ = false) : bits(b), centered(centered_) {
     alignas(64) uint8_t x_picks[2][64], w_picks[2][64], shift[64];
     for (int half = 0; half < 2; half++)
       for (int lane = 0; lane < 8; lane++) {
@@ -282,10 +286,11 @@ inline __m512 block_scales(const Weights& w, int first, int count, int block) {
 }
 
 // x's rows quantized per group, in the blocks' two orders (`q`: as the weights' registers; `quads`: quad k of
-// the block's 4 groups at 16 k, broadcast to every row's lanes), each group's step, and each group's dx * sum(qx).
+// the block's 4 groups at 16 k, broadcast to every row's lanes), each group's step, sum(qx) and dx * sum(qx).
 struct QuantizedRows {
   int rows, blocks, sum_stride;
   Aligned<int8_t> q, quads;
+  Aligned<int32_t> totals;
   Aligned<float> steps, sums;
   QuantizedRows(const float* x, int rows_, int columns, const Layout& layout)
       : rows(rows_),
@@ -293,6 +298,7 @@ struct QuantizedRows {
         sum_stride(blocks * 4 + LANES),
         q(size_t(rows_) * blocks * BLOCK),
         quads(size_t(rows_) * blocks * BLOCK),
+        totals(size_t(rows_) * blocks * 4),
         steps(size_t(rows_) * blocks * 4),
         sums(size_t(rows_) * sum_stride) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
@@ -300,6 +306,7 @@ struct QuantizedRows {
       for (int b = 0; b < blocks; b++) {
         alignas(64) int8_t natural[BLOCK];
         float* step = steps.get() + (size_t(m) * blocks + b) * 4;
+        int32_t* total = totals.get() + (size_t(m) * blocks + b) * 4;
         float* sum = sums.get() + size_t(m) * sum_stride + 4 * b;
         for (int g = 0; g < 4; g++) {
           const int column = b * BLOCK + g * GROUP;
@@ -316,7 +323,8 @@ struct QuantizedRows {
           _mm_store_si128(reinterpret_cast<__m128i*>(natural + g * GROUP), _mm512_cvtepi32_epi8(q_lo));
           _mm_store_si128(reinterpret_cast<__m128i*>(natural + g * GROUP + 16), _mm512_cvtepi32_epi8(q_hi));
           step[g] = d;
-          sum[g] = d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi)));
+          total[g] = _mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
+          sum[g] = d * float(total[g]);
         }
         const __m512i low = _mm512_load_si512(natural), high = _mm512_load_si512(natural + 64);
         const size_t offset = (size_t(m) * blocks + b) * BLOCK;
@@ -331,6 +339,11 @@ struct QuantizedRows {
   const int8_t* quads_row(int m) const { return quads.get() + size_t(m) * blocks * BLOCK; }
   const float* steps_row(int m) const { return steps.get() + size_t(m) * blocks * 4; }
   const float* sums_row(int m) const { return sums.get() + size_t(m) * sum_stride; }
+  // Lane 4n + g: zero * sum(qx) of row m's group g in `block`, what centered weights take from each dot product.
+  __m512i zero_terms(int m, int block, int bits) const {
+    const int32_t* t = totals.get() + (size_t(m) * blocks + block) * 4;
+    return _mm512_slli_epi32(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t))), bits - 1);
+  }
 };
 
 // One chunk of blocks of OUT_BLOCK weight rows, unpacked: per block each row's two registers, then the scales.
@@ -368,7 +381,8 @@ inline __m512i in_register(__m512i v) {
 
 // acc[m] += float(dots of x's row m0 + m with the block's quads) * (dx * scale), for MR rows of x.
 template <int MR>
-inline void rows_times_quads(const QuantizedRows& x, int m0, int block, const __m512i* quads, __m512 scales, __m512* acc) {
+inline void rows_times_quads(const QuantizedRows& x, int m0, int block, const __m512i* quads, __m512 scales,
+                             const Layout& layout, __m512* acc) {
   __m512i dots[MR];
   for (int m = 0; m < MR; m++) dots[m] = _mm512_setzero_si512();
   for (int k = 0; k < QUADS; k++) {
@@ -379,6 +393,7 @@ inline void rows_times_quads(const QuantizedRows& x, int m0, int block, const __
     }
   }
   for (int m = 0; m < MR; m++) {
+    if (layout.centered) dots[m] = _mm512_sub_epi32(dots[m], x.zero_terms(m0 + m, block, layout.bits));
     const __m512 step = _mm512_broadcast_f32x4(_mm_load_ps(x.steps_row(m0 + m) + 4 * block));
     acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[m]), _mm512_mul_ps(step, scales), acc[m]);
   }
@@ -393,8 +408,10 @@ inline void row_times_block(const QuantizedRows& x, int m, int block, const __m5
   __m512i dots[OUT_BLOCK];
   for (int n = 0; n < OUT_BLOCK; n++)
     dots[n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), rows[n][0], x0), rows[n][1], x1);
+  __m512i sums = layout.group_dots(dots);
+  if (layout.centered) sums = _mm512_sub_epi32(sums, x.zero_terms(m, block, layout.bits));
   const __m512 step = _mm512_broadcast_f32x4(_mm_load_ps(x.steps_row(m) + 4 * block));
-  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(layout.group_dots(dots)), _mm512_mul_ps(step, scales), acc);
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(step, scales), acc);
 }
 
 // acc[m] += MR rows of x from m0 times the block's weight rows: one row as `row_times_block`, more sharing quads.
@@ -406,7 +423,7 @@ inline void rows_times_block(const QuantizedRows& x, int m0, int block, const __
   } else {
     __m512i quads[QUADS];
     layout.to_quads(rows, quads);
-    rows_times_quads<MR>(x, m0, block, quads, scales, acc);
+    rows_times_quads<MR>(x, m0, block, quads, scales, layout, acc);
   }
 }
 
@@ -451,15 +468,34 @@ void direct(const QuantizedRows& x, const Weights& w, const Layout& layout, int 
   for (int m = 0; m < MR; m++) acc[m] = a[m];
 }
 
-// Output n of a row: its 4 lanes of acc plus sum_g bias_g * dx_g * sum(qx_g), 16 groups at a time, then summed.
-inline float finish(const Weights& w, int row, int n, const float* sums, const __m512& acc) {
-  __m512 total = _mm512_maskz_loadu_ps(0xf, reinterpret_cast<const float*>(&acc) + 4 * n);
+// [sum t[0], .., sum t[3]]: four vectors' lanes summed together, pairs first (a fourth of four reductions' work).
+inline __m128 sum_each(const __m512 t[OUT_BLOCK]) {
+  // per 128-bit lane: a = [t0, t1, t0, t1] partial sums, b the same of t2 and t3, then c = [t0, t1, t2, t3]
+  const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(t[0], t[1]), _mm512_unpackhi_ps(t[0], t[1]));
+  const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(t[2], t[3]), _mm512_unpackhi_ps(t[2], t[3]));
+  const __m512 c = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 d = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+}
+
+// Outputs first..first + count - 1 of a row: each weight row n's 4 lanes of acc plus
+// sum_g bias_ng * dx_g * sum(qx_g) (none for centered weights), 16 groups at a time, the four totals then reduced together.
+// Rows past `count` repeat the last row: their totals are not stored.
+inline __m128 finish(const Weights& w, int first, int count, const float* sums, const __m512& acc) {
   const int groups = w.groups();
-  for (int g = 0; g < groups; g += LANES) {
-    const __m512 bias = load_scales(w.biases, w.type, size_t(row) * groups + g, std::min(LANES, groups - g));
-    total = _mm512_fmadd_ps(bias, _mm512_loadu_ps(sums + g), total);
+  size_t at[OUT_BLOCK];
+  __m512 total[OUT_BLOCK];
+  for (int n = 0; n < OUT_BLOCK; n++) {
+    at[n] = size_t(first + std::min(n, count - 1)) * groups;
+    total[n] = _mm512_maskz_mov_ps(__mmask16(0xf << (4 * n)), acc);
   }
-  return _mm512_reduce_add_ps(total);
+  for (int g = 0; w.biases && g < groups; g += LANES) {
+    const __m512 sum = _mm512_loadu_ps(sums + g);  // padded past the groups: the biases' zeros meet it
+    const int left = std::min(LANES, groups - g);
+    for (int n = 0; n < OUT_BLOCK; n++)
+      total[n] = _mm512_fmadd_ps(load_scales(w.biases, w.type, at[n] + g, left), sum, total[n]);
+  }
+  return sum_each(total);
 }
 
 // Running sums acc[m] of one block of OUT_BLOCK weight rows: straight from registers for a few rows of x,
@@ -479,6 +515,20 @@ void row_block_sums(const QuantizedRows& qx, const Weights& w, const Layout& lay
     const int blocks = std::min(CHUNK, qx.blocks - block);
     unpack_chunk(w, layout, first, count, block, blocks, buffer);
     rows_times_chunk(qx, buffer, layout, block, blocks, acc);
+  }
+}
+
+// Asks for the scales and biases of the OUT_BLOCK weight rows from `first`: eight short streams beside the weights'
+// that the hardware does not run ahead on (the biases' loads stalled a step's finishing sums).
+inline void prefetch_scales(const Weights& w, int first) {
+  if (first >= w.outputs) return;
+  const size_t size = w.type == Scale::f32 ? 4 : 2, groups = size_t(w.groups());
+  const size_t begin = size_t(first) * groups * size, end = size_t(std::min(first + OUT_BLOCK, w.outputs)) * groups * size;
+  for (const void* base : {w.scales, w.biases}) {
+    if (!base) continue;
+    const uintptr_t start = reinterpret_cast<uintptr_t>(base) + begin, stop = reinterpret_cast<uintptr_t>(base) + end;
+    for (uintptr_t line = start & ~uintptr_t(63); line < stop; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
   }
 }
 
@@ -504,18 +554,20 @@ void product_rows(const void* context, int begin, int end) {
     acc_held = Aligned<__m512>(acc_capacity);
   }
   __m512* acc = acc_held.get();
+  prefetch_scales(w, begin * OUT_BLOCK);
   for (int row_block = begin; row_block < end; row_block++) {
     const int first = row_block * OUT_BLOCK, count = std::min(OUT_BLOCK, w.outputs - first);
+    if (row_block + 1 < end) prefetch_scales(w, first + OUT_BLOCK);  // a row block ahead
     row_block_sums(call.qx, w, call.layout, first, count, *buffer, acc);
+    const __mmask8 outputs = __mmask8(_bzhi_u32(0xf, unsigned(count)));
     for (int m = 0; m < rows; m++)
-      for (int n = 0; n < count; n++)
-        call.y[m * call.y_stride + first + n] = finish(w, first + n, n, call.qx.sums_row(m), acc[m]);
+      _mm_mask_storeu_ps(call.y + m * call.y_stride + first, outputs, finish(w, first, count, call.qx.sums_row(m), acc[m]));
   }
 }
 
 // x's rows quantized once, then blocks of OUT_BLOCK weight rows shared among threads; each weight read once.
 void quantized_product(const float* x, int rows, const Weights& w, float* y, int64_t y_stride) {
-  const Layout layout(w.bits);
+  const Layout layout(w.bits, w.zero() != 0);
   const QuantizedRows qx(x, rows, w.columns, layout);
   const ProductCall call{qx, w, layout, y, y_stride};
   const bool parallel = size_t(w.outputs) * w.columns >= PARALLEL_FROM;
@@ -568,7 +620,8 @@ void dequantize_all(const Weights& w, float* out) {
 }
 
 // For kernels.cpp's layer halves (one node a sublayer): y = x W^T for x's contiguous (rows, columns) and
-// weights of `outputs` rows, scale_type 0/1/2 = float32/float16/bfloat16; y's rows y_stride floats apart.
+// weights of `outputs` rows, scale_type 0/1/2 = float32/float16/bfloat16 (biases null: centered weights); y's rows
+// y_stride floats apart.
 void rows_product(const float* x, int rows, int columns, const uint8_t* packed, const void* scales,
                   const void* biases, int scale_type, int outputs, int bits, float* y, int64_t y_stride) {
   const Scale type = scale_type == 0 ? Scale::f32 : scale_type == 1 ? Scale::f16 : Scale::bf16;
@@ -580,7 +633,8 @@ void rows_product(const float* x, int rows, int columns, const uint8_t* packed, 
 Weights weights_of(const std::vector<array>& in, int bits) {
   const array& packed = in[1];
   const Scale type = in[2].dtype() == float32 ? Scale::f32 : in[2].dtype() == float16 ? Scale::f16 : Scale::bf16;
-  return {packed.data<uint8_t>(), in[2].data<void>(), in[3].data<void>(), type, int(packed.shape(0)),
+  const void* biases = in[3].size() ? in[3].data<void>() : nullptr;  // none: centered weights (`Weights::zero`)
+  return {packed.data<uint8_t>(), in[2].data<void>(), biases, type, int(packed.shape(0)),
           int(packed.shape(1) * 32 / bits), bits};
 }
 
@@ -671,7 +725,9 @@ void check_weights(const array& packed, const array& scales, const array& biases
   if (packed.dtype() != uint32 || biases.dtype() != scale_type ||
       (scale_type != float32 && scale_type != float16 && scale_type != bfloat16))
     throw std::invalid_argument("expected uint32 packed weights with float32, float16 or bfloat16 scales and biases alike");
-  if (packed.ndim() != 2 || scales.ndim() != 2 || scales.shape() != biases.shape() || scales.shape(0) != packed.shape(0) ||
+  const bool centered = biases.size() == 0;  // every bias -2^(bits - 1) times its scale, left to the kernel
+  if (packed.ndim() != 2 || scales.ndim() != 2 || (!centered && scales.shape() != biases.shape()) ||
+      scales.shape(0) != packed.shape(0) ||
       int64_t(packed.shape(1)) * 32 != int64_t(scales.shape(1)) * GROUP * bits)
     throw std::invalid_argument("weights must be one matrix quantized in groups of 32");
   for (auto* a : {&packed, &scales, &biases})

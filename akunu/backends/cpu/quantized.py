@@ -29,7 +29,7 @@ MODULE_NAME = "akunu_quantized_kernels"
 MAX_ROWS = 256  # the kernel beats dequantizing for one float32 product up to here; longer inputs dequantize
 BITS = (2, 3, 4, 5, 6, 8)
 SCALE_TYPES = (mx.float32, mx.float16, mx.bfloat16)
-REVISION = 5  # bumped when the kernel's speed changes, so cost curves are measured again
+REVISION = 6  # bumped when the kernel's speed changes, so cost curves are measured again
 _why_not: list[str] = []
 
 
@@ -76,17 +76,19 @@ def _check(module: ModuleType) -> None:
     w = mx.random.normal((5, 160), key=mx.random.key(1))
     for bits in BITS:
         for dtype in SCALE_TYPES:
-            packed, scales, biases = mx.quantize(w.astype(dtype), group_size=32, bits=bits)
+            packed, scales, affine = mx.quantize(w.astype(dtype), group_size=32, bits=bits)
             if dtype == mx.float32:  # float16 values, so scale * q is exact as in GGUF's types
-                scales, biases = (a.astype(mx.float16).astype(mx.float32) for a in (scales, biases))
-            dense = mx.dequantize(packed, *(a.astype(mx.float32) for a in (scales, biases)), group_size=32, bits=bits)
-            product = module.quantized_product(x, packed, scales, biases, bits)
-            expected = reference_product(x, packed, scales, biases, bits)
-            if not (
-                mx.array_equal(module.dequantize(packed, scales, biases, bits), dense).item()
-                and np.allclose(np.asarray(product), expected, rtol=1e-5, atol=1e-5)
-            ):
-                raise ValueError(f"the {bits}-bit kernel ({dtype} scales) disagrees with the reference")
+                scales, affine = (a.astype(mx.float16).astype(mx.float32) for a in (scales, affine))
+            centered = scales * -(2 ** (bits - 1))  # and the same weights with a zero point at mid-range
+            for biases, held in ((affine, affine), (centered, mx.zeros((0,), dtype))):
+                dense = mx.dequantize(packed, scales.astype(mx.float32), biases.astype(mx.float32), 32, bits)
+                product = module.quantized_product(x, packed, scales, held, bits)
+                expected = reference_product(x, packed, scales, biases, bits)
+                if not (
+                    mx.array_equal(module.dequantize(packed, scales, held, bits), dense).item()
+                    and np.allclose(np.asarray(product), expected, rtol=1e-5, atol=1e-5)
+                ):
+                    raise ValueError(f"the {bits}-bit kernel ({dtype} scales) disagrees with the reference")
 
 
 def reference_product(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array, bits: int) -> np.ndarray:
@@ -122,16 +124,34 @@ def covers(module: nn.Module) -> bool:
     )
 
 
+def kernel_biases(scales: mx.array, biases: mx.array, bits: int) -> mx.array:
+    """The biases the kernel reads: none (an empty array) where each is -2**(bits - 1) times its scale
+    (GGUF's Q4_0, Q5_0 and Q8_0: a zero point at mid-range, which the kernel takes away as an integer,
+    so a step reads a sixteenth of a byte less per weight), else `biases`."""
+    if mx.array_equal(biases, scales * -(2 ** (bits - 1))).item():  # exact: a power of two (inf never equals)
+        return mx.zeros((0,), biases.dtype)
+    return biases
+
+
+def _layer_biases(layer: nn.Module) -> mx.array:
+    """`kernel_biases` of a layer, worked out once per biases array it holds."""
+    held = layer.__dict__.get("_akunu_kernel_biases")
+    if held is None or held[0] is not layer["biases"]:
+        held = (layer["biases"], kernel_biases(layer["scales"], layer["biases"], layer.bits))
+        layer.__dict__["_akunu_kernel_biases"] = held
+    return held[1]
+
+
 def product(x: mx.array, layer: nn.Module) -> mx.array:
     """x @ W^T for a covered layer's weights, through the kernel for few rows, else one float32 product."""
     kernel = load()
     rows = x.size // x.shape[-1] if x.size else 0
     if x.dtype != mx.float32:
         return None
+    weights = (layer["weight"], layer["scales"], _layer_biases(layer))
     if rows <= MAX_ROWS:
-        return kernel.quantized_product(mx.contiguous(x), layer["weight"], layer["scales"], layer["biases"], layer.bits)
-    dense = kernel.dequantize(layer["weight"], layer["scales"], layer["biases"], layer.bits)
-    return x @ dense.T
+        return kernel.quantized_product(mx.contiguous(x), *weights, layer.bits)
+    return x @ kernel.dequantize(*weights, layer.bits).T
 
 
 class CpuQuantizedLinear(nn.QuantizedLinear):
