@@ -1,11 +1,13 @@
 """How fast akunu's quantized `x @ Wᵀ` kernel (akunu/backends/cpu/quantized.cpp) reads weights, by rows of x.
 
     .venv/bin/python scripts/quantized_rows.py [--bits 4 5 8] [--rows 1 4 16 33] [--layers 24] [--reps 5] [--mlx]
-        [--scales float32|float16] [--cpu-time]
+        [--scales float32|float16] [--centered] [--cpu-time]
 
 The weights are Qwen2.5-0.5B's layer products (q 896x896, k and v 128x896, o 896x896, gate and up
 4864x896, down 896x4864), `--layers` sets of them at each bit width with float32 (or --scales float16)
-scales and biases (group 32), so they stream from memory as in a decode step. All products of one repetition are one
+scales and biases (group 32), so they stream from memory as in a decode step. --centered gives every group
+a zero point at mid-range (biases -2^(bits-1) times the scales: GGUF's Q4_0, Q5_0 and Q8_0), which the
+kernel reads without the biases. All products of one repetition are one
 MLX evaluation; best of --reps. GB/s counts the bytes the weights occupy (packed + scales + biases),
 against the machine's copy bandwidth (numpy copying a 512 MB array: read + write bytes per second).
 --mlx also times MLX's own quantized_matmul on the same weights. Prefill-sized row counts (over
@@ -46,12 +48,14 @@ def _timed(run) -> float:
     return CLOCK[0]() - start
 
 
-def quantized_layers(bits: int, layers: int, scales=mx.float32) -> list[tuple[mx.array, mx.array, mx.array]]:
+def quantized_layers(bits: int, layers: int, scales=mx.float32, centered=False) -> list[tuple[mx.array, ...]]:
+    """(packed, scales, biases as the kernel reads them) for each product."""
     out = []
     for layer in range(layers):
         for i, shape in enumerate(SHAPES):
             w = mx.random.normal(shape, key=mx.random.key(layer * 16 + i)) * 0.05
-            out.append(mx.quantize(w.astype(scales), group_size=32, bits=bits))
+            packed, s, b = mx.quantize(w.astype(scales), group_size=32, bits=bits)
+            out.append((packed, s, quantized.kernel_biases(s, s * -(2 ** (bits - 1)), bits) if centered else b))
     mx.eval(out)
     return out
 
@@ -84,6 +88,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--mlx", action="store_true", help="also time mx.quantized_matmul")
     parser.add_argument("--scales", choices=["float32", "float16"], default="float32")
+    parser.add_argument(
+        "--centered", action="store_true", help="weights with a mid-range zero point, read without biases"
+    )
     parser.add_argument("--cpu-time", action="store_true", help="time CPU seconds, not the wall clock")
     args = parser.parse_args()
     if args.cpu_time:
@@ -94,7 +101,7 @@ def main() -> None:
     print(f"copy bandwidth: {copy_bandwidth():.1f} GB/s (read + write)")
     print("bits rows      ms   GB/s   MLX ms")
     for bits in args.bits:
-        weights = quantized_layers(bits, args.layers, getattr(mx, args.scales))
+        weights = quantized_layers(bits, args.layers, getattr(mx, args.scales), args.centered)
         nbytes = sum(a.nbytes for triple in weights for a in triple)
         for rows in args.rows:
             ours = seconds(
@@ -103,7 +110,9 @@ def main() -> None:
             mlx = ""
             if args.mlx:
                 theirs = seconds(
-                    lambda x, p, s, b, bits=bits: mx.quantized_matmul(x, p, s, b, group_size=32, bits=bits),
+                    lambda x, p, s, b, bits=bits: mx.quantized_matmul(
+                        x, p, s, b if b.size else s * -(2 ** (bits - 1)), group_size=32, bits=bits
+                    ),
                     weights,
                     rows,
                     args.reps,
