@@ -128,9 +128,12 @@ def kernel_biases(scales: mx.array, biases: mx.array, bits: int) -> mx.array:
     """The biases the kernel reads: none (an empty array) where each is -2**(bits - 1) times its scale
     (GGUF's Q4_0, Q5_0 and Q8_0: a zero point at mid-range, which the kernel takes away as an integer,
     so a step reads a sixteenth of a byte less per weight), else `biases`."""
-    if mx.array_equal(biases, scales * -(2 ** (bits - 1))).item():  # exact: a power of two (inf never equals)
-        return mx.zeros((0,), biases.dtype)
-    return biases
+    rows = max(1, 2**16 // max(1, scales.shape[-1]))  # by rows: no temporary as large as the scales (peak memory)
+    for first in range(0, scales.shape[0], rows):
+        part = slice(first, first + rows)  # times a power of two: exact (and inf never equals)
+        if not mx.array_equal(biases[part], scales[part] * -(2 ** (bits - 1))).item():
+            return biases
+    return mx.zeros((0,), biases.dtype)
 
 
 def _layer_biases(layer: nn.Module) -> mx.array:
