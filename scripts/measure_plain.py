@@ -1,6 +1,6 @@
 """Issue 19's targets in one command: akunu's plain decoding against mlx-lm's, short and long prompts.
 
-    .venv/bin/python scripts/measure_plain.py [--model smollm2-135m] [--limit 2] [--tokens 48]
+    .venv/bin/python scripts/measure_plain.py [--model smollm2-135m] [--limit 2] [--long N] [--tokens 48]
 
 On one loaded model (float32 by default), for each prompt of the shipped short workloads
 (chat, code-edit: 40-550 tokens) and of benchmarks/long-context.jsonl (shipped summarize and
@@ -44,13 +44,14 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--limit", type=int, default=2, help="prompts per category")
+    parser.add_argument("--long", type=int, help="long prompts (default: twice --limit)")
     parser.add_argument("--tokens", type=int, default=48)
     args = parser.parse_args()
     loaded = load_model(args.model, dtype=args.dtype)
     engine = ModelEngine(loaded.model, loaded.tokenizer, max_tokens=args.tokens, context_length=loaded.context_length)
     groups = {
         "short": select(shipped_workload(), ("chat", "code-edit"), args.limit),
-        "long": load_workload(LONG_PROMPTS)[: 2 * args.limit],
+        "long": load_workload(LONG_PROMPTS)[: 2 * args.limit if args.long is None else args.long],
     }
     measure(engine, engine.encode(groups["short"][0]), False)  # warm-up
     overall: dict[str, list[float]] = {}

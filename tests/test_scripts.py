@@ -80,7 +80,7 @@ def test_profile_step_splits_a_step_by_kind(model_home):
 
 
 def test_measure_plain_reports_the_targets(model_home):
-    out = run_script("scripts/measure_plain.py", "--limit", "1", "--tokens", "4")
+    out = run_script("scripts/measure_plain.py", "--limit", "1", "--long", "1", "--tokens", "4")
     groups = {record["group"]: record for record in map(json.loads, out.splitlines())}
     assert list(groups) == ["short", "long"] + ["overall"]
     assert min(groups["long"]["prompt_tokens"]) > 1000 > max(groups["short"]["prompt_tokens"])
