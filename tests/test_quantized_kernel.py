@@ -94,6 +94,18 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel, bits):
             np.testing.assert_array_equal(part, together[start : start + rows], err_msg=f"rows {start}:{start + rows}")
 
 
+@pytest.mark.parametrize("rows", (1, 33))
+def test_a_product_shared_among_threads_gives_each_output_the_bits_of_a_lone_product(kernel, rows):
+    """1030 x 288 weights are over the size that the pool's threads share (claims of a quarter of the blocks of 4
+    rows, the last block partial); each half alone is under it, so computed by one thread."""
+    packed, scales, biases = _weights(4, shape=(1030, 288))
+    x = mx.random.normal((rows, 288), key=mx.random.key(rows))
+    whole = np.asarray(kernel.quantized_product(x, packed, scales, biases, 4))
+    for lo, hi in ((0, 516), (516, 1030)):  # at a block's edge: an output's rounding follows its place in its block
+        half = [mx.array(np.asarray(a[lo:hi])) for a in (packed, scales, biases)]
+        np.testing.assert_array_equal(np.asarray(kernel.quantized_product(x, *half, 4)), whole[:, lo:hi])
+
+
 @pytest.mark.parametrize("bits", (4, 5, 8))
 def test_centered_weights_are_multiplied_without_reading_their_biases(kernel, bits):
     """Biases each -2^(bits-1) times their scale (GGUF's Q4_0, Q5_0, Q8_0) are left out: the kernel takes the zero

@@ -180,7 +180,9 @@ constexpr int CHUNK = 8;       // blocks of columns unpacked at a time (stays in
 constexpr int DIRECT_ROWS = 4; // up to this many rows, weights are used straight from registers
 constexpr int DIRECT_BITS = 5; // wider weights (two loads a block) run faster through the buffer
 constexpr int PREFETCH = 1024; // bytes ahead along a weight row that a path asks for
-constexpr int SHARE = 8;       // blocks of weight rows a thread takes at a time (a busy core's share moves to the other)
+constexpr int SHARE = 8;       // blocks of weight rows a thread takes at a time, at least
+constexpr int CLAIMS = 4;      // a product's row blocks go in quarters: each claim starts cold (its first weights not
+                               // yet asked for, the prefetchers retraining), and four still let one core cover a busy one
 
 struct Layout {
   int bits;
@@ -571,7 +573,8 @@ void quantized_product(const float* x, int rows, const Weights& w, float* y, int
   const QuantizedRows qx(x, rows, w.columns, layout);
   const ProductCall call{qx, w, layout, y, y_stride};
   const bool parallel = size_t(w.outputs) * w.columns >= PARALLEL_FROM;
-  parallel_for(product_rows, &call, (w.outputs + OUT_BLOCK - 1) / OUT_BLOCK, SHARE, parallel);
+  const int blocks = (w.outputs + OUT_BLOCK - 1) / OUT_BLOCK;
+  parallel_for(product_rows, &call, blocks, std::max(SHARE, (blocks + CLAIMS - 1) / CLAIMS), parallel);
 }
 #else
 void quantized_product(const float* x, int rows, const Weights& w, float* y, int64_t y_stride) {
