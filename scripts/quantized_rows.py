@@ -55,7 +55,9 @@ def quantized_layers(bits: int, layers: int, scales=mx.float32, centered=False) 
         for i, shape in enumerate(SHAPES):
             w = mx.random.normal(shape, key=mx.random.key(layer * 16 + i)) * 0.05
             packed, s, b = mx.quantize(w.astype(scales), group_size=32, bits=bits)
-            out.append((packed, s, quantized.kernel_biases(s, s * -(2 ** (bits - 1)), bits) if centered else b))
+            out.append(
+                (packed, s, quantized.kernel_biases(s, quantized.centered_biases(s, bits), bits) if centered else b)
+            )
     mx.eval(out)
     return out
 
@@ -111,7 +113,7 @@ def main() -> None:
             if args.mlx:
                 theirs = seconds(
                     lambda x, p, s, b, bits=bits: mx.quantized_matmul(
-                        x, p, s, b if b.size else s * -(2 ** (bits - 1)), group_size=32, bits=bits
+                        x, p, s, b if b.size else quantized.centered_biases(s, bits), group_size=32, bits=bits
                     ),
                     weights,
                     rows,

@@ -79,7 +79,7 @@ def _check(module: ModuleType) -> None:
             packed, scales, affine = mx.quantize(w.astype(dtype), group_size=32, bits=bits)
             if dtype == mx.float32:  # float16 values, so scale * q is exact as in GGUF's types
                 scales, affine = (a.astype(mx.float16).astype(mx.float32) for a in (scales, affine))
-            centered = scales * -(2 ** (bits - 1))  # and the same weights with a zero point at mid-range
+            centered = centered_biases(scales, bits)  # and the same weights with a zero point at mid-range
             for biases, held in ((affine, affine), (centered, mx.zeros((0,), dtype))):
                 dense = mx.dequantize(packed, scales.astype(mx.float32), biases.astype(mx.float32), 32, bits)
                 product = module.quantized_product(x, packed, scales, held, bits)
@@ -124,14 +124,18 @@ def covers(module: nn.Module) -> bool:
     )
 
 
+def centered_biases(scales: mx.array, bits: int) -> mx.array:
+    """The biases of weights whose zero point is at mid-range (GGUF's symmetric Q4_0, Q5_0, Q8_0)."""
+    return scales * -(2 ** (bits - 1))
+
+
 def kernel_biases(scales: mx.array, biases: mx.array, bits: int) -> mx.array:
-    """The biases the kernel reads: none (an empty array) where each is -2**(bits - 1) times its scale
-    (GGUF's Q4_0, Q5_0 and Q8_0: a zero point at mid-range, which the kernel takes away as an integer,
-    so a step reads a sixteenth of a byte less per weight), else `biases`."""
+    """The biases the kernel reads: none (an empty array) where they are `centered_biases` (a zero point
+    the kernel takes away as an integer, so a step reads a sixteenth of a byte less per weight), else `biases`."""
     rows = max(1, 2**16 // max(1, scales.shape[-1]))  # by rows: no temporary as large as the scales (peak memory)
     for first in range(0, scales.shape[0], rows):
         part = slice(first, first + rows)  # times a power of two: exact (and inf never equals)
-        if not mx.array_equal(biases[part], scales[part] * -(2 ** (bits - 1))).item():
+        if not mx.array_equal(biases[part], centered_biases(scales[part], bits)).item():
             return biases
     return mx.zeros((0,), biases.dtype)
 
