@@ -83,10 +83,16 @@ def test_the_scalar_fallback_computes_the_same_sums(kernel, bits):
     )
 
 
-@pytest.mark.parametrize("bits", (4, 5, 8))
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel, bits):
-    packed, scales, biases = _weights(bits, shape=(37, 288))  # 37 outputs, 9 groups: partial blocks both ways
-    x = mx.random.normal((33, 288), key=mx.random.key(7))
+# 37 outputs, and 9 or 129 groups: partial blocks both ways; 4,128 columns are rows long enough (of every width) that
+# a single row of x reads them one after another.
+COLUMNS = (288, 4128)
+
+
+@pytest.mark.parametrize("columns", COLUMNS)
+@pytest.mark.parametrize("bits", quantized.BITS)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel, bits, columns):
+    packed, scales, biases = _weights(bits, shape=(37, columns))
+    x = mx.random.normal((33, columns), key=mx.random.key(7))
     together = np.asarray(kernel.quantized_product(x, packed, scales, biases, bits))
     for rows in (1, 2, 3, 4, 5, 7, 16):  # each path: one row, direct, tiles of 8 and their remainders
         for start in range(0, 33 - rows + 1, rows):
@@ -106,18 +112,19 @@ def test_a_product_shared_among_threads_gives_each_output_the_bits_of_a_lone_pro
         np.testing.assert_array_equal(np.asarray(kernel.quantized_product(x, *half, 4)), whole[:, lo:hi])
 
 
-@pytest.mark.parametrize("bits", (4, 5, 8))
-def test_centered_weights_are_multiplied_without_reading_their_biases(kernel, bits):
+@pytest.mark.parametrize("columns", COLUMNS)
+@pytest.mark.parametrize("bits", quantized.BITS)
+def test_centered_weights_are_multiplied_without_reading_their_biases(kernel, bits, columns):
     """Biases each -2^(bits-1) times their scale (GGUF's Q4_0, Q5_0, Q8_0) are left out: the kernel takes the zero
     point away as an integer, to the reference's arithmetic, each row's result alone, in every path."""
-    packed, scales, _ = _weights(bits, shape=(37, 288))
+    packed, scales, _ = _weights(bits, shape=(37, columns))
     biases = scales * -(2 ** (bits - 1))
     held = quantized.kernel_biases(scales, biases, bits)
     assert held.size == 0
     assert quantized.kernel_biases(scales, biases + 1e-3, bits).shape == biases.shape  # not centered: read as given
     dense = mx.dequantize(packed, scales, biases, group_size=32, bits=bits)
     assert mx.array_equal(kernel.dequantize(packed, scales, held, bits), dense).item()
-    x = mx.random.normal((33, 288), key=mx.random.key(5))
+    x = mx.random.normal((33, columns), key=mx.random.key(5))
     together = np.asarray(kernel.quantized_product(x, packed, scales, held, bits))
     expected = quantized.reference_product(x, packed, scales, biases, bits)
     np.testing.assert_allclose(together, expected, rtol=1e-5, atol=1e-5)

@@ -179,6 +179,7 @@ constexpr int ROW_TILE = 8;    // rows of x sharing a block's weights in registe
 constexpr int CHUNK = 8;       // blocks of columns unpacked at a time (stays in L1 with x's rows)
 constexpr int DIRECT_ROWS = 4; // up to this many rows, weights are used straight from registers
 constexpr int DIRECT_BITS = 5; // wider weights (two loads a block) run faster through the buffer
+constexpr int LONG_ROW = 1024; // bytes: a single row of x reads weight rows this long one after another (`one_row`)
 constexpr int PREFETCH = 1024; // bytes ahead along a weight row that a path asks for
 constexpr int SHARE = 8;       // blocks of weight rows a thread takes at a time, at least
 constexpr int CLAIMS = 4;      // a product's row blocks go in quarters: each claim starts cold (its first weights not
@@ -470,6 +471,48 @@ void direct(const QuantizedRows& x, const Weights& w, const Layout& layout, int 
   for (int m = 0; m < MR; m++) acc[m] = a[m];
 }
 
+// One row of x against weight row `row` (zero past the matrix): lane g sums group g of every block, in the order and
+// with the steps `row_times_block` gives lane 4n + g, so the results are the same bits. The row is read start to end:
+// four long rows read side by side are four streams, which the memory system serves at half the speed of one.
+inline __m128 row_sums(const QuantizedRows& x, const Weights& w, const Layout& layout, int row) {
+  __m128 acc = _mm_setzero_ps();
+  if (row >= w.outputs) return acc;
+  const int groups = w.groups();
+  const int8_t* q = x.q_row(0);
+  for (int b = 0; b < x.blocks; b += OUT_BLOCK) {
+    const int count = std::min(OUT_BLOCK, x.blocks - b);
+    __m512i dots[OUT_BLOCK];
+    for (int k = 0; k < OUT_BLOCK; k++) {
+      dots[k] = _mm512_setzero_si512();
+      if (k >= count) continue;
+      __m512i weights[2];
+      unpack_block(w, layout, row, b + k, PREFETCH, weights);
+      const int8_t* xq = q + size_t(b + k) * BLOCK;
+      dots[k] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dots[k], weights[0], _mm512_load_si512(xq)), weights[1],
+                                    _mm512_load_si512(xq + 64));
+    }
+    __m512i sums = layout.group_dots(dots);  // lane 4k + g: group g of block b + k
+    const __mmask16 lanes = __mmask16(_bzhi_u32(0xffffu, unsigned(4 * count)));
+    if (layout.centered)
+      sums = _mm512_sub_epi32(sums, _mm512_slli_epi32(_mm512_maskz_loadu_epi32(lanes, x.totals.get() + 4 * b), layout.bits - 1));
+    const int left = std::clamp(groups - 4 * b, 0, LANES);
+    const __m512 scales = load_scales(w.scales, w.type, size_t(row) * groups + 4 * b, left);
+    alignas(64) float terms[LANES], factors[LANES];
+    _mm512_store_ps(terms, _mm512_cvtepi32_ps(sums));
+    _mm512_store_ps(factors, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, x.steps_row(0) + 4 * b), scales));
+    for (int k = 0; k < count; k++)  // block by block, as one lane of row_times_block adds them
+      acc = _mm_fmadd_ps(_mm_load_ps(terms + 4 * k), _mm_load_ps(factors + 4 * k), acc);
+  }
+  return acc;
+}
+
+// One row of x against OUT_BLOCK long weight rows, each read whole in turn (`row_sums`), in `row_times_block`'s lanes.
+inline void one_row(const QuantizedRows& x, const Weights& w, const Layout& layout, int first, __m512* acc) {
+  __m512 a = _mm512_setzero_ps();
+  for (int n = 0; n < OUT_BLOCK; n++) a = _mm512_mask_broadcast_f32x4(a, __mmask16(0xf << (4 * n)), row_sums(x, w, layout, first + n));
+  acc[0] = a;
+}
+
 // [sum t[0], .., sum t[3]]: four vectors' lanes summed together, pairs first (a fourth of four reductions' work).
 inline __m128 sum_each(const __m512 t[OUT_BLOCK]) {
   // per 128-bit lane: a = [t0, t1, t0, t1] partial sums, b the same of t2 and t3, then c = [t0, t1, t2, t3]
@@ -504,6 +547,7 @@ inline __m128 finish(const Weights& w, int first, int count, const float* sums, 
 // else unpacked CHUNK blocks of columns at a time into a buffer that stays in L1 with the rows it meets.
 void row_block_sums(const QuantizedRows& qx, const Weights& w, const Layout& layout, int first, int count,
                     Unpacked& buffer, __m512* acc) {
+  if (qx.rows == 1 && w.row_bytes() >= LONG_ROW) return one_row(qx, w, layout, first, acc);
   if (count == OUT_BLOCK && qx.rows <= DIRECT_ROWS && w.bits <= DIRECT_BITS) {
     switch (qx.rows) {
       case 1: return direct<1>(qx, w, layout, first, acc);
