@@ -226,26 +226,17 @@ struct Layout {
     nibble = _mm512_set1_epi8(0x0f);
   }
 
-  // The block of `bytes_left` (or more) stream bytes at p, as the two registers of unsigned values. Inside a row the
-  // loads are plain: masked ones cost a core a sixth of its speed at 5 bits.
+  // The block of `bytes_left` (or more) stream bytes at p, as the two registers of unsigned values.
   inline void unpack(const uint8_t* p, int64_t bytes_left, __m512i& first, __m512i& second) const {
     const int64_t bytes = std::min<int64_t>(bytes_left, 16 * bits);
+    const __m512i low = _mm512_maskz_loadu_epi8(_bzhi_u64(~0ull, unsigned(std::min<int64_t>(bytes, 64))), p);
     if (bits == 4) {
-      const __m512i low = bytes == 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(_bzhi_u64(~0ull, unsigned(bytes)), p);
       first = _mm512_and_si512(low, nibble);
       second = _mm512_and_si512(_mm512_srli_epi16(low, 4), nibble);
       return;
     }
-    __m512i low, high;
-    if (bits >= 5 && bytes == 16 * bits) {
-      low = _mm512_loadu_si512(p);
-      high = bits == 8   ? _mm512_loadu_si512(p + 64)
-             : bits == 6 ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64)))
-                         : _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64)));
-    } else {
-      low = _mm512_maskz_loadu_epi8(_bzhi_u64(~0ull, unsigned(std::min<int64_t>(bytes, 64))), p);
-      high = bytes > 64 ? _mm512_maskz_loadu_epi8(_bzhi_u64(~0ull, unsigned(bytes - 64)), p + 64) : _mm512_setzero_si512();
-    }
+    const __m512i high =
+        bytes > 64 ? _mm512_maskz_loadu_epi8(_bzhi_u64(~0ull, unsigned(bytes - 64)), p + 64) : _mm512_setzero_si512();
     first = _mm512_permutex2var_epi8(low, w_pick[0], high);
     second = _mm512_permutex2var_epi8(low, w_pick[1], high);
     if (bits == 8) return;
