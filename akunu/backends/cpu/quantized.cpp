@@ -543,8 +543,9 @@ inline __m128 finish(const Weights& w, int first, int count, const float* sums, 
   return sum_each(total);
 }
 
-// Running sums acc[m] of one block of OUT_BLOCK weight rows: straight from registers for a few rows of x,
-// else unpacked CHUNK blocks of columns at a time into a buffer that stays in L1 with the rows it meets.
+// Running sums acc[m] of one block of OUT_BLOCK weight rows: for one row of x against long rows, a weight row at a
+// time; straight from registers for a few rows of x; else unpacked CHUNK blocks of columns at a time into a buffer
+// that stays in L1 with the rows it meets.
 void row_block_sums(const QuantizedRows& qx, const Weights& w, const Layout& layout, int first, int count,
                     Unpacked& buffer, __m512* acc) {
   if (qx.rows == 1 && w.row_bytes() >= LONG_ROW) return one_row(qx, w, layout, first, acc);
