@@ -110,6 +110,28 @@ def test_a_replaced_norm_or_embedding_weight_is_used_at_once(model, eager):
     assert all(mx.array_equal(a, b).item() for a, b in zip(compiled, reference))
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2 quantized, with biases"])
+def test_a_projection_replaced_between_passes_is_used_at_once(name):
+    """The model remembers what its last check of the fused path saw (`fused_layers.Binding`); arrays an adapter
+    loads, or a projection module swapped in (as LoRA swaps them), must still be the ones the next pass uses."""
+
+    def replace_projections(model):
+        layers = model.model.layers
+        k_proj = layers[1].self_attn.k_proj
+        k_proj.update({name: array * 1.5 for name, array in k_proj.parameters().items() if array.dtype != mx.uint32})
+        layers[0].mlp.down_proj = layers[1].mlp.down_proj
+
+    model, reference = _applied(name), _applied(name)
+    decode(model, passes=3)
+    replace_projections(model)
+    replace_projections(reference)  # before its first pass
+    replaced, _ = decode(model, passes=3)
+    expected, _ = decode(reference, passes=3)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(replaced, expected))
+    first, _ = decode(_applied(name), passes=3)
+    assert not mx.array_equal(first[0], expected[0]).item()
+
+
 def test_caches_a_compiled_pass_cannot_take():
     """Layers at different offsets (an interrupt between layers), a full buffer, an empty or foreign cache."""
 

@@ -87,9 +87,10 @@ class _Trace:
         return same and self.batch == batch and (self.capacity == capacity or self.shapeless)
 
 
-def run(model: nn.Module, inputs: mx.array, caches: Sequence[KVCache]) -> mx.array:
-    """The model's (B, L, D) output for `inputs` (B, L), `has_room` having said yes; the caches advance by L."""
-    constants, capacity = _constants(model), caches[0].keys.shape[2]
+def run(model: nn.Module, inputs: mx.array, caches: Sequence[KVCache], constants: tuple[mx.array, ...]) -> mx.array:
+    """The model's (B, L, D) output for `inputs` (B, L), `has_room` having said yes, `constants` being the model's
+    `constants`; the caches advance by L."""
+    capacity = caches[0].keys.shape[2]
     compiled = model.__dict__.get(_TRACE)
     batch = inputs.shape[0]
     if compiled is None or not compiled.serves(constants, batch, capacity):
@@ -126,7 +127,7 @@ def unqueued() -> Iterator[None]:
         _queue_passes = True
 
 
-def _constants(model: nn.Module) -> tuple[mx.array, ...]:
+def constants(model: nn.Module) -> tuple[mx.array, ...]:
     """The arrays a trace holds besides the stacks: every norm's."""
     modules = [model["norm"]]  # item lookups: a Module's attribute lookups are slower
     for block in model["layers"]:

@@ -30,6 +30,7 @@ modes or group sizes), and weights replaced since `fuse` (a loaded adapter) take
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -344,11 +345,11 @@ class ModelRows:
         if input_embeddings is not None or cache is None or getattr(self, "pipeline_size", 1) != 1:
             return super().__call__(inputs, cache, input_embeddings)
         L = inputs.shape[1]
-        blocks = tuple(zip(self.layers, cache))
-        if not all(isinstance(block, BlockRows) and block.fused_applies(L, c) for block, c in blocks):
+        binding = self._binding(L, cache)
+        if binding is None:
             return super().__call__(inputs, cache, input_embeddings)
-        if self._compiles(cache, L):
-            return compiled_pass.run(self, inputs, cache)
+        if self._compiles(cache, L, binding):
+            return compiled_pass.run(self, inputs, cache, binding.constants)
         h = self.embed_tokens(inputs)
         mask = self.mlx_module.create_attention_mask
         masks = {False: mask(h, cache[getattr(self, "fa_idx", 0)])}  # by use_sliding, as mlx-lm's loop
@@ -356,7 +357,23 @@ class ModelRows:
             masks[True] = mask(h, cache[self.swa_idx], window_size=self.sliding_window)
         return self.rows_through(h, cache, masks)
 
-    def _compiles(self, cache: Sequence[Any], L: int) -> bool:
+    def _binding(self, L: int, cache: Sequence[Any]) -> Binding | None:
+        """What an L-token pass rests on where every block's fused path applies, else None. Checking every block
+        walks each layer's arrays in Python (half a millisecond a step on SmolLM2's 30), so a pass whose
+        model still holds the last check's identities (`Binding`) skips it."""
+        if L > MAX_ROWS or any(c is None for c in cache):
+            return None
+        binding = self.__dict__.get(_BINDING)
+        if binding is not None and binding.holds(self):
+            return binding
+        self.__dict__.pop(_BINDING, None)  # it would keep replaced arrays alive
+        blocks = tuple(zip(self.layers, cache))
+        if not all(isinstance(block, BlockRows) and block.fused_applies(L, c) for block, c in blocks):
+            return None
+        binding = self.__dict__[_BINDING] = Binding.of(self)
+        return binding
+
+    def _compiles(self, cache: Sequence[Any], L: int, binding: Binding) -> bool:
         """Whether this pass can run compiled: no sliding windows, the CPU kernels in use, caches with room."""
         built = kernels.load()
         if not (built and built.has_products() and mx.default_device() == mx.cpu):
@@ -365,7 +382,7 @@ class ModelRows:
             return False
         if not _kernel_attention(self.mlx_module.scaled_dot_product_attention):  # another attention swapped in
             return False
-        return compiled_pass.has_room(cache, L) and all(block.compiles() for block in self.layers)
+        return compiled_pass.has_room(cache, L) and binding.compiles
 
     def rows_through(self, h: mx.array, caches: Sequence[Any], masks: dict[bool, Any]) -> mx.array:
         """The blocks and the final norm over embeddings (B, L, D), as rows between blocks."""
@@ -374,6 +391,67 @@ class ModelRows:
         for block, c in zip(self.layers, caches):
             rows = block.rows(rows, B, L, masks[getattr(block, "use_sliding", False)], c)
         return self.norm(rows).reshape(B, -1, D)
+
+
+@dataclass(frozen=True)
+class Binding:
+    """The identities a model's fused path was checked against (its blocks, their attention and MLP modules, stacks,
+    projections, norms and RoPE, and each one's arrays) and what was worked out from them, while they hold."""
+
+    layers: list
+    blocks: tuple[nn.Module, ...]
+    norm: nn.Module  # the final norm (the model itself is no owner here: a binding kept in it would be a cycle)
+    owners: tuple[dict, ...]  # owners[i].get(keys[i]) is values[i]
+    keys: tuple[str, ...]
+    values: tuple[Any, ...]
+    modules: tuple[nn.Module, ...]  # type(modules[i]) is classes[i]
+    classes: tuple[type, ...]
+    constants: tuple[mx.array, ...]  # a compiled pass's (`compiled_pass.constants`)
+    compiles: bool  # every block's `compiles`
+
+    @classmethod
+    def of(cls, model: nn.Module) -> Binding:
+        entries: list[tuple[dict, str, Any]] = []
+
+        def bound(owner: dict, key: str) -> Any:
+            entries.append((owner, key, owner[key]))
+            return owner[key]
+
+        def bound_arrays(module: nn.Module) -> None:
+            entries.extend((module, k, v) for k, v in module.items() if isinstance(v, mx.array))
+
+        modules = []
+        for block in model["layers"]:
+            modules.append(block)
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                bound_arrays(bound(block, norm))
+            for name in ("self_attn", "mlp"):
+                module = bound(block, name)
+                modules.append(module)
+                held = bound(module.__dict__, _STACKS)
+                entries.extend((held, k, v) for k, v in held.items())
+                for key in (k for names in _STACKED[name].values() for k in names):
+                    bound_arrays(bound(module, key))
+            bound(block["self_attn"], "rope")
+        norm = model["norm"]
+        bound_arrays(norm)
+        owners, keys, values = zip(*entries)
+        layers, classes = model["layers"], tuple(map(type, modules))
+        compiles = all(block.compiles() for block in layers)
+        constants = compiled_pass.constants(model)
+        return cls(layers, tuple(layers), norm, owners, keys, values, tuple(modules), classes, constants, compiles)
+
+    def holds(self, model: nn.Module) -> bool:
+        """Whether every identity still holds (mapped C calls: a thousand of them take tens of microseconds)."""
+        layers = model.get("layers")
+        return (
+            layers is self.layers
+            and model.get("norm") is self.norm
+            and len(layers) == len(self.blocks)
+            and all(map(operator.is_, layers, self.blocks))
+            and all(map(operator.is_, map(dict.get, self.owners, self.keys), self.values))
+            and all(map(operator.is_, map(type, self.modules), self.classes))
+        )
 
 
 class FusedAttention(AttentionRows, llama.Attention):
@@ -489,9 +567,8 @@ def fuse(model: nn.Module) -> int:
 
 
 def _stack_layout(module: nn.Module) -> dict[str, list[nn.Linear]]:
-    if isinstance(module, AttentionRows):
-        return {"qkv": [module.q_proj, module.k_proj, module.v_proj], "o": [module.o_proj]}
-    return {"gate_up": [module.gate_proj, module.up_proj], "down": [module.down_proj]}
+    layout = _STACKED["self_attn" if isinstance(module, AttentionRows) else "mlp"]
+    return {stack: [module[name] for name in names] for stack, names in layout.items()}
 
 
 def unfuse(model: nn.Module) -> None:
@@ -503,6 +580,11 @@ def unfuse(model: nn.Module) -> None:
 
 
 _STACKS = "_akunu_stacks"  # in the instance __dict__: as a Module attribute the arrays would become parameters
+_BINDING = "_akunu_binding"
+_STACKED = {  # a block's module -> its stacks -> the projections each one stacks
+    "self_attn": {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",)},
+    "mlp": {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)},
+}
 _COMPILES = "_akunu_compiles"
 
 
