@@ -80,14 +80,24 @@ def test_compiled_passes_give_the_eager_passes_bits_and_cache(each_model, eager,
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2 quantized, with biases"])
-def test_one_trace_serves_every_width_and_capacity(name, monkeypatch):
-    """Where every half-layer is one node, passes of widths 1-5 across a grown cache replay a single trace
-    (a trace costs milliseconds; speculation's passes come in dozens of widths)."""
-    traces = []
+def test_one_layer_stack_serves_every_width_and_capacity(name, monkeypatch):
+    """Where every half-layer is one node, passes of widths 1-5 across a grown cache are each one layer-stack node
+    over the same halves, made once, and nothing is traced (speculation's passes come in dozens of widths)."""
+    model = _applied(name)
+    traces, stacks = [], []
     monkeypatch.setattr(compiled_pass, "_traced", _counting(compiled_pass._traced, traces))
-    _, cache = decode(_applied(name))
+
+    def recorded(*args, **kwargs):
+        hidden = through_layer_stack(*args, **kwargs)
+        stacks.append(model.model.__dict__[compiled_pass._STACK].layers)
+        return hidden
+
+    through_layer_stack = compiled_pass._through_layer_stack
+    monkeypatch.setattr(compiled_pass, "_through_layer_stack", recorded)
+    _, cache = decode(model)
     assert cache[0].keys.shape[2] > 256  # the buffers grew, and passes ran at both capacities
-    assert len(traces) == 1
+    assert len(stacks) >= 20 and all(layers is stacks[0] for layers in stacks)
+    assert not traces
 
 
 def _counting(function, calls: list):
@@ -98,9 +108,10 @@ def _counting(function, calls: list):
     return counted
 
 
-def test_a_replaced_norm_or_embedding_weight_is_used_at_once(model, eager):
-    """The trace holds those weights as constants; replacing one makes a new trace, not a stale pass."""
-    decode(model, passes=3)  # traced with the first weights
+def test_a_replaced_norm_or_embedding_weight_is_used_at_once(each_model, eager):
+    """The layer stack's halves (or a trace) hold the norms' weights; replacing one makes new ones, not a stale pass."""
+    model = each_model
+    decode(model, passes=3)  # made with the first weights
     model.model.norm.weight = model.model.norm.weight * 1.5
     model.model.layers[1].post_attention_layernorm.weight = -model.model.layers[1].post_attention_layernorm.weight
     model.model.embed_tokens.weight = model.model.embed_tokens.weight[::-1]

@@ -143,7 +143,7 @@ def test_a_fresh_cache_builds_and_a_missing_compiler_falls_back(kernels, tmp_pat
 
 
 def test_the_fast_step_runs_the_kernels(kernels):
-    """A decode step of a tiny llama goes through them, as a compiled pass: the graph holds akunu's primitives."""
+    """A decode step of a tiny llama goes through them, as one layer-stack node: the graph holds akunu's primitives."""
     from akunu.backends.cpu import compiled_pass, fast_step
     from akunu.kv_cache import make_cache
     from tests.tiny import tiny_llama
@@ -155,12 +155,12 @@ def test_the_fast_step_runs_the_kernels(kernels):
     with compiled_pass.unqueued():
         out = model(mx.array([[4]]), cache=cache)
     dot = _graph_text(out)  # the step's graph alone
-    # Each half of a layer is one node, writing keys and values into the cache's buffers itself: no slices or
-    # cache updates, and no reshapes or transposes but the pass's own.
+    # Every layer in one node, writing keys and values into the cache's buffers itself: no slices or cache
+    # updates, and no reshapes or transposes but the pass's own.
     nodes = re.findall(r'label ="(\w+)"', dot)
-    assert nodes.count("AkunuAttentionHalf") == nodes.count("AkunuMLPHalf") == len(model.layers), nodes
+    assert nodes.count("AkunuLayerStack") == 1 and nodes.count("AkunuRMSNorm") == 1, nodes
     assert nodes.count("Slice") == nodes.count("SliceUpdate") == nodes.count("Add") == 0, nodes
-    assert len(nodes) <= 2 * len(model.layers) + 10, nodes  # the embedding, final norm and an untied output head
+    assert len(nodes) <= 10, nodes  # the embedding, final norm and an untied output head
 
 
 def test_exact_mode_keeps_one_kernel_call_per_layer(kernels):
@@ -179,8 +179,8 @@ def test_exact_mode_keeps_one_kernel_call_per_layer(kernels):
     for run in (exact, model):
         with compiled_pass.unqueued():
             out = run(mx.array([[6]]), cache=cache)
-        nodes = re.findall(r'label ="(AkunuAttention\w*)"', _graph_text(out))
-        assert len(nodes) == len(model.layers), nodes  # per-row calls would be 4 a layer
+        nodes = re.findall(r'label ="(Akunu(?:Attention\w*|LayerStack))"', _graph_text(out))
+        assert nodes == ["AkunuLayerStack"], nodes  # per-row calls would be attention nodes, 4 a layer
         mx.eval(out, [c.state for c in cache])  # so the next graph holds its own pass alone
 
 
@@ -339,6 +339,70 @@ def test_quantized_layer_halves_give_the_bits_of_the_nodes_they_replace(kernels,
         kernels.mlp_half_quantized(x, norm, 1e-5, gate_up[:2], gate_up_bits, down, down_bits)
     with pytest.raises(ValueError, match="groups of 32"):
         kernels.mlp_half_quantized(x, norm, 1e-5, gate_up, [8], down, down_bits)
+
+
+@pytest.mark.parametrize("quantized_layers", [False, True])
+def test_a_layer_stack_gives_the_bits_of_its_halves_as_nodes(kernels, quantized_layers):
+    """Two layers as one layer_stack node (halves made once, weights held): the bits and cache writes of the four
+    half nodes it replaces, float32 or quantized; what it cannot run is refused when the node is built."""
+    from akunu.backends.cpu import quantized
+    from akunu.backends.cpu import rope as cpu_rope
+
+    if quantized_layers and quantized.load() is None:
+        pytest.skip(f"no quantized kernel here: {quantized.unavailable()}")
+    D, H, KV, hd, S, inter, batch, length, offset = 64, 6, 2, 16, 64, 96, 2, 3, 20
+    layers = []
+    for seed in (9, 10):
+        norm, wqkv, wo, wgu, wdown = _layer_weights(D, H, KV, hd, inter, seed=seed)
+        if quantized_layers:
+            (qkv, qkv_bits, _), (o, o_bits, _) = _quantized_operand(wqkv.T, (4, 8)), _quantized_operand(wo.T, (5,))
+            (gate_up, gate_up_bits, _), (down, down_bits, _) = (
+                _quantized_operand(wgu.T, (4,)),
+                _quantized_operand(wdown.T, (8,), centered=0),
+            )
+        else:
+            (qkv, qkv_bits), (o, o_bits), (gate_up, gate_up_bits), (down, down_bits) = (
+                ([w], []) for w in (wqkv, wo, wgu, wdown)
+            )
+        mx.eval(norm, qkv, o, gate_up, down)
+        layers.append((norm, qkv, qkv_bits, o, o_bits, gate_up, gate_up_bits, down, down_bits))
+    x = mx.random.normal((batch * length, D), key=mx.random.key(3))
+    buffers = [mx.random.normal((batch, KV, S, hd), key=mx.random.key(i)) for i in range(4)]
+    copies = [mx.array(np.array(a)) for a in buffers]  # the half nodes write these
+    tables = cpu_rope.head_tables(S, 0, hd, 1e4, 1.0, False, mx.float32)
+    position, shape = mx.array([offset], mx.int32), (batch, H, KV, False, 0.3)
+
+    halves, expected = [], x
+    for i, (norm, qkv, qkv_bits, o, o_bits, gate_up, gate_up_bits, down, down_bits) in enumerate(layers):
+        halves.append(kernels.attention_half_spec(norm, 1e-5, qkv, qkv_bits, o, o_bits, H, KV, False, 0.3))
+        halves.append(kernels.mlp_half_spec(norm, 1e-5, gate_up, gate_up_bits, down, down_bits))
+        keys, values = copies[2 * i : 2 * i + 2]
+        if quantized_layers:
+            expected = kernels.attention_half_quantized(
+                expected, norm, 1e-5, qkv, qkv_bits, o, o_bits, *tables, keys, values, position, *shape
+            )
+            expected = kernels.mlp_half_quantized(expected, norm, 1e-5, gate_up, gate_up_bits, down, down_bits)
+        else:
+            expected = kernels.attention_half(
+                expected, norm, 1e-5, qkv[0], o[0], *tables, keys, values, position, *shape
+            )
+            expected = kernels.mlp_half(expected, norm, 1e-5, gate_up[0], down[0])
+        mx.eval(expected)
+    stack = kernels.layers(halves)
+    out = kernels.layer_stack(x, position, stack, [*tables, *buffers[:2], *tables, *buffers[2:]], batch)
+    mx.eval(out)
+    assert mx.array_equal(out, expected).item()
+    assert all(mx.array_equal(a, b).item() for a, b in zip(buffers, copies))
+
+    with pytest.raises(ValueError, match="cos, sin, keys, values per attention half"):
+        kernels.layer_stack(x, position, stack, [*tables, *buffers[:2]], batch)
+    with pytest.raises(ValueError, match="norm weight must match"):
+        kernels.layer_stack(x[:, :32], position, stack, [*tables, *buffers[:2], *tables, *buffers[2:]], batch)
+    norm, qkv, qkv_bits, o, o_bits, *_ = layers[0]
+    with pytest.raises(ValueError, match="evaluated first"):
+        kernels.attention_half_spec(norm * 2, 1e-5, qkv, qkv_bits, o, o_bits, H, KV, False, 0.3)
+    with pytest.raises(ValueError, match="whole heads"):
+        kernels.attention_half_spec(norm, 1e-5, qkv, qkv_bits, o, o_bits, H + 2, KV, False, 0.3)
 
 
 @pytest.mark.parametrize("traditional", [True, False])

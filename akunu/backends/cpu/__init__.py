@@ -4,7 +4,7 @@
 - `kernels` (`kernels.cpp`): fused attention, SwiGLU, RMSNorm and q|k|v split, built on first use;
 - `fast_step`: the model's attention, RoPE, RMSNorm and SwiGLU routed through them (`rope`, `elementwise`);
 - `fused_layers`: llama and qwen2 layers with stacked products (float32 or quantized); `compiled_pass`: whole
-  passes of them as compiled traces;
+  passes of them as one `layer_stack` node (or a compiled trace);
 - `quantized` (`quantized.cpp`): products over MLX affine-quantized weights for decode steps, built on first use.
 
 The rest of akunu sees only `apply`, `unpatched`, `describe` and `REVISION`, through `akunu.backends`.
@@ -20,7 +20,7 @@ from typing import Any
 
 # Bumped whenever the decode step changes what a pass of each width costs, so cost curves saved before
 # are measured again.
-STEP_REVISION = 10
+STEP_REVISION = 11
 FAST_STEP_SWITCH = "AKUNU_FAST_STEP"  # =0: the BLAS stays, the model is left unpatched (the older switch)
 
 

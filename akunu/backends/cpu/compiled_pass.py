@@ -1,22 +1,20 @@
-"""A llama decode pass traced once per shape with `mx.compile`, then replayed without Python.
+"""A llama decode pass as one graph node, or as a trace replayed without Python.
 
-On a 2-core CPU the Python that builds a pass's graph (a large share of a small model's step) runs on
-the cores the matmuls use, so it adds to every step and every verification pass; so does each graph
-node's dispatch (a few microseconds). Here a pass of akunu's fused layers (`fused_layers`) is traced
-once and later passes replay the trace, and each half of a layer is one kernel node (kernels.cpp's
-`attention_half`, `mlp_half`): 2 nodes a layer. Quantized products (with or without biases) run inside
-those nodes too, through quantized.cpp's kernel. Such a trace is shapeless: one serves every pass width
-and cache capacity. Float32 layers with biases keep their products as nodes around one attention node
-(`attention_rows`), and MLX traces those passes once per (width, capacity). The embedding runs before
-the trace (a quantized one's ops need their shapes).
-The position goes in as an int32 array: the attention node writes the pass's keys and values into the
-cache's buffers in place at it, reads them up to it, and reads RoPE's rows from tables as long as the
+On a 2-core CPU the thread that builds a pass's graph runs on the cores the products use, so what it
+spends adds to every step and every verification pass, and each graph node costs it several
+microseconds. Where each half of every layer is one kernel (kernels.cpp's `attention_half`, `mlp_half`:
+float32 products without biases, or quantized products with or without them, through quantized.cpp's
+kernel), the whole stack of layers is one `layer_stack` node: the halves are made once (`Layers`, holding
+their weights) and serve every pass width and cache capacity; only the embedding and the final norm are
+nodes beside it. Float32 layers with biases keep their products as nodes around one attention node
+(`attention_rows`): those passes are traced with `mx.compile`, once per (width, capacity), and replayed.
+The position goes in as an int32 array: the attention halves write the pass's keys and values into the
+cache's buffers in place at it, read them up to it, and read RoPE's rows from tables as long as the
 buffers. The kernels and products are the eager fused path's, so the bits are too.
 
-The weights are the trace's constants. A replaced projection is caught before a pass is compiled
-(its stack no longer holds, so nothing is fused); a replaced norm weight makes a new trace. (As
-`mx.compile`'s implicit inputs they would come back as new Python objects, under the stacks' identity
-checks.)
+The halves and traces are made for one `fused_layers.Binding`, the model's identities as its fused path
+was last checked: a replaced projection turns the fused path off (its stack no longer holds), and a
+replaced norm weight makes new halves or a new trace.
 
 The cache's arrays do not depend on the in-place writes, so each pass is queued as soon as it is
 built (`mx.async_eval`): the rows are written before any later pass reads them, even where the
@@ -37,10 +35,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from akunu.backends.cpu import kernels
 from akunu.backends.cpu.rope import head_tables
 
 _queue_passes = True
 _TRACE = "_akunu_compiled_pass"  # the model's _Trace, in its __dict__ like fused_layers' stacks
+_STACK = "_akunu_layer_stack"  # the model's _LayerStack
 
 
 @dataclass(frozen=True)
@@ -72,11 +72,11 @@ def has_room(caches: Sequence[Any], L: int) -> bool:
 
 @dataclass(frozen=True)
 class _Trace:
+    """A traced pass of a model whose products are graph nodes: MLX traces each width, and a new capacity makes a
+    new function (the old traces would never be used again)."""
+
     function: Callable
     constants: tuple[mx.array, ...]  # the norms' arrays it was traced with
-    shapeless: bool  # one trace for every pass width and cache capacity (a trace costs several milliseconds, and
-    # speculation's passes come in dozens of widths): where every half-layer is one node. Else MLX traces each
-    # width, and a new capacity makes a new function (the old traces would never be used again).
     batch: int  # the layers' kernels take it as a constant
     capacity: int  # the caches' capacity when traced
     coss: list[mx.array]  # each layer's RoPE tables for positions 0..n-1, n at least the caches' capacity
@@ -84,28 +84,30 @@ class _Trace:
 
     def serves(self, constants: tuple[mx.array, ...], batch: int, capacity: int) -> bool:
         same = len(self.constants) == len(constants) and all(a is b for a, b in zip(self.constants, constants))
-        return same and self.batch == batch and (self.capacity == capacity or self.shapeless)
+        return same and self.batch == batch and self.capacity == capacity
 
 
-def run(model: nn.Module, inputs: mx.array, caches: Sequence[KVCache], constants: tuple[mx.array, ...]) -> mx.array:
-    """The model's (B, L, D) output for `inputs` (B, L), `has_room` having said yes, `constants` being the model's
-    `constants`; the caches advance by L."""
-    capacity = caches[0].keys.shape[2]
-    compiled = model.__dict__.get(_TRACE)
-    batch = inputs.shape[0]
-    if compiled is None or not compiled.serves(constants, batch, capacity):
-        shapeless = all(block.one_node_halves() for block in model["layers"])
-        function = mx.compile(partial(_traced, model), shapeless=shapeless)
-        tables = _tables(model, capacity, caches[0].keys.shape[3])
-        compiled = _Trace(function, constants, shapeless, batch, capacity, *tables)
-        model.__dict__[_TRACE] = compiled
-    elif compiled.capacity < capacity:  # longer tables for grown caches, the same trace
-        tables = _tables(model, capacity, caches[0].keys.shape[3])
-        compiled = model.__dict__[_TRACE] = replace(compiled, capacity=capacity, coss=tables[0], sins=tables[1])
+@dataclass(frozen=True)
+class _LayerStack:
+    """A model's half-layers as kernels.cpp holds them (`Layers`, for its `layer_stack` node), made for `binding`,
+    one for every pass width, with RoPE tables for positions 0..capacity-1."""
+
+    binding: Any  # the fused_layers.Binding whose weights the halves hold
+    layers: Any
+    capacity: int
+    coss: list[mx.array]
+    sins: list[mx.array]
+
+
+def run(model: nn.Module, inputs: mx.array, caches: Sequence[KVCache], binding: Any) -> mx.array:
+    """The model's (B, L, D) output for `inputs` (B, L), `has_room` having said yes, for the model's current
+    `fused_layers.Binding`; the caches advance by L."""
     offset = mx.array([caches[0].offset], mx.int32)
-    keys, values = [c.keys for c in caches], [c.values for c in caches]
     embedded = model["embed_tokens"](inputs)  # outside the trace: a quantized embedding's ops need their shapes
-    hidden = compiled.function(embedded, offset, keys, values, compiled.coss, compiled.sins)
+    if binding.one_node:
+        hidden = _through_layer_stack(model, embedded, offset, caches, binding)
+    else:
+        hidden = _through_trace(model, embedded, offset, caches, binding.constants)
     # The cache's new rows are written by the pass, not by arrays the cache holds: queue the pass now, so
     # they are written even if its output is dropped (prefill's chunks), before any later pass reads them.
     if _queue_passes:
@@ -113,6 +115,37 @@ def run(model: nn.Module, inputs: mx.array, caches: Sequence[KVCache], constants
     for c in caches:
         c.offset += inputs.shape[1]
     return hidden
+
+
+def _through_trace(model: nn.Module, embedded: mx.array, offset: mx.array, caches: Sequence[KVCache],
+                   constants: tuple[mx.array, ...]) -> mx.array:  # fmt: skip
+    capacity, batch = caches[0].keys.shape[2], embedded.shape[0]
+    compiled = model.__dict__.get(_TRACE)
+    if compiled is None or not compiled.serves(constants, batch, capacity):
+        function = mx.compile(partial(_traced, model))  # traced per width and capacity: products are graph nodes
+        tables = _tables(model, capacity, caches[0].keys.shape[3])
+        compiled = model.__dict__[_TRACE] = _Trace(function, constants, batch, capacity, *tables)
+    keys, values = [c.keys for c in caches], [c.values for c in caches]
+    return compiled.function(embedded, offset, keys, values, compiled.coss, compiled.sins)
+
+
+def _through_layer_stack(model: nn.Module, embedded: mx.array, offset: mx.array, caches: Sequence[KVCache],
+                         binding: Any) -> mx.array:  # fmt: skip
+    """Every half-layer in one kernels.cpp `layer_stack` node, then the final norm: one node to build and dispatch
+    instead of two a layer (each costs the thread that builds passes several microseconds)."""
+    capacity = caches[0].keys.shape[2]
+    stack = model.__dict__.get(_STACK)
+    if stack is None or stack.binding is not binding:
+        mx.eval(binding.constants)  # the halves hold the norms' weights: nothing else would evaluate them
+        layers = kernels.load().layers([half for block in model["layers"] for half in block.halves()])
+        stack = model.__dict__[_STACK] = _LayerStack(binding, layers, 0, [], [])
+    if stack.capacity < capacity:  # tables for the grown caches (row p: position p's)
+        coss, sins = _tables(model, capacity, caches[0].keys.shape[3])
+        stack = model.__dict__[_STACK] = replace(stack, capacity=capacity, coss=coss, sins=sins)
+    buffers = [a for c, cos, sin in zip(caches, stack.coss, stack.sins) for a in (cos, sin, c.keys, c.values)]
+    B, L, D = embedded.shape
+    rows = kernels.load().layer_stack(embedded.flatten(0, 1), offset, stack.layers, buffers, B)
+    return model["norm"](rows).reshape(B, L, D)
 
 
 @contextmanager

@@ -12,8 +12,8 @@ akunu's CPU kernels are built (`kernels`), one node splits the q|k|v product int
 attention reads the cache's buffers up to the offset and writes the rows the output projection
 takes, and SwiGLU reads the gate|up product whole: a layer has no slices, transposes or reshapes
 left (each node costs a few microseconds on the CPU, more while the matmuls' threads hold both
-cores). There a whole pass also runs as a compiled trace (`compiled_pass`): each sublayer (norm,
-attention or MLP, residual add) one kernel node, the keys and values written into the cache in
+cores). There a whole pass also runs as one node (`compiled_pass`): each sublayer (norm,
+attention or MLP, residual add) one kernel in it, the keys and values written into the cache in
 place, and no Python to build them. Each output element is still one weight row times the input, so results match mlx-lm's to
 float32 rounding.
 
@@ -217,6 +217,14 @@ class AttentionRows:
         held = stacks(self)
         return _one_node(held["qkv"], held["o"])
 
+    def half(self, norm: nn.RMSNorm) -> Any:
+        """`sublayer` as a half of a layer stack (kernels.cpp's `layer_stack`), where it is `one_node`."""
+        held = stacks(self)
+        weights = (*_half_operand(held["qkv"]), *_half_operand(held["o"]))
+        return kernels.load().attention_half_spec(
+            norm["weight"], norm.eps, *weights, self.n_heads, self.n_kv_heads, self.rope.traditional, self.scale
+        )
+
     def compiles(self) -> bool:
         """Whether `sublayer` applies: float32 rows, heads of a size the kernels take, and a RoPE over whole heads."""
         held = stacks(self)
@@ -287,6 +295,12 @@ class MLPRows:
         held = stacks(self)
         return _one_node(held["gate_up"], held["down"])
 
+    def half(self, norm: nn.RMSNorm) -> Any:
+        """`sublayer` as a half of a layer stack, where it is `one_node`."""
+        held = stacks(self)
+        weights = (*_half_operand(held["gate_up"]), *_half_operand(held["down"]))
+        return kernels.load().mlp_half_spec(norm["weight"], norm.eps, *weights)
+
     def compiles(self) -> bool:
         """Whether `sublayer` applies: products giving float32 rows."""
         held = stacks(self)
@@ -307,6 +321,10 @@ class BlockRows:
     def one_node_halves(self) -> bool:
         """Whether each half runs as one kernel node in a compiled pass (else some products are graph nodes)."""
         return self["self_attn"].one_node() and self["mlp"].one_node()
+
+    def halves(self) -> list[Any]:
+        """Both halves for a layer stack, where `one_node_halves`."""
+        return [self["self_attn"].half(self["input_layernorm"]), self["mlp"].half(self["post_attention_layernorm"])]
 
     def fused_applies(self, L: int, cache: Any) -> bool:
         attention, mlp = self["self_attn"], self["mlp"]
@@ -349,7 +367,7 @@ class ModelRows:
         if binding is None:
             return super().__call__(inputs, cache, input_embeddings)
         if self._compiles(cache, L, binding):
-            return compiled_pass.run(self, inputs, cache, binding.constants)
+            return compiled_pass.run(self, inputs, cache, binding)
         h = self.embed_tokens(inputs)
         mask = self.mlx_module.create_attention_mask
         masks = {False: mask(h, cache[getattr(self, "fa_idx", 0)])}  # by use_sliding, as mlx-lm's loop
@@ -408,6 +426,7 @@ class Binding:
     classes: tuple[type, ...]
     constants: tuple[mx.array, ...]  # a compiled pass's (`compiled_pass.constants`)
     compiles: bool  # every block's `compiles`
+    one_node: bool  # every block's `one_node_halves`: a compiled pass is one layer stack
 
     @classmethod
     def of(cls, model: nn.Module) -> Binding:
@@ -438,8 +457,11 @@ class Binding:
         owners, keys, values = zip(*entries)
         layers, classes = model["layers"], tuple(map(type, modules))
         compiles = all(block.compiles() for block in layers)
+        one_node = compiles and all(block.one_node_halves() for block in layers)
         constants = compiled_pass.constants(model)
-        return cls(layers, tuple(layers), norm, owners, keys, values, tuple(modules), classes, constants, compiles)
+        return cls(
+            layers, tuple(layers), norm, owners, keys, values, tuple(modules), classes, constants, compiles, one_node
+        )
 
     def holds(self, model: nn.Module) -> bool:
         """Whether every identity still holds (mapped C calls: a thousand of them take tens of microseconds)."""
@@ -519,6 +541,11 @@ def _quantized(stack: Stacked) -> bool:
 def _one_node(*products: Stacked) -> bool:
     """Whether a layer half's kernel runs all of a sublayer's products itself: all float32 sgemms or all quantized."""
     return all(map(_sgemm, products)) or all(map(_quantized, products))
+
+
+def _half_operand(stack: Stacked) -> tuple[list[mx.array], list[int]]:
+    """A one-node stack's weights as a layer stack's half takes them: one float32 matrix and no bits, or `_operand`'s."""
+    return ([stack.transposed], []) if _sgemm(stack) else _operand(stack)
 
 
 def _operand(stack: Stacked) -> tuple[list[mx.array], list[int]]:

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <stdexcept>
 #include <vector>
 
@@ -620,6 +621,63 @@ void mlp_half(const std::vector<array>& in, array& out, float eps, const Operand
   apply(wdown, down_weights, hidden, &x, out);
 }
 
+// One sublayer of a layer stack, as its half's node would run it: the weights are held here, not taken as inputs.
+struct Half {
+  bool attention;
+  float eps;
+  Operand first, second;        // q|k|v and the output projection, or gate|up and down
+  std::vector<array> weights;   // the norm weight, then first's and second's weights: a half node's inputs after x
+  int heads = 0, kv_heads = 0;  // attention only
+  bool traditional = false;
+  float scale = 0.0f;
+  int first_inputs() const { return first.inputs(); }
+};
+
+// A model's sublayers in order, built once and shared by every pass that runs them.
+struct Layers {
+  std::shared_ptr<const std::vector<Half>> halves;
+};
+
+// Halves and Layers reach Python as named capsules, not nanobind classes: a type registers once per process, and
+// a second build of this module loaded beside the first (a fresh kernel cache) could not register it again.
+constexpr const char* HALF = "akunu.Half";
+constexpr const char* LAYERS = "akunu.Layers";
+
+template <typename T>
+nb::capsule to_capsule(T value, const char* name) {
+  return nb::capsule(new T(std::move(value)), name, [](void* p) noexcept { delete static_cast<T*>(p); });
+}
+
+template <typename T>
+const T& from_capsule(const nb::capsule& capsule, const char* name) {
+  if (!capsule.name() || std::strcmp(capsule.name(), name) != 0)
+    throw std::invalid_argument(std::string("expected a capsule ") + name);
+  return *static_cast<const T*>(capsule.data());
+}
+
+// Every sublayer in turn over x's rows, each half as its own node computes it (the same functions, so the same
+// bits), into `out`. Inputs: x, offset, then cos, sin, keys, values for each attention half.
+void layer_stack(const std::vector<array>& in, array& out, const std::vector<Half>& halves, int batch) {
+  array current = in[0];
+  size_t buffer = 2;
+  for (size_t i = 0; i < halves.size(); i++) {
+    const Half& half = halves[i];
+    array next = i + 1 == halves.size() ? out : scratch(in[0].shape());
+    std::vector<array> args{current};
+    args.insert(args.end(), half.weights.begin(), half.weights.end());
+    if (half.attention) {
+      args.insert(args.end(), in.begin() + buffer, in.begin() + buffer + 4);
+      args.push_back(in[1]);
+      buffer += 4;
+      attention_half(args, next, half.eps, half.first, half.second, batch, half.heads, half.kv_heads, half.traditional,
+                     half.scale);
+    } else {
+      mlp_half(args, next, half.eps, half.first, half.second);
+    }
+    current = next;
+  }
+}
+
 // ---- MLX primitives -----------------------------------------------------------------------------
 
 using Kernel = std::function<void(const std::vector<array>&, std::vector<array>&)>;
@@ -814,6 +872,26 @@ class MLPHalf : public CpuPrimitive {
   Operand wgate_up_, wdown_;
 };
 
+// A whole pass's layers as one node: one graph node to build and dispatch instead of two a layer.
+class LayerStack : public CpuPrimitive {
+ public:
+  LayerStack(Stream stream, Layers layers, int batch) : CpuPrimitive(stream), layers_(std::move(layers)), batch_(batch) {}
+  const char* name() const override { return "AkunuLayerStack"; }
+  std::vector<Shape> output_shapes(const std::vector<array>& in) override { return {in[0].shape()}; }
+  bool is_equivalent(const Primitive&) const override { return false; }  // it writes the cache: never merged
+
+ protected:
+  Kernel kernel() const override {
+    return [halves = layers_.halves, b = batch_](const std::vector<array>& in, std::vector<array>& out) {
+      layer_stack(in, out[0], *halves, b);
+    };
+  }
+
+ private:
+  Layers layers_;
+  int batch_;
+};
+
 Stream cpu_stream() {
   Stream stream = default_stream(default_device());
   if (stream.device.type != Device::cpu) throw std::invalid_argument("akunu's fused kernels run on the CPU only");
@@ -929,18 +1007,24 @@ std::vector<array> inputs_of(std::initializer_list<const std::vector<array>*> gr
 
 int width(const Operand& op, const std::vector<array>& w) { return outputs(op, w.data()); }
 
+// An attention half's tables and cache buffers against its rows x (N, D) and its products' widths.
+void check_attention_buffers(const array& x, int qkv_width, int o_width, const array& cos, const array& sin,
+                             const array& keys, const array& values, int batch, int heads, int kv_heads) {
+  for (auto* a : {&cos, &sin, &keys, &values}) require_float32(*a, "attention_half inputs");
+  const int dims = cos.ndim() == 2 ? cos.shape(1) : 0;
+  if (cos.ndim() != 2 || cos.shape() != sin.shape() || dims % 2 || dims % W || batch < 1 || x.shape(0) % batch ||
+      qkv_width != (heads + 2 * kv_heads) * dims || keys.ndim() != 4 || keys.shape() != values.shape() ||
+      keys.shape(0) != batch || keys.shape(1) != kv_heads || keys.shape(3) != dims || kv_heads < 1 || heads % kv_heads)
+    throw std::invalid_argument("attention_half expects q|k|v weights (D, (H + 2 KV) * hd), tables (S', hd) and buffers (B, KV, S, hd)");
+  if (o_width != x.shape(1)) throw std::invalid_argument("the output projection must give rows of x's width");
+}
+
 array make_attention_half(const array& x, const array& norm_weight, float eps, const Operand& qkv_op,
                           const std::vector<array>& wqkv, const Operand& o_op, const std::vector<array>& wo,
                           const array& cos, const array& sin, const array& keys, const array& values, const array& offset,
                           int batch, int heads, int kv_heads, bool traditional, float scale) {
-  for (auto* a : {&cos, &sin, &keys, &values}) require_float32(*a, "attention_half inputs");
+  check_attention_buffers(x, width(qkv_op, wqkv), width(o_op, wo), cos, sin, keys, values, batch, heads, kv_heads);
   require_offset(offset);
-  const int dims = cos.ndim() == 2 ? cos.shape(1) : 0;
-  if (cos.ndim() != 2 || cos.shape() != sin.shape() || dims % 2 || dims % W || batch < 1 || x.shape(0) % batch ||
-      width(qkv_op, wqkv) != (heads + 2 * kv_heads) * dims || keys.ndim() != 4 || keys.shape() != values.shape() ||
-      keys.shape(0) != batch || keys.shape(1) != kv_heads || keys.shape(3) != dims || kv_heads < 1 || heads % kv_heads)
-    throw std::invalid_argument("attention_half expects q|k|v weights (D, (H + 2 KV) * hd), tables (S', hd) and buffers (B, KV, S, hd)");
-  if (width(o_op, wo) != x.shape(1)) throw std::invalid_argument("the output projection must give rows of x's width");
   const std::vector<array> head{x, norm_weight}, tail{cos, sin, keys, values, offset};
   return array(x.shape(), float32,
                std::make_shared<AttentionHalf>(cpu_stream(), eps, qkv_op, o_op, batch, heads, kv_heads, traditional, scale),
@@ -1011,9 +1095,99 @@ array mlp_half_quantized_op(const array& x, const array& norm_weight, float eps,
   return make_mlp_half(x, norm_weight, eps, gate_up_op, wgate_up, down_op, wdown);
 }
 
+// A product's operand for a layer stack: one float32 matrix (no bits) of `columns` rows, or quantized parts.
+Operand half_operand(const std::vector<array>& w, const std::vector<int>& bits, int columns, const char* what) {
+  if (!bits.empty()) return quantized_operand(w, bits, columns, what);
+  if (!process_sgemm()) throw std::invalid_argument("no cblas_sgemm in this process");
+  if (w.size() != 1) throw std::invalid_argument(std::string(what) + ": one float32 matrix without bits");
+  require_matrix(w[0], columns, what);
+  return Operand{};
+}
+
+Half make_half(bool attention, const array& norm_weight, float eps, const std::vector<array>& first_weights,
+               const Operand& first, const std::vector<array>& second_weights, const Operand& second) {
+  Half half{attention, eps, first, second, {norm_weight}};
+  half.weights.insert(half.weights.end(), first_weights.begin(), first_weights.end());
+  half.weights.insert(half.weights.end(), second_weights.begin(), second_weights.end());
+  for (const array& a : half.weights)  // held, not inputs: nothing would evaluate them
+    if (!a.is_available()) throw std::invalid_argument("a layer stack's weights must be evaluated first");
+  return half;
+}
+
+nb::capsule attention_half_spec(const array& norm_weight, float eps, const std::vector<array>& wqkv,
+                         const std::vector<int>& qkv_bits, const std::vector<array>& wo, const std::vector<int>& o_bits,
+                         int heads, int kv_heads, bool traditional, float scale) {
+  require_float32(norm_weight, "a norm weight");
+  if (norm_weight.ndim() != 1 || kv_heads < 1 || heads % kv_heads) throw std::invalid_argument("attention_half_spec: bad shape");
+  const int columns = norm_weight.shape(0);
+  const Operand qkv = half_operand(wqkv, qkv_bits, columns, "the q|k|v weights");
+  const int qkv_width = width(qkv, wqkv);
+  if (qkv_width % (heads + 2 * kv_heads)) throw std::invalid_argument("the q|k|v weights must give whole heads");
+  const Operand o = half_operand(wo, o_bits, heads * (qkv_width / (heads + 2 * kv_heads)), "the output projection");
+  if (width(o, wo) != columns) throw std::invalid_argument("the output projection must give rows of x's width");
+  Half half = make_half(true, norm_weight, eps, wqkv, qkv, wo, o);
+  half.heads = heads, half.kv_heads = kv_heads, half.traditional = traditional, half.scale = scale;
+  return to_capsule(std::move(half), HALF);
+}
+
+nb::capsule mlp_half_spec(const array& norm_weight, float eps, const std::vector<array>& wgate_up,
+                   const std::vector<int>& gate_up_bits, const std::vector<array>& wdown, const std::vector<int>& down_bits) {
+  require_float32(norm_weight, "a norm weight");
+  if (norm_weight.ndim() != 1) throw std::invalid_argument("mlp_half_spec: the norm weight must be (D,)");
+  const int columns = norm_weight.shape(0);
+  const Operand gate_up = half_operand(wgate_up, gate_up_bits, columns, "the gate|up weights");
+  if (width(gate_up, wgate_up) % 2) throw std::invalid_argument("the gate|up weight must have an even width");
+  const Operand down = half_operand(wdown, down_bits, width(gate_up, wgate_up) / 2, "the down projection");
+  if (width(down, wdown) != columns) throw std::invalid_argument("the down projection must give rows of x's width");
+  return to_capsule(make_half(false, norm_weight, eps, wgate_up, gate_up, wdown, down), HALF);
+}
+
+nb::capsule layers_of(const std::vector<nb::capsule>& halves) {
+  auto all = std::make_shared<std::vector<Half>>();
+  for (const auto& half : halves) all->push_back(from_capsule<Half>(half, HALF));
+  if (all->empty()) throw std::invalid_argument("layers takes at least one half");
+  return to_capsule(Layers{std::move(all)}, LAYERS);
+}
+
+// x (N, D) through every half of `layers`; `buffers` holds cos, sin, keys, values for each attention half.
+array layer_stack_op(const array& x, const array& offset, const nb::capsule& capsule, const std::vector<array>& buffers,
+                     int batch) {
+  const Layers& layers = from_capsule<Layers>(capsule, LAYERS);
+  require_float32(x, "a layer's rows");
+  require_offset(offset);
+  const auto& halves = *layers.halves;
+  if (x.ndim() != 2 || halves.empty()) throw std::invalid_argument("layer_stack takes rows (N, D) and some halves");
+  size_t buffer = 0;
+  for (const Half& half : halves) {
+    if (half.weights[0].shape(0) != x.shape(1)) throw std::invalid_argument("a half's norm weight must match x's width");
+    if (!half.attention) continue;
+    if (buffer + 4 > buffers.size()) throw std::invalid_argument("layer_stack needs cos, sin, keys, values per attention half");
+    const array* w = half.weights.data() + 1;
+    check_attention_buffers(x, outputs(half.first, w), outputs(half.second, w + half.first_inputs()), buffers[buffer],
+                            buffers[buffer + 1], buffers[buffer + 2], buffers[buffer + 3], batch, half.heads, half.kv_heads);
+    buffer += 4;
+  }
+  if (buffer != buffers.size()) throw std::invalid_argument("layer_stack takes cos, sin, keys, values per attention half");
+  std::vector<array> inputs{x, offset};
+  inputs.insert(inputs.end(), buffers.begin(), buffers.end());
+  return array(x.shape(), float32, std::make_shared<LayerStack>(cpu_stream(), layers, batch), std::move(inputs));
+}
+
 }  // namespace
 
 NB_MODULE(akunu_cpu_kernels, m) {
+  m.def("layers", &layers_of, nb::arg("halves"), "a model's halves in order (attention_half_spec, mlp_half_spec), for layer_stack");
+  m.def("attention_half_spec", &attention_half_spec, nb::arg("norm_weight"), nb::arg("eps"), nb::arg("wqkv"),
+        nb::arg("qkv_bits"), nb::arg("wo"), nb::arg("o_bits"), nb::arg("heads"), nb::arg("kv_heads"),
+        nb::arg("traditional"), nb::arg("scale"),
+        "an attention half for layer_stack: weights as attention_half_quantized takes them, or one float32 matrix "
+        "each with no bits; evaluated, and held by it");
+  m.def("mlp_half_spec", &mlp_half_spec, nb::arg("norm_weight"), nb::arg("eps"), nb::arg("wgate_up"),
+        nb::arg("gate_up_bits"), nb::arg("wdown"), nb::arg("down_bits"), "an MLP half for layer_stack, as attention_half_spec");
+  m.def("layer_stack", &layer_stack_op, nb::arg("x"), nb::arg("offset"), nb::arg("layers"), nb::arg("buffers"),
+        nb::arg("batch"),
+        "x's rows through every half of `layers` in order, one node; `buffers` holds cos, sin, keys, values for each "
+        "attention half, whose keys and values are written in place as attention_half writes them");
   m.doc() = "akunu's fused CPU decode kernels (akunu/backends/cpu/kernels.cpp)";
   m.def("pool_runner_address", []() { return reinterpret_cast<uintptr_t>(&run_on_pool); },
         "the address of a C function that runs a parallel loop on this module's pool (for quantized.cpp, _matvec.c)");
