@@ -89,7 +89,7 @@ def test_one_layer_stack_serves_every_width_and_capacity(name, monkeypatch):
 
     def recorded(*args, **kwargs):
         hidden = through_layer_stack(*args, **kwargs)
-        stacks.append(model.model.__dict__[compiled_pass._STACK].layers)
+        stacks.append(model.model.__dict__[compiled_pass._STACKS][len(model.model.layers)].layers)
         return hidden
 
     through_layer_stack = compiled_pass._through_layer_stack
@@ -141,6 +141,24 @@ def test_a_projection_replaced_between_passes_is_used_at_once(name):
     assert all(mx.array_equal(a, b).item() for a, b in zip(replaced, expected))
     first, _ = decode(_applied(name), passes=3)
     assert not mx.array_equal(first[0], expected[0]).item()
+
+
+def test_a_pass_given_the_first_layers_caches_runs_those_layers_alone(each_model, eager):
+    """A layer-skip drafter hands the model the caches of its first layers: a pass runs those blocks, then the
+    final norm and head, as the eager path does; the full model's passes keep their own halves."""
+
+    def passes(layers: int) -> list[mx.array]:
+        cache = make_cache(each_model)[:layers]
+        out = [each_model(mx.array([PROMPT[:40]]), cache=cache)[0]]
+        return out + [
+            each_model(mx.array([[token, token + 1][:width]]), cache=cache)[0] for token, width in ((3, 1), (5, 2))
+        ]
+
+    first, whole = passes(1), passes(len(each_model.model.layers))
+    assert not mx.array_equal(first[-1], whole[-1]).item()
+    eager()
+    assert all(mx.array_equal(a, b).item() for a, b in zip(first, passes(1)))
+    assert all(mx.array_equal(a, b).item() for a, b in zip(whole, passes(len(each_model.model.layers))))
 
 
 def test_caches_a_compiled_pass_cannot_take():

@@ -4,7 +4,7 @@ On a 2-core CPU the thread that builds a pass's graph runs on the cores the prod
 spends adds to every step and every verification pass, and each graph node costs it several
 microseconds. Where each half of every layer is one kernel (kernels.cpp's `attention_half`, `mlp_half`:
 float32 products without biases, or quantized products with or without them, through quantized.cpp's
-kernel), the whole stack of layers is one `layer_stack` node: the halves are made once (`Layers`, holding
+kernel), the whole stack of layers is one `layer_stack` node: the halves are made once (`layers`, holding
 their weights) and serve every pass width and cache capacity; only the embedding and the final norm are
 nodes beside it. Float32 layers with biases keep their products as nodes around one attention node
 (`attention_rows`): those passes are traced with `mx.compile`, once per (width, capacity), and replayed.
@@ -40,7 +40,7 @@ from akunu.backends.cpu.rope import head_tables
 
 _queue_passes = True
 _TRACE = "_akunu_compiled_pass"  # the model's _Trace, in its __dict__ like fused_layers' stacks
-_STACK = "_akunu_layer_stack"  # the model's _LayerStack
+_STACKS = "_akunu_layer_stacks"  # the model's _LayerStack by the number of blocks a pass runs
 
 
 @dataclass(frozen=True)
@@ -89,8 +89,8 @@ class _Trace:
 
 @dataclass(frozen=True)
 class _LayerStack:
-    """A model's half-layers as kernels.cpp holds them (`Layers`, for its `layer_stack` node), made for `binding`,
-    one for every pass width, with RoPE tables for positions 0..capacity-1."""
+    """The half-layers of a model's first `binding.count` blocks as kernels.cpp holds them (for its `layer_stack`
+    node), made for `binding`, one for every pass width, with RoPE tables for positions 0..capacity-1."""
 
     binding: Any  # the fused_layers.Binding whose weights the halves hold
     layers: Any
@@ -133,15 +133,15 @@ def _through_layer_stack(model: nn.Module, embedded: mx.array, offset: mx.array,
                          binding: Any) -> mx.array:  # fmt: skip
     """Every half-layer in one kernels.cpp `layer_stack` node, then the final norm: one node to build and dispatch
     instead of two a layer (each costs the thread that builds passes several microseconds)."""
-    capacity = caches[0].keys.shape[2]
-    stack = model.__dict__.get(_STACK)
+    capacity, stacks = caches[0].keys.shape[2], model.__dict__.setdefault(_STACKS, {})
+    stack = stacks.get(binding.count)
     if stack is None or stack.binding is not binding:
         mx.eval(binding.constants)  # the halves hold the norms' weights: nothing else would evaluate them
-        layers = kernels.load().layers([half for block in model["layers"] for half in block.halves()])
-        stack = model.__dict__[_STACK] = _LayerStack(binding, layers, 0, [], [])
+        layers = kernels.load().layers([half for block in binding.blocks for half in block.halves()])
+        stack = stacks[binding.count] = _LayerStack(binding, layers, 0, [], [])
     if stack.capacity < capacity:  # tables for the grown caches (row p: position p's)
         coss, sins = _tables(model, capacity, caches[0].keys.shape[3])
-        stack = model.__dict__[_STACK] = replace(stack, capacity=capacity, coss=coss, sins=sins)
+        stack = stacks[binding.count] = replace(stack, capacity=capacity, coss=coss, sins=sins)
     buffers = [a for c, cos, sin in zip(caches, stack.coss, stack.sins) for a in (cos, sin, c.keys, c.values)]
     B, L, D = embedded.shape
     rows = kernels.load().layer_stack(embedded.flatten(0, 1), offset, stack.layers, buffers, B)

@@ -376,19 +376,22 @@ class ModelRows:
         return self.rows_through(h, cache, masks)
 
     def _binding(self, L: int, cache: Sequence[Any]) -> Binding | None:
-        """What an L-token pass rests on where every block's fused path applies, else None. Checking every block
-        walks each layer's arrays in Python (half a millisecond a step on SmolLM2's 30), so a pass whose
-        model still holds the last check's identities (`Binding`) skips it."""
+        """What an L-token pass rests on where every block it runs takes the fused path, else None. A pass runs
+        as many blocks as `cache` has layers (a layer-skip drafter's cache has fewer). Checking each block walks
+        its arrays in Python (half a millisecond a step on SmolLM2's 30), so a pass whose model still holds
+        the last check's identities for that many blocks (`Binding`) skips it."""
         if L > MAX_ROWS or any(c is None for c in cache):
             return None
-        binding = self.__dict__.get(_BINDING)
+        count = min(len(cache), len(self.layers))
+        bindings = self.__dict__.setdefault(_BINDINGS, {})
+        binding = bindings.get(count)
         if binding is not None and binding.holds(self):
             return binding
-        self.__dict__.pop(_BINDING, None)  # it would keep replaced arrays alive
+        bindings.pop(count, None)  # it would keep replaced arrays alive
         blocks = tuple(zip(self.layers, cache))
         if not all(isinstance(block, BlockRows) and block.fused_applies(L, c) for block, c in blocks):
             return None
-        binding = self.__dict__[_BINDING] = Binding.of(self)
+        binding = bindings[count] = Binding.of(self, count)
         return binding
 
     def _compiles(self, cache: Sequence[Any], L: int, binding: Binding) -> bool:
@@ -413,11 +416,14 @@ class ModelRows:
 
 @dataclass(frozen=True)
 class Binding:
-    """The identities a model's fused path was checked against (its blocks, their attention and MLP modules, stacks,
-    projections, norms and RoPE, and each one's arrays) and what was worked out from them, while they hold."""
+    """The identities a model's fused path was checked against for its first `count` blocks (those blocks, their
+    attention and MLP modules, stacks, projections, norms and RoPE, and each one's arrays) and what was worked out
+    from them, while they hold."""
 
+    count: int
     layers: list
-    blocks: tuple[nn.Module, ...]
+    total: int  # len(layers) when checked
+    blocks: tuple[nn.Module, ...]  # its first `count`
     norm: nn.Module  # the final norm (the model itself is no owner here: a binding kept in it would be a cycle)
     owners: tuple[dict, ...]  # owners[i].get(keys[i]) is values[i]
     keys: tuple[str, ...]
@@ -429,7 +435,7 @@ class Binding:
     one_node: bool  # every block's `one_node_halves`: a compiled pass is one layer stack
 
     @classmethod
-    def of(cls, model: nn.Module) -> Binding:
+    def of(cls, model: nn.Module, count: int) -> Binding:
         entries: list[tuple[dict, str, Any]] = []
 
         def bound(owner: dict, key: str) -> Any:
@@ -439,8 +445,9 @@ class Binding:
         def bound_arrays(module: nn.Module) -> None:
             entries.extend((module, k, v) for k, v in module.items() if isinstance(v, mx.array))
 
-        modules = []
-        for block in model["layers"]:
+        modules, layers = [], model["layers"]
+        blocks = layers[:count]
+        for block in blocks:
             modules.append(block)
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 bound_arrays(bound(block, norm))
@@ -455,13 +462,12 @@ class Binding:
         norm = model["norm"]
         bound_arrays(norm)
         owners, keys, values = zip(*entries)
-        layers, classes = model["layers"], tuple(map(type, modules))
-        compiles = all(block.compiles() for block in layers)
-        one_node = compiles and all(block.one_node_halves() for block in layers)
+        classes = tuple(map(type, modules))
+        compiles = all(block.compiles() for block in blocks)
+        one_node = compiles and all(block.one_node_halves() for block in blocks)
         constants = compiled_pass.constants(model)
-        return cls(
-            layers, tuple(layers), norm, owners, keys, values, tuple(modules), classes, constants, compiles, one_node
-        )
+        return cls(count, layers, len(layers), tuple(blocks), norm, owners, keys, values, tuple(modules), classes,
+                   constants, compiles, one_node)  # fmt: skip
 
     def holds(self, model: nn.Module) -> bool:
         """Whether every identity still holds (mapped C calls: a thousand of them take tens of microseconds)."""
@@ -469,8 +475,8 @@ class Binding:
         return (
             layers is self.layers
             and model.get("norm") is self.norm
-            and len(layers) == len(self.blocks)
-            and all(map(operator.is_, layers, self.blocks))
+            and len(layers) == self.total
+            and all(map(operator.is_, layers, self.blocks))  # its first `count`
             and all(map(operator.is_, map(dict.get, self.owners, self.keys), self.values))
             and all(map(operator.is_, map(type, self.modules), self.classes))
         )
@@ -607,7 +613,7 @@ def unfuse(model: nn.Module) -> None:
 
 
 _STACKS = "_akunu_stacks"  # in the instance __dict__: as a Module attribute the arrays would become parameters
-_BINDING = "_akunu_binding"
+_BINDINGS = "_akunu_bindings"  # the model's Binding by the number of blocks a pass runs
 _STACKED = {  # a block's module -> its stacks -> the projections each one stacks
     "self_attn": {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",)},
     "mlp": {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)},
