@@ -4,7 +4,7 @@
 
 Each kind is timed alone, as the step runs it (same shapes, one graph, one evaluation):
 weight matmuls (every Linear and the output head as matrix-vector products, stacked as the
-fast step stacks them), norms,
+fast step stacks them, quantized ones through akunu's kernel), norms,
 RoPE (with the split of the q|k|v product into heads), attention over the cache, and the
 elementwise rest (residual adds, SwiGLU). Norms, RoPE and SwiGLU run as the fast step runs them
 (akunu's fused kernels, where they could be built; llama-family models).
@@ -29,6 +29,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import akunu  # noqa: F401  (preloads OpenBLAS before MLX)
 
@@ -45,19 +46,33 @@ from akunu.sampling import SamplingParams
 from akunu.stats import GenerationStats
 
 
-def linears(model: nn.Module) -> list[mx.array]:
-    """Every matrix applied per token, transposed (in, out), output head included (tied or not),
-    as the fast step applies them: stacked where fused_layers stacks them."""
-    stacked, covered = [], set()
+def linears(model: nn.Module) -> list[tuple[int, Callable[[mx.array], mx.array]]]:
+    """Every product applied per token, output head included (tied or not), as the fast step applies it:
+    stacked where fused_layers stacks them, quantized ones through akunu's kernel. Each as (input width, product)."""
+    products, covered = [], set()
     for _, module in model.named_modules():
         for stack in fused_layers.stacks(module).values():
-            if stack is not None and stack.transposed is not None:  # float32 stacks (quantized ones: the kernel's)
-                stacked.append(stack.transposed)
-                covered.update(id(dict(arrays)["weight"]) for arrays in stack.held)
-    weights = [m.weight.T for _, m in model.named_modules() if isinstance(m, nn.Linear) and id(m.weight) not in covered]
-    if not any(name.endswith("lm_head") for name, m in model.named_modules() if isinstance(m, nn.Linear)):
-        weights.append(model.model.embed_tokens.weight.T)
-    return stacked + weights
+            if stack is None:
+                continue
+            covered.update(id(dict(arrays)["weight"]) for arrays in stack.held)
+            if stack.transposed is not None:  # one float32 (in, outs) matrix
+                products.append((stack.transposed.shape[0], partial(_times, stack.transposed)))
+            else:  # quantized parts: the kernel's products, side by side
+                part = stack.parts[0]
+                products.append((part.packed.shape[1] * 32 // part.bits, stack))
+    for _, m in model.named_modules():
+        if isinstance(m, nn.QuantizedLinear) and id(m.weight) not in covered:
+            products.append((m.weight.shape[1] * 32 // m.bits, m))
+        elif isinstance(m, nn.Linear) and id(m.weight) not in covered:
+            products.append((m.weight.shape[1], m))
+    if not any(name.endswith("lm_head") for name, _ in model.named_modules()):
+        embed = model.model.embed_tokens
+        products.append((model.model.norm.weight.shape[0], embed.as_linear))
+    return products
+
+
+def _times(matrix: mx.array, rows: mx.array) -> mx.array:
+    return rows @ matrix
 
 
 def norms(model: nn.Module) -> list[nn.Module]:
@@ -69,8 +84,8 @@ def kinds(model: nn.Module, cache: list) -> dict[str, Callable[[], list[mx.array
     layers = model.layers
     hidden = layers[0].self_attn.q_proj.weight.shape[1]
     x = mx.random.normal((1, 1, hidden))
-    weights = linears(model)
-    inputs = [mx.random.normal((1, w.shape[0])) for w in weights]
+    weight_products = linears(model)
+    inputs = [mx.random.normal((1, width)) for width, _ in weight_products]
     norm_modules = norms(model)
     norm_inputs = [mx.random.normal((1, 1, m.weight.shape[0])) for m in norm_modules]
     attn = [layer.self_attn for layer in layers]
@@ -104,7 +119,7 @@ def kinds(model: nn.Module, cache: list) -> dict[str, Callable[[], list[mx.array
         return [t for a, c, p in zip(attn, cache, products) for t in a.rotated_heads(p, 1, 1, c.offset)]
 
     return {
-        "weight matmuls": lambda: [v @ w for v, w in zip(inputs, weights)],
+        "weight matmuls": lambda: [product(v) for v, (_, product) in zip(inputs, weight_products)],
         "norms": lambda: [m(v) for m, v in zip(norm_modules, norm_inputs)],
         "rope": rope,
         "attention": attention,
