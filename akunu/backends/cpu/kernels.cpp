@@ -630,7 +630,6 @@ struct Half {
   int heads = 0, kv_heads = 0;  // attention only
   bool traditional = false;
   float scale = 0.0f;
-  int first_inputs() const { return first.inputs(); }
 };
 
 // A model's sublayers in order, built once and shared by every pass that runs them.
@@ -1163,7 +1162,7 @@ array layer_stack_op(const array& x, const array& offset, const nb::capsule& cap
     if (!half.attention) continue;
     if (buffer + 4 > buffers.size()) throw std::invalid_argument("layer_stack needs cos, sin, keys, values per attention half");
     const array* w = half.weights.data() + 1;
-    check_attention_buffers(x, outputs(half.first, w), outputs(half.second, w + half.first_inputs()), buffers[buffer],
+    check_attention_buffers(x, outputs(half.first, w), outputs(half.second, w + half.first.inputs()), buffers[buffer],
                             buffers[buffer + 1], buffers[buffer + 2], buffers[buffer + 3], batch, half.heads, half.kv_heads);
     buffer += 4;
   }

@@ -185,7 +185,7 @@ constexpr int SHARE = 8;       // blocks of weight rows a thread takes at a time
 constexpr int CLAIMS = 4;      // a product's row blocks go in four claims: each starts cold (its first weights not yet
                                // asked for, the prefetchers retraining), and four still let one core cover a busy one
 // Claim c runs from eighth CLAIM_EIGHTHS[c] of the row blocks to CLAIM_EIGHTHS[c + 1]: two of 3/8, then two of 1/8, so
-// the thread done first waits for at most an eighth (with quarters, the caller waited 7-9% of its time).
+// the thread done first waits for at most an eighth, not a quarter.
 constexpr int CLAIM_EIGHTHS[CLAIMS + 1] = {0, 3, 6, 7, 8};
 
 struct Layout {
