@@ -84,10 +84,12 @@ def test_attention_reads_a_cache_buffer_up_to_its_fill_into_projection_rows(kern
         kernels.attention(q, k, v, 0.2, True, keys=L - 1)
 
 
-def test_swiglu_of_a_whole_gate_up_product_is_swiglu_of_its_halves(kernels):
-    product = mx.random.normal((7, 2 * 100), key=mx.random.key(6)) * 6
+@pytest.mark.parametrize("rows, n", [(7, 100), (1, 4864), (3, 2049)])  # the wide ones run in chunks on the pool
+def test_swiglu_of_a_whole_gate_up_product_is_swiglu_of_its_halves(kernels, rows, n):
+    product = mx.random.normal((rows, 2 * n), key=mx.random.key(6)) * 6
     gate, up = mx.split(product, 2, axis=-1)
     assert mx.array_equal(kernels.swiglu_halves(product), kernels.swiglu(gate, up)).item()
+    assert mx.array_equal(kernels.swiglu_halves(product[::-1]), kernels.swiglu(gate, up)[::-1]).item()  # strided rows
     with pytest.raises(ValueError, match="2n"):
         kernels.swiglu_halves(product[:, :199])
 

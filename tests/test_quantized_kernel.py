@@ -102,8 +102,8 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel, bits, colum
 
 @pytest.mark.parametrize("rows", (1, 33))
 def test_a_product_shared_among_threads_gives_each_output_the_bits_of_a_lone_product(kernel, rows):
-    """1030 x 288 weights are over the size that the pool's threads share (claims of a quarter of the blocks of 4
-    rows, the last block partial); each half alone is under it, so computed by one thread."""
+    """1030 x 288 weights are over the size that the pool's threads share (a range of the blocks of 4 rows each,
+    taken in steps from both ends; the last block partial); each half alone is under it, so computed by one thread."""
     packed, scales, biases = _weights(4, shape=(1030, 288))
     x = mx.random.normal((rows, 288), key=mx.random.key(rows))
     whole = np.asarray(kernel.quantized_product(x, packed, scales, biases, 4))

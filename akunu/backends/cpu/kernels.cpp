@@ -383,10 +383,37 @@ void swiglu_kernel(const array& gate, const array& x, array& out) {
   }
 }
 
-// Rows (..., 2n) of the stacked gate|up product: gate the first half, up the second.
+constexpr int SWIGLU_CHUNK = 1024;  // values a task gates: a decode step's 4864 are two threads' work, not one's
+static_assert(SWIGLU_CHUNK % W == 0, "chunks of whole vectors");
+
+struct SwigluCall {
+  const float* gate_up;
+  float* out;
+  int n, chunks;
+};
+
+// Tasks [begin, end): task t gates chunk t % chunks of row t / chunks (contiguous rows of gate | up).
+void swiglu_tasks(const void* context, int begin, int end) {
+  const SwigluCall& c = *static_cast<const SwigluCall*>(context);
+  for (int t = begin; t < end; t++) {
+    const int r = t / c.chunks, first = t % c.chunks * SWIGLU_CHUNK, count = std::min(SWIGLU_CHUNK, c.n - first);
+    const float* row = c.gate_up + int64_t(r) * 2 * c.n;
+    swiglu_row(row + first, row + c.n + first, c.out + int64_t(r) * c.n + first, count);
+  }
+}
+
+// Rows (..., 2n) of the stacked gate|up product: gate the first half, up the second. The product's threads wrote
+// the two halves, so the reads are other cores' cache lines: both threads read them, in chunks of whole vectors
+// (the same per-value steps as one pass over the row).
 void swiglu_halves_kernel(const array& gate_up, array& out) {
   const int n = gate_up.shape(-1) / 2;
   const auto rows = row_offsets(gate_up);
+  if (gate_up.flags().row_contiguous) {
+    const int chunks = (n + SWIGLU_CHUNK - 1) / SWIGLU_CHUNK;
+    const SwigluCall call{gate_up.data<float>(), out.data<float>(), n, chunks};
+    const int tasks = int(rows.size()) * chunks;
+    return Pool::get().run(swiglu_tasks, &call, tasks, 1, int64_t(rows.size()) * n >= 2 * SWIGLU_CHUNK);
+  }
   std::vector<float> copy;
   for (size_t r = 0; r < rows.size(); r++) {
     const float* row = contiguous_row(gate_up.data<float>() + rows[r], gate_up.strides().back(), 2 * n, copy);

@@ -18,8 +18,10 @@
 // Built on first use by quantized.py with kernels.py's machinery (g++ -march=native).
 
 #include <nanobind/nanobind.h>
+#include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -182,11 +184,7 @@ constexpr int DIRECT_BITS = 5; // wider weights (two loads a block) run faster t
 constexpr int LONG_ROW = 1024; // bytes: a single row of x reads weight rows this long one after another (`one_row`)
 constexpr int PREFETCH = 1024; // bytes ahead along a weight row that a path asks for
 constexpr int SHARE = 8;       // blocks of weight rows a thread takes at a time, at least
-constexpr int CLAIMS = 4;      // a product's row blocks go in four claims: each starts cold (its first weights not yet
-                               // asked for, the prefetchers retraining), and four still let one core cover a busy one
-// Claim c runs from eighth CLAIM_EIGHTHS[c] of the row blocks to CLAIM_EIGHTHS[c + 1]: two of 3/8, then two of 1/8, so
-// the thread done first waits for at most an eighth, not a quarter.
-constexpr int CLAIM_EIGHTHS[CLAIMS + 1] = {0, 3, 6, 7, 8};
+constexpr int STEPS = 64;      // a product's row blocks are taken about this many steps at a time (`Ranges`)
 
 struct Layout {
   int bits;
@@ -615,16 +613,43 @@ void product_rows(const void* context, int begin, int end) {
   }
 }
 
-// A product's row blocks cut into CLAIMS claims of CLAIM_EIGHTHS.
-struct Claims {
+// A product's row blocks in one range per thread. Each thread takes steps from the front of its own range, then from
+// the back of the others': the thread done first waits for one step of another's at most, and a range whose thread
+// the OS has descheduled is finished by the others. A thread reads its own range front to back, cold once.
+struct Ranges {
   const ProductCall& call;
-  int blocks;
-  int bound(int claim) const { return int(int64_t(blocks) * CLAIM_EIGHTHS[claim] / 8); }
+  int count, step;
+  mutable std::unique_ptr<std::atomic<uint64_t>[]> ranges;  // front << 32 | back, in blocks of weight rows
+
+  Ranges(const ProductCall& call_, int blocks, int threads)
+      : call(call_), count(threads), step(std::max(SHARE, (blocks + STEPS - 1) / STEPS)),
+        ranges(new std::atomic<uint64_t>[threads]) {
+    for (int r = 0; r < count; r++)
+      ranges[r].store((uint64_t(int64_t(blocks) * r / count) << 32) | uint64_t(int64_t(blocks) * (r + 1) / count));
+  }
+
+  // The next step from the front (or back) of range r, as [begin, end); false once the range is empty.
+  bool take(int r, bool front, int& begin, int& end) const {
+    uint64_t range = ranges[r].load();
+    for (;;) {
+      const int first = int(range >> 32), last = int(range & 0xffffffffu);
+      if (first >= last) return false;
+      begin = front ? first : std::max(first, last - step);
+      end = front ? std::min(last, first + step) : last;
+      const uint64_t left = front ? (uint64_t(end) << 32) | uint64_t(last) : (uint64_t(first) << 32) | uint64_t(begin);
+      if (ranges[r].compare_exchange_weak(range, left)) return true;
+    }
+  }
 };
 
-void product_claims(const void* context, int begin, int end) {
-  const Claims& claims = *static_cast<const Claims*>(context);
-  for (int claim = begin; claim < end; claim++) product_rows(&claims.call, claims.bound(claim), claims.bound(claim + 1));
+void product_ranges(const void* context, int begin, int end) {
+  const Ranges& ranges = *static_cast<const Ranges*>(context);
+  for (int r = begin; r < end; r++) {
+    int first, last;
+    while (ranges.take(r, true, first, last)) product_rows(&ranges.call, first, last);
+    for (int other = 1; other < ranges.count; other++)
+      while (ranges.take((r + other) % ranges.count, false, first, last)) product_rows(&ranges.call, first, last);
+  }
 }
 
 // x's rows quantized once, then blocks of OUT_BLOCK weight rows shared among threads; each weight read once.
@@ -634,9 +659,10 @@ void quantized_product(const float* x, int rows, const Weights& w, float* y, int
   const ProductCall call{qx, w, layout, y, y_stride};
   const bool parallel = size_t(w.outputs) * w.columns >= PARALLEL_FROM;
   const int blocks = (w.outputs + OUT_BLOCK - 1) / OUT_BLOCK;
-  if (!parallel || blocks < CLAIMS * SHARE) return parallel_for(product_rows, &call, blocks, SHARE, parallel);
-  const Claims claims{call, blocks};
-  parallel_for(product_claims, &claims, CLAIMS, 1, parallel);
+  if (!parallel || blocks < 4 * SHARE) return parallel_for(product_rows, &call, blocks, SHARE, parallel);
+  const int threads = std::max(omp_get_max_threads(), 1);  // the pool's helpers and the caller
+  const Ranges ranges(call, blocks, threads);
+  parallel_for(product_ranges, &ranges, threads, 1, parallel);
 }
 #else
 void quantized_product(const float* x, int rows, const Weights& w, float* y, int64_t y_stride) {
