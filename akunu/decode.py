@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from akunu import backends
 from akunu.draft_length import DraftLength, EntropyDraftLength
 from akunu.drafters.base import Draft, Drafter
 from akunu.drafters.tree import verify_tree_round
@@ -43,7 +44,7 @@ def prefill(model: nn.Module, cache: list, tokens: Sequence[int], step: int = 51
 def pick_token(logits: mx.array, params: SamplingParams) -> mx.array:
     """The next token from logits (..., V): argmax when greedy, else a sample of the target."""
     if params.greedy:
-        return mx.argmax(logits, axis=-1).astype(mx.uint32)
+        return backends.argmax(logits)
     return mx.random.categorical(target_logprobs(logits, params), axis=-1).astype(mx.uint32)
 
 

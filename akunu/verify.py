@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from akunu import backends
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -20,7 +22,7 @@ class Verdict:
 
 def verify_greedy(logits: mx.array, draft: list[int]) -> Verdict:
     """Keep the longest prefix of `draft` equal to the argmax. logits: (n+1, V)."""
-    choices = mx.argmax(logits, axis=-1).tolist()
+    choices = backends.argmax(logits).tolist()
     accepted = 0
     while accepted < len(draft) and choices[accepted] == draft[accepted]:
         accepted += 1

@@ -94,6 +94,52 @@ def test_swiglu_of_a_whole_gate_up_product_is_swiglu_of_its_halves(kernels, rows
         kernels.swiglu_halves(product[:, :199])
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [1, NAN, 3],
+        [NAN, 1, 3],
+        [3, 1, NAN],
+        [NAN, NAN],
+        [1, 3, 3],
+        [-INF, -INF],
+        [INF, NAN, INF],
+        [-0.0, 0.0],
+        [0.0, -0.0],
+        [2],
+    ],
+)
+def test_argmax_picks_what_mlx_picks_among_ties_nans_and_infinities(kernels, values):
+    x = mx.array(values, mx.float32)
+    assert kernels.argmax(x).item() == mx.argmax(x).item()
+    assert kernels.argmax(x).dtype == mx.uint32
+
+
+@pytest.mark.parametrize("shape", [(1, 151936), (9, 49152), (3, 17), (2, 70001), (5, 32768)])
+def test_argmax_of_long_rows_in_chunks_on_both_threads_is_mlxs(kernels, shape):
+    x = mx.round(mx.random.normal(shape, key=mx.random.key(shape[1])) * 3)  # many ties, across chunks too
+    assert mx.array_equal(kernels.argmax(x), mx.argmax(x, axis=-1).astype(mx.uint32)).item()
+    strided = mx.random.normal(shape[::-1], key=mx.random.key(1)).T
+    assert mx.array_equal(kernels.argmax(strided), mx.argmax(strided, axis=-1).astype(mx.uint32)).item()
+    assert (np.asarray(kernels.argmax(mx.zeros(shape))) == 0).all()  # a tie in every chunk: the first chunk's
+    late_nan = mx.concatenate([x[:, :-1], mx.full((shape[0], 1), NAN)], axis=1)  # in the last chunk
+    assert (np.asarray(kernels.argmax(late_nan)) == shape[1] - 1).all()
+    with pytest.raises(ValueError, match="float32"):
+        kernels.argmax(x.astype(mx.float16))
+
+
+def test_the_backends_argmax_is_mlxs_for_every_dtype():
+    from akunu import backends
+
+    x = mx.round(mx.random.normal((4, 3000), key=mx.random.key(2)) * 2)
+    for dtype in (mx.float32, mx.float16, mx.bfloat16):
+        assert mx.array_equal(backends.argmax(x.astype(dtype)), mx.argmax(x.astype(dtype), axis=-1)).item()
+        assert backends.argmax(x.astype(dtype)).dtype == mx.uint32
+
+
 def test_swiglu_matches_and_is_elementwise(kernels):
     stacked = mx.random.normal((1, 9, 2 * 100), key=mx.random.key(5)) * 6
     gate, x = mx.split(stacked, 2, axis=-1)  # views into the gate|up product, as the fused MLP passes them

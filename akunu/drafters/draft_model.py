@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from akunu import backends
 from akunu.decode import prefill
 from akunu.drafters.base import Draft, Drafter
 from akunu.errors import OptionsError
@@ -79,7 +80,7 @@ class ModelDrafter(Drafter):
 
     def _pick(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
         if self.params.greedy:
-            return mx.argmax(logits, axis=-1).astype(mx.uint32), None
+            return backends.argmax(logits), None
         logprobs = target_logprobs(logits, self.params)
         return mx.random.categorical(logprobs).astype(mx.uint32), mx.exp(logprobs)
 

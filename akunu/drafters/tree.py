@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 
+from akunu import backends
 from akunu.drafters.base import Draft, NGramDrafter, TokenTree
 from akunu.errors import OptionsError
 from akunu.kv_cache import rewind
@@ -206,7 +207,7 @@ def verify_tree_greedy(logits: mx.array, tree: TokenTree) -> tuple[list[int], in
 
     Returns the accepted path as packed indices (root 0 first) and the target's next token.
     """
-    choices = mx.argmax(logits, axis=-1).tolist()
+    choices = backends.argmax(logits).tolist()
     kids = tree.children()
     path = [0]
     while True:

@@ -704,6 +704,86 @@ void layer_stack(const std::vector<array>& in, array& out, const std::vector<Hal
   }
 }
 
+// ---- argmax --------------------------------------------------------------------------------------
+
+constexpr int ARGMAX_CHUNK = 32768;  // values a task scans: a vocabulary's logits are both threads' work
+
+// The first index of the largest value of p[0, n), or of its first NaN (mx.argmax's answer, NaN counting as largest).
+struct Best {
+  float value;
+  int64_t index;
+  bool nan;
+};
+
+Best chunk_best(const float* p, int n, int64_t first) {
+  const vi lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  vf best = load_part(p, std::min(n, W), -INFINITY);  // lanes past n: -inf at indices past n's, never chosen first
+  vi at = lanes, nans = vi{};
+  for (int i = 0; i < n; i += W) {
+    const vf v = i + W <= n ? load(p + i) : load_part(p + i, n - i, -INFINITY);
+    nans |= v != v;
+    const vi better = v > best;  // strictly: each lane keeps its first occurrence (a NaN is never better)
+    best = better ? v : best;
+    at = better ? lanes + i : at;
+  }
+  float values[W];
+  int32_t indices[W], nan_lanes[W];
+  std::memcpy(nan_lanes, &nans, sizeof nans);
+  if (std::any_of(nan_lanes, nan_lanes + W, [](int32_t lane) { return lane != 0; }))
+    for (int k = 0;; k++)  // the first NaN is the answer
+      if (std::isnan(p[k])) return {p[k], first + k, true};
+  store(values, best);
+  std::memcpy(indices, &at, sizeof at);
+  Best out{values[0], indices[0], false};
+  for (int l = 1; l < W; l++)
+    if (values[l] > out.value || (values[l] == out.value && indices[l] < out.index)) out = {values[l], indices[l], false};
+  out.index += first;
+  return out;
+}
+
+struct ArgmaxCall {
+  const std::vector<int64_t>& rows;
+  const float* data;
+  int n, chunks;
+  Best* bests;
+};
+
+// Tasks [begin, end): task t scans chunk t % chunks of row t / chunks.
+void argmax_tasks(const void* context, int begin, int end) {
+  const ArgmaxCall& c = *static_cast<const ArgmaxCall*>(context);
+  for (int t = begin; t < end; t++) {
+    const int first = t % c.chunks * ARGMAX_CHUNK;
+    c.bests[t] = chunk_best(c.data + c.rows[size_t(t / c.chunks)] + first, std::min(ARGMAX_CHUNK, c.n - first), first);
+  }
+}
+
+// Each row's answer as mx.argmax gives it: chunks in order, the first NaN or else the largest value, ties to the first.
+void argmax_kernel(const array& x, array& out) {
+  const int n = x.shape(-1);
+  array rows_source = x;
+  if (x.strides().back() != 1) {  // a contiguous copy, row by row
+    rows_source = scratch(x.shape());
+    std::vector<float> copy;
+    const auto offsets = row_offsets(x);
+    for (size_t r = 0; r < offsets.size(); r++)
+      std::memcpy(rows_source.data<float>() + r * n, contiguous_row(x.data<float>() + offsets[r], x.strides().back(), n, copy),
+                  n * sizeof(float));
+  }
+  const auto rows = row_offsets(rows_source);
+  const int chunks = (n + ARGMAX_CHUNK - 1) / ARGMAX_CHUNK, tasks = int(rows.size()) * chunks;
+  std::vector<Best> bests(tasks);
+  const ArgmaxCall call{rows, rows_source.data<float>(), n, chunks, bests.data()};
+  Pool::get().run(argmax_tasks, &call, tasks, 1, int64_t(rows.size()) * n >= 2 * ARGMAX_CHUNK);
+  for (size_t r = 0; r < rows.size(); r++) {
+    Best row = bests[r * chunks];
+    for (int c = 1; c < chunks && !row.nan; c++) {
+      const Best& next = bests[r * chunks + c];
+      if (next.nan || next.value > row.value) row = next;
+    }
+    out.data<uint32_t>()[r] = uint32_t(row.index);
+  }
+}
+
 // ---- MLX primitives -----------------------------------------------------------------------------
 
 using Kernel = std::function<void(const std::vector<array>&, std::vector<array>&)>;
@@ -787,6 +867,21 @@ class SwiGLUHalves : public CpuPrimitive {
  protected:
   Kernel kernel() const override {
     return [](const std::vector<array>& in, std::vector<array>& out) { swiglu_halves_kernel(in[0], out[0]); };
+  }
+};
+
+class Argmax : public CpuPrimitive {
+ public:
+  using CpuPrimitive::CpuPrimitive;
+  const char* name() const override { return "AkunuArgmax"; }
+  std::vector<Shape> output_shapes(const std::vector<array>& in) override {
+    return {Shape(in[0].shape().begin(), in[0].shape().end() - 1)};
+  }
+  bool is_equivalent(const Primitive&) const override { return true; }
+
+ protected:
+  Kernel kernel() const override {
+    return [](const std::vector<array>& in, std::vector<array>& out) { argmax_kernel(in[0], out[0]); };
   }
 };
 
@@ -954,6 +1049,12 @@ array swiglu_halves(const array& gate_up) {
   Shape shape = gate_up.shape();
   shape.back() /= 2;
   return array(shape, float32, std::make_shared<SwiGLUHalves>(cpu_stream()), {gate_up});
+}
+
+array argmax(const array& x) {
+  require_float32(x, "argmax input");
+  if (x.ndim() == 0 || x.shape(-1) == 0) throw std::invalid_argument("argmax expects x (..., n) with n > 0");
+  return array(Shape(x.shape().begin(), x.shape().end() - 1), uint32, std::make_shared<Argmax>(cpu_stream()), {x});
 }
 
 array rms_norm(const array& x, const array& weight, float eps) {
@@ -1250,5 +1351,6 @@ NB_MODULE(akunu_cpu_kernels, m) {
   m.def("mlp_half", &mlp_half_op, nb::arg("x"), nb::arg("norm_weight"), nb::arg("eps"), nb::arg("wgate_up"), nb::arg("wdown"),
         "x + swiglu_halves(rms_norm(x) @ wgate_up) @ wdown, one node");
   m.def("has_products", []() { return process_sgemm() != nullptr; }, "whether the layer halves can call cblas_sgemm here");
+  m.def("argmax", &argmax, nb::arg("x"), "each row's index of its largest value (or first NaN), as mx.argmax over the last axis");
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"), "weight * x / sqrt(mean(x^2) + eps)");
 }
