@@ -617,13 +617,13 @@ void product_rows(const void* context, int begin, int end) {
 // the back of the others': the thread done first waits for one step of another's at most, and a range whose thread
 // the OS has descheduled is finished by the others. A thread reads its own range front to back, cold once.
 struct Ranges {
+  static constexpr int MOST = 64;  // ranges held in place: a product's call allocates nothing
   const ProductCall& call;
   int count, step;
-  mutable std::unique_ptr<std::atomic<uint64_t>[]> ranges;  // front << 32 | back, in blocks of weight rows
+  mutable std::atomic<uint64_t> ranges[MOST];  // front << 32 | back, in blocks of weight rows
 
   Ranges(const ProductCall& call_, int blocks, int threads)
-      : call(call_), count(threads), step(std::max(SHARE, (blocks + STEPS - 1) / STEPS)),
-        ranges(new std::atomic<uint64_t>[threads]) {
+      : call(call_), count(std::clamp(threads, 1, MOST)), step(std::max(SHARE, (blocks + STEPS - 1) / STEPS)) {
     for (int r = 0; r < count; r++)
       ranges[r].store((uint64_t(int64_t(blocks) * r / count) << 32) | uint64_t(int64_t(blocks) * (r + 1) / count));
   }
@@ -662,7 +662,7 @@ void quantized_product(const float* x, int rows, const Weights& w, float* y, int
   if (!parallel || blocks < 4 * SHARE) return parallel_for(product_rows, &call, blocks, SHARE, parallel);
   const int threads = std::max(omp_get_max_threads(), 1);  // the pool's helpers and the caller
   const Ranges ranges(call, blocks, threads);
-  parallel_for(product_ranges, &ranges, threads, 1, parallel);
+  parallel_for(product_ranges, &ranges, ranges.count, 1, parallel);
 }
 #else
 void quantized_product(const float* x, int rows, const Weights& w, float* y, int64_t y_stride) {
