@@ -56,7 +56,7 @@ def argmax(x: Any) -> Any:
     equal values, a NaN before any number): on the CPU backend akunu's kernel, over both cores, else MLX's."""
     import mlx.core as mx
 
-    if x.dtype == mx.float32 and x.size and cpu_backend_applies():
+    if x.dtype == mx.float32 and x.ndim and x.size and cpu_backend_applies():
         from akunu.backends.cpu import kernels
 
         built = kernels.load()
