@@ -383,24 +383,27 @@ void swiglu_kernel(const array& gate, const array& x, array& out) {
   }
 }
 
+// fn(row, chunk, first, count) for each chunk of `chunk` values of each of `rows` rows of n, on the pool's threads
+// from two chunks' worth on.
+template <typename F>
+void over_chunks(int rows, int n, int chunk, const F& fn) {
+  struct Call {
+    const F& fn;
+    int n, chunk, chunks;
+  };
+  const Call call{fn, n, chunk, (n + chunk - 1) / chunk};
+  const Pool::Task task = [](const void* context, int begin, int end) {
+    const Call& c = *static_cast<const Call*>(context);
+    for (int t = begin; t < end; t++) {
+      const int first = t % c.chunks * c.chunk;
+      c.fn(t / c.chunks, t % c.chunks, first, std::min(c.chunk, c.n - first));
+    }
+  };
+  Pool::get().run(task, &call, rows * call.chunks, 1, int64_t(rows) * n >= 2 * chunk);
+}
+
 constexpr int SWIGLU_CHUNK = 1024;  // values a task gates: a decode step's 4864 are two threads' work, not one's
 static_assert(SWIGLU_CHUNK % W == 0, "chunks of whole vectors");
-
-struct SwigluCall {
-  const float* gate_up;
-  float* out;
-  int n, chunks;
-};
-
-// Tasks [begin, end): task t gates chunk t % chunks of row t / chunks (contiguous rows of gate | up).
-void swiglu_tasks(const void* context, int begin, int end) {
-  const SwigluCall& c = *static_cast<const SwigluCall*>(context);
-  for (int t = begin; t < end; t++) {
-    const int r = t / c.chunks, first = t % c.chunks * SWIGLU_CHUNK, count = std::min(SWIGLU_CHUNK, c.n - first);
-    const float* row = c.gate_up + int64_t(r) * 2 * c.n;
-    swiglu_row(row + first, row + c.n + first, c.out + int64_t(r) * c.n + first, count);
-  }
-}
 
 // Rows (..., 2n) of the stacked gate|up product: gate the first half, up the second. The product's threads wrote
 // the two halves, so the reads are other cores' cache lines: both threads read them, in chunks of whole vectors
@@ -409,10 +412,12 @@ void swiglu_halves_kernel(const array& gate_up, array& out) {
   const int n = gate_up.shape(-1) / 2;
   const auto rows = row_offsets(gate_up);
   if (gate_up.flags().row_contiguous) {
-    const int chunks = (n + SWIGLU_CHUNK - 1) / SWIGLU_CHUNK;
-    const SwigluCall call{gate_up.data<float>(), out.data<float>(), n, chunks};
-    const int tasks = int(rows.size()) * chunks;
-    return Pool::get().run(swiglu_tasks, &call, tasks, 1, int64_t(rows.size()) * n >= 2 * SWIGLU_CHUNK);
+    const float* in = gate_up.data<float>();
+    float* o = out.data<float>();
+    return over_chunks(int(rows.size()), n, SWIGLU_CHUNK, [&](int r, int, int first, int count) {
+      const float* row = in + int64_t(r) * 2 * n;
+      swiglu_row(row + first, row + n + first, o + int64_t(r) * n + first, count);
+    });
   }
   std::vector<float> copy;
   for (size_t r = 0; r < rows.size(); r++) {
@@ -741,39 +746,21 @@ Best chunk_best(const float* p, int n, int64_t first) {
   return out;
 }
 
-struct ArgmaxCall {
-  const std::vector<int64_t>& rows;
-  const float* data;
-  int n, chunks;
-  Best* bests;
-};
-
-// Tasks [begin, end): task t scans chunk t % chunks of row t / chunks.
-void argmax_tasks(const void* context, int begin, int end) {
-  const ArgmaxCall& c = *static_cast<const ArgmaxCall*>(context);
-  for (int t = begin; t < end; t++) {
-    const int first = t % c.chunks * ARGMAX_CHUNK;
-    c.bests[t] = chunk_best(c.data + c.rows[size_t(t / c.chunks)] + first, std::min(ARGMAX_CHUNK, c.n - first), first);
-  }
-}
-
 // Each row's answer as mx.argmax gives it: chunks in order, the first NaN or else the largest value, ties to the first.
 void argmax_kernel(const array& x, array& out) {
   const int n = x.shape(-1);
   array rows_source = x;
-  if (x.strides().back() != 1) {  // a contiguous copy, row by row
+  if (x.strides().back() != 1) {  // a contiguous copy
     rows_source = scratch(x.shape());
-    std::vector<float> copy;
-    const auto offsets = row_offsets(x);
-    for (size_t r = 0; r < offsets.size(); r++)
-      std::memcpy(rows_source.data<float>() + r * n, contiguous_row(x.data<float>() + offsets[r], x.strides().back(), n, copy),
-                  n * sizeof(float));
+    copy_rows(x, rows_source);
   }
   const auto rows = row_offsets(rows_source);
-  const int chunks = (n + ARGMAX_CHUNK - 1) / ARGMAX_CHUNK, tasks = int(rows.size()) * chunks;
-  std::vector<Best> bests(tasks);
-  const ArgmaxCall call{rows, rows_source.data<float>(), n, chunks, bests.data()};
-  Pool::get().run(argmax_tasks, &call, tasks, 1, int64_t(rows.size()) * n >= 2 * ARGMAX_CHUNK);
+  const float* data = rows_source.data<float>();
+  const int chunks = (n + ARGMAX_CHUNK - 1) / ARGMAX_CHUNK;
+  std::vector<Best> bests(rows.size() * chunks);
+  over_chunks(int(rows.size()), n, ARGMAX_CHUNK, [&](int r, int chunk, int first, int count) {
+    bests[size_t(r) * chunks + chunk] = chunk_best(data + rows[r] + first, count, first);
+  });
   for (size_t r = 0; r < rows.size(); r++) {
     Best row = bests[r * chunks];
     for (int c = 1; c < chunks && !row.nan; c++) {
