@@ -1,13 +1,16 @@
-"""Running `akunu serve` for tests: the real command (uvicorn.run captured), then its app on a loopback port.
-The `serve` fixture (conftest.py) wraps `start`."""
+"""Running `akunu serve` for tests: the real command (uvicorn.run captured), then its app on a loopback port;
+and the raw HTTP requests the serve tests send. The `serve` fixture (conftest.py) wraps `start`."""
 
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
 import socket
 import threading
 import time
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 import uvicorn
 from openai import OpenAI
@@ -15,6 +18,8 @@ from typer.testing import CliRunner
 
 from akunu.cli.app import app as cli_app
 from akunu.cli.server import Worker
+
+USER = [{"role": "user", "content": "write the alphabet"}]
 
 
 @dataclass
@@ -71,3 +76,56 @@ def start(stack: contextlib.ExitStack, monkeypatch, *args: str) -> Running:
     worker = app.state.worker
     stack.callback(worker.stop)
     return Running(stack.enter_context(on_loopback(app)), worker, options)
+
+
+def raw_request(base_url: str, method: str, path: str, body=None, headers=None) -> tuple[int, dict, bytes]:
+    url = urlparse(base_url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    connection.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    response = connection.getresponse()
+    return response.status, dict(response.getheaders()), response.read()
+
+
+def connect(base_url: str) -> socket.socket:
+    url = urlparse(base_url)
+    return socket.create_connection((url.hostname, url.port), timeout=30)
+
+
+def send_raw(
+    base_url: str,
+    head: str,
+    body: bytes = b"",
+    *,
+    close_write: bool = False,
+    repeat: int = 1,
+    pause: threading.Event | None = None,
+) -> bytes:
+    """Write a hand-made request (the body `repeat` times, waiting for `pause` after the first); return whatever
+    the server answers before it closes."""
+    with connect(base_url) as sock:
+        try:
+            sock.sendall(head.encode())
+            for index in range(repeat):
+                sock.sendall(body)
+                if pause is not None and index == 0:
+                    pause.wait(60)
+            if close_write:
+                sock.shutdown(socket.SHUT_WR)
+        except OSError:  # the server may answer and close before it has read everything
+            pass
+        answer = b""
+        try:
+            while chunk := sock.recv(65536):
+                answer += chunk
+                if b"\r\n\r\n" in answer and not close_write:
+                    break
+        except OSError:
+            pass
+        return answer
+
+
+def healthy(base_url: str) -> bool:
+    """/health answers 200 (within raw_request's timeout: a stalled server fails, it does not hang the test)."""
+    status, _, _ = raw_request(base_url, "GET", "/health")
+    return status == 200

@@ -19,6 +19,19 @@ PREFILL_SECONDS = 0.03
 TOKEN_SECONDS = 0.005
 
 
+class Clock:
+    """A clock that moves only when `sleep` is called: the bench's timings, with no wall clock in them."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
 class FakeLlama:
     """`llama_cpp.Llama` as the bench uses it: greedy generation that counts up from the prompt's last id.
 
@@ -27,6 +40,7 @@ class FakeLlama:
 
     opened: list[dict] = []
     generations: list[dict] = []
+    sleep = staticmethod(time.sleep)  # the `clock` fixture's, where a test times runs
 
     def __init__(self, **kwargs) -> None:
         if "broken" in kwargs["model_path"]:
@@ -41,11 +55,11 @@ class FakeLlama:
         FakeLlama.generations.append({"prompt": list(tokens), "sampling": sampling, "reset": self.n_tokens == 0,
                                       "thread": threading.current_thread(), "yielded": 0})  # fmt: skip
         self.n_tokens = len(tokens)
-        time.sleep(PREFILL_SECONDS)  # the prompt's pass: before the first token, so outside decode tok/s
+        FakeLlama.sleep(PREFILL_SECONDS)  # the prompt's pass: before the first token, so outside decode tok/s
         token = tokens[-1]
         while True:
             if FakeLlama.generations[-1]["yielded"]:
-                time.sleep(TOKEN_SECONDS)
+                FakeLlama.sleep(TOKEN_SECONDS)
             token = (token + 1) % 64
             FakeLlama.generations[-1]["yielded"] += 1
             yield token
@@ -60,6 +74,16 @@ def fake_llama_cpp(monkeypatch):
     monkeypatch.setattr(FakeLlama, "opened", [])
     monkeypatch.setattr(FakeLlama, "generations", [])
     return FakeLlama
+
+
+@pytest.fixture
+def clock(monkeypatch, fake_llama_cpp) -> Clock:
+    """The bench's clock and the fake llama.cpp's sleeps made one virtual clock."""
+    clock = Clock()
+    monkeypatch.setattr(FakeLlama, "sleep", staticmethod(clock.sleep))
+    for module in ("akunu.bench.engine", "akunu.bench.llama_cpp"):
+        monkeypatch.setattr(f"{module}.time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    return clock
 
 
 @pytest.fixture
@@ -81,11 +105,12 @@ def workload(tmp_path):
     return path
 
 
-def test_engine_times_decode_after_the_first_token_and_stops_like_akunu(fake_llama_cpp, tmp_path):
+def test_engine_times_decode_after_the_first_token_and_stops_like_akunu(fake_llama_cpp, clock, tmp_path):
     engine = LlamaCppEngine(tmp_path / "m.gguf", max_tokens=8, stop_ids={5}, context_length=100_000)
     run = engine.run([1, 2])  # counts up 3, 4, then the stop token 5
     assert run.tokens == [3, 4] and run.prompt_tokens == 2
-    assert run.prefill_seconds >= PREFILL_SECONDS > run.decode_seconds
+    # the prompt's pass is prefill; decode is from the first token to the last yielded (4): one token's time
+    assert (run.prefill_seconds, run.decode_seconds) == pytest.approx((PREFILL_SECONDS, TOKEN_SECONDS))
     run = engine.run([10, 11, 12])
     assert run.tokens == list(range(13, 21))  # max_tokens, and no more asked of llama.cpp
     assert fake_llama_cpp.generations[-1]["yielded"] == 8

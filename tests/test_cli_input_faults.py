@@ -18,8 +18,8 @@ from akunu.cli import display, text_input
 from akunu.cli.chat_view import ChatView
 from akunu.generate import GenerationResponse
 from akunu.stats import GenerationStats
+from tests.chat_fixtures import HOSTILE, chatml_tokenizer
 from tests.fakes import invoke, make_loaded
-from tests.test_chat_encoding import HOSTILE, chatml_tokenizer
 from tests.tiny import tiny_llama
 from tests.tiny_gguf import write_tiny_gguf
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import threading
 import time
-from urllib.parse import urlparse
 
 import openai
 import pytest
@@ -16,9 +14,8 @@ from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import common_prefix
 from akunu.sampling import SamplingParams
 from tests.fakes import make_loaded
+from tests.serve_fixtures import USER, raw_request
 from tests.tiny import tiny_llama
-
-USER = [{"role": "user", "content": "write the alphabet"}]
 
 
 def chat_ids(loaded, messages) -> list[int]:
@@ -38,15 +35,6 @@ class SlowModel:
 
     def __getattr__(self, name):
         return getattr(self.model, name)
-
-
-def raw_request(base_url: str, method: str, path: str, body=None, headers=None) -> tuple[int, dict, bytes]:
-    url = urlparse(base_url)
-    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    connection.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
-    response = connection.getresponse()
-    return response.status, dict(response.getheaders()), response.read()
 
 
 def test_chat_answers_as_the_engine_does_with_usage_and_speculative_stats(fake_engine, serve):

@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_serve_limits import health_seconds, send_raw
+from tests.serve_fixtures import healthy, send_raw
 
 EXAMPLES = 200
 LIMIT = 16_384  # the server's --max-body here, so oversized bodies stay cheap to send
@@ -137,7 +137,7 @@ def test_random_requests_never_get_a_500_nor_a_traceback(fake_engine, serve, cap
         status = request(server.base_url, path, *body, extra_headers)
         statuses.append((path, status))
         assert status is None or status < 500, (path, body, extra_headers, status)
-        assert health_seconds(server.base_url) < 5
+        assert healthy(server.base_url)
 
     with caplog.at_level(logging.DEBUG):
         check()

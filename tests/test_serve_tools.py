@@ -14,7 +14,7 @@ import pytest
 
 from tests.fakes import make_loaded
 from tests.scripted import CharTokenizer, ScriptedModel
-from tests.test_serve import USER
+from tests.serve_fixtures import USER
 from tests.tiny import tiny_llama
 
 QWEN_TEMPLATE = (Path(__file__).parent / "fixtures" / "chat_templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
