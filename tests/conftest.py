@@ -21,6 +21,20 @@ def model_home(tmp_path_factory) -> Path:
     return home
 
 
+@pytest.fixture(scope="session")
+def catalogue_model(model_home):
+    """`catalogue_model(name)` -> the GGUF of the catalogue's `name` in the model cache, fetched on first use:
+    found as `akunu` finds it (akunu.models.catalogue), never at a path of one machine."""
+    from akunu.models import catalogue
+
+    def path(name: str) -> Path:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("AKUNU_HOME", str(model_home))
+            return catalogue.resolve(name)
+
+    return path
+
+
 @pytest.fixture
 def isolated_home(tmp_path, monkeypatch) -> Path:
     """An empty AKUNU_HOME, so a test never touches the user's state."""

@@ -20,7 +20,6 @@ from akunu.models.tokenizer import Tokenizer
 from tests.vocab_fixtures import load, metadata_from_fixture
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
-QWEN_CODER = Path("/work/models/qwen2.5-coder-0.5b-instruct.gguf")
 
 WEATHER_TOOL = {
     "type": "function",
@@ -187,10 +186,8 @@ def test_gemma_4_tool_calls_use_its_own_markup():
 
 
 @pytest.mark.real_model
-def test_qwen2_5_coder_template_with_tools_and_stops():
-    if not QWEN_CODER.exists():
-        pytest.skip(f"{QWEN_CODER} is not available")
-    qwen = Tokenizer.from_gguf(QWEN_CODER)
+def test_qwen2_5_coder_template_with_tools_and_stops(catalogue_model):
+    qwen = Tokenizer.from_gguf(catalogue_model("qwen2.5-coder-0.5b"))
     prompt = qwen.apply_chat_template(TOOL_CHAT, tools=[WEATHER_TOOL])
     assert prompt.startswith("<|im_start|>system\nBe terse.\n\n# Tools\n") and json.dumps(WEATHER_TOOL) in prompt
     assert prompt.endswith("<|im_start|>assistant\n")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from pathlib import Path
 
 import pytest
 
@@ -13,7 +12,6 @@ from tests.serve_fixtures import start
 
 pytestmark = pytest.mark.real_model
 
-LOCAL = Path("/work/models/qwen2.5-coder-0.5b-instruct.gguf")
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city name"}}, "required": ["city"]}}}  # fmt: skip
 ASK = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
@@ -21,7 +19,7 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris right now?
 
 @pytest.fixture(scope="module")
 def server(model_home):
-    model = os.environ.get("AKUNU_QWEN_MODEL") or (str(LOCAL) if LOCAL.exists() else "qwen2.5-coder-0.5b")
+    model = os.environ.get("AKUNU_QWEN_MODEL") or "qwen2.5-coder-0.5b"  # a catalogue name: from the model cache
     with pytest.MonkeyPatch.context() as monkeypatch, contextlib.ExitStack() as stack:
         monkeypatch.setenv("AKUNU_HOME", str(model_home))
         try:

@@ -187,28 +187,14 @@ def test_detokenizer_ignores_ids_outside_the_vocabulary():
 # Real models ------------------------------------------------------------------------------------
 
 
-def _model_file(env_var: str, catalogue_name: str, fallback: str) -> Path:
-    if os.environ.get(env_var):
-        return Path(os.environ[env_var])
-    try:
-        from akunu.models import catalogue
-
-        return Path(catalogue.resolve(catalogue_name))
-    except Exception:  # noqa: BLE001 - no catalogue yet, or it cannot fetch here: use the developer copy
-        pass
-    if not Path(fallback).is_file():
-        pytest.skip(f"{catalogue_name} is not available (set {env_var})")
-    return Path(fallback)
+@pytest.fixture(scope="module")
+def smollm2_path(catalogue_model) -> Path:
+    return Path(os.environ.get("AKUNU_TEST_SMOLLM2") or catalogue_model("smollm2-135m"))
 
 
 @pytest.fixture(scope="module")
-def smollm2_path() -> Path:
-    return _model_file("AKUNU_TEST_SMOLLM2", "smollm2-135m", "/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-@pytest.fixture(scope="module")
-def gemma3_path() -> Path:
-    return _model_file("AKUNU_TEST_GEMMA3", "gemma3-270m", "/tmp/models/gemma-3-270m-q4_k_m.gguf")
+def gemma3_path(catalogue_model) -> Path:
+    return Path(os.environ.get("AKUNU_TEST_GEMMA3") or catalogue_model("gemma3-270m"))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-from pathlib import Path
 
 import pytest
 
@@ -125,12 +124,12 @@ def test_harmony_ends_a_turn_at_return_or_call_not_at_end():
 
 
 @pytest.mark.real_model
-def test_qwen2_5_coder_prompts_and_stops_match_llama_cpp():
+def test_qwen2_5_coder_prompts_and_stops_match_llama_cpp(catalogue_model):
+    from akunu.models.catalogue import KNOWN
+
     recorded = json.loads((VOCAB_FIXTURES / "real-qwen2.5-coder-0.5b-instruct.json").read_text(encoding="utf-8"))
-    path = Path("/work/models") / recorded["model"]
-    if not path.exists():
-        pytest.skip(f"{path} is not available")
-    qwen = Tokenizer.from_gguf(path)
+    (name,) = [entry.name for entry in KNOWN.values() if entry.filename == recorded["model"]]  # qwen2.5-coder-0.5b
+    qwen = Tokenizer.from_gguf(catalogue_model(name))
     assert qwen.eos_ids == _llama_cpp_stops(qwen, recorded["llama_cpp_eog_ids"])
     assert {qwen.decode([i]) for i in qwen.eos_ids} >= {"<|im_end|>", "<|endoftext|>"}
     for text, expected in recorded["llama_cpp_prompts"]:
