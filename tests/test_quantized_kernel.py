@@ -72,15 +72,14 @@ def test_half_precision_scales_give_the_float32_scales_result(kernel, dtype):
 
 
 @pytest.mark.parametrize("bits", (3, 4, 8))
-def test_the_scalar_fallback_computes_the_same_sums(kernel, bits):
+def test_the_scalar_reference_computes_the_same_sums_and_the_kernel_its_bits(kernel, bits):
     packed, scales, biases = _weights(bits, shape=(9, 160))
     x = mx.random.normal((3, 160), key=mx.random.key(9))
+    scalar = np.asarray(kernel.scalar_product(x, packed, scales, biases, bits))
     np.testing.assert_allclose(
-        np.asarray(kernel.scalar_product(x, packed, scales, biases, bits)),
-        quantized.reference_product(x, packed, scales, biases, bits),
-        rtol=1e-5,
-        atol=1e-5,
+        scalar, quantized.reference_product(x, packed, scales, biases, bits), rtol=1e-5, atol=1e-5
     )
+    np.testing.assert_array_equal(np.asarray(kernel.quantized_product(x, packed, scales, biases, bits)), scalar)
 
 
 # 37 outputs, and 9 or 129 groups: partial blocks both ways; 4,128 columns are rows long enough (of every width) that
@@ -213,17 +212,20 @@ q, k, v = mx.random.normal((1, 8, 1, 64)), mx.random.normal((1, 2, 4096, 64)), m
 mx.eval(kernels.load().attention(q, k, v, 0.125, False))
 packed, scales, biases = mx.quantize(mx.random.normal((2048, 1024)), group_size=32, bits=4)
 mx.eval(quantized.load().quantized_product(mx.random.normal((1, 1024)), packed, scales, biases, 4))
+mx.eval(quantized.load().scalar_product(mx.random.normal((1, 1024)), packed, scales, biases, 4))
 mx.eval(mx.random.normal((2, 1024)) @ mx.random.normal((2048, 1024)).T)  # a decode-shaped float32 product
 print(before, threads())
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
-def test_products_and_attention_share_one_set_of_helper_threads(kernel):
-    """Attention, quantized products and float32 decode products (akunu's sgemm router) run on one pool:
-    two sets of helpers would spin on the same two cores (an OpenMP team did, beside the products' pool)."""
-    run = subprocess.run([sys.executable, "-c", HELPER_THREADS], capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "2"}, timeout=300)  # fmt: skip
+@pytest.mark.parametrize("isa", ["native", "scalar"])  # this CPU's best path, and the reference every CPU has
+def test_products_and_attention_share_one_set_of_helper_threads(kernel, isa):
+    """Attention, quantized products and float32 decode products (akunu's sgemm router) run on one pool, whatever
+    path the kernel takes: two sets of helpers would spin on the same two cores (an OpenMP team did, beside the
+    products' pool, on CPUs without AVX-512)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2", quantized.ISA_SWITCH: isa}
+    run = subprocess.run([sys.executable, "-c", HELPER_THREADS], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr
     before, after = map(int, run.stdout.split())
     assert after - before == 1  # the pool's one helper beside the calling thread

@@ -56,11 +56,12 @@ def describe() -> dict[str, str]:
 
 
 def _revision() -> str:
-    """e.g. "openblas-matvec4-kernels-step8": the BLAS, matmul routing, kernels and decode step passes run on."""
+    """e.g. "openblas-matvec4-kernels-quant12-avx2-step8": the BLAS, matmul routing, kernels (and the quantized
+    kernel's instruction set) and decode step passes run on."""
     from akunu.backends.cpu import blas, kernels, quantized
 
     routing = f"-matvec{blas.MATVEC_REVISION}" if blas.matvec_path else ""
-    quant = f"-quant{quantized.REVISION}" if quantized.load() else ""
+    quant = f"-quant{quantized.REVISION}-{quantized.path()}" if quantized.load() else ""  # each path its own costs
     return f"{blas.describe().split()[0].lower()}{routing}{'-kernels' if kernels.load() else ''}{quant}-step{STEP_REVISION}"
 
 

@@ -77,14 +77,16 @@ class BuildError(Exception):
     """A kernel source that could not be built or imported here (one line saying why)."""
 
 
-def build_and_import(source: Path, module_name: str, nanobind: ModuleType) -> ModuleType:
-    """The nanobind module `module_name` built from `source`, from the cache or compiled now."""
-    target = (
-        cache_dir() / _build_key(nanobind.__version__, source) / (module_name + sysconfig.get_config_var("EXT_SUFFIX"))
-    )
+def build_and_import(
+    source: Path, module_name: str, nanobind: ModuleType, flags: tuple[str, ...] = ("-march=native",)
+) -> ModuleType:
+    """The nanobind module `module_name` built from `source` with the compiler's `flags` (the instruction set),
+    from the cache or compiled now."""
+    key = _build_key(nanobind.__version__, source, flags)
+    target = cache_dir() / key / (module_name + sysconfig.get_config_var("EXT_SUFFIX"))
     if not target.exists():
         try:
-            _build(target, nanobind, source)
+            _build(target, nanobind, source, flags)
         except (OSError, subprocess.SubprocessError) as error:
             lines = str(error).strip().splitlines() or [type(error).__name__]
             first_error = next((line for line in lines if "error" in line), lines[-1])  # g++ ends on context lines
@@ -103,9 +105,11 @@ def _give_up(reason: str) -> None:
     return None
 
 
-def _build_key(nanobind_version: str, source: Path = SOURCE) -> str:
-    """What the binary depends on: the source and the headers beside it, MLX, nanobind, Python and this CPU's features."""
+def _build_key(nanobind_version: str, source: Path = SOURCE, flags: tuple[str, ...] = ()) -> str:
+    """What the binary depends on: the source and the headers beside it, the flags, MLX, nanobind, Python and this
+    CPU's features."""
     parts = [
+        " ".join(flags).encode(),
         source.read_bytes(),
         *(header.read_bytes() for header in sorted(source.parent.glob("*.h"))),
         mx.__version__.encode(),
@@ -126,7 +130,7 @@ def _cpu_flags() -> bytes:
     return platform.processor().encode()
 
 
-def _build(target: Path, nanobind: ModuleType, source: Path = SOURCE) -> None:
+def _build(target: Path, nanobind: ModuleType, source: Path, flags: tuple[str, ...]) -> None:
     """Compile into `target` (atomically; another process building the same key waits for it)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / ".lock", "w") as lock:
@@ -136,7 +140,7 @@ def _build(target: Path, nanobind: ModuleType, source: Path = SOURCE) -> None:
         mlx_dir = Path(mx.__file__).parent
         partial = target.with_suffix(".partial")
         command = [
-            os.environ.get("CXX", "g++"), "-O3", "-march=native", "-std=c++20", "-shared", "-fPIC",
+            os.environ.get("CXX", "g++"), "-O3", *flags, "-std=c++20", "-shared", "-fPIC",
             "-fvisibility=hidden", "-fno-strict-aliasing", "-fopenmp", "-DNDEBUG", "-DNB_DOMAIN=mlx",
             f"-I{sysconfig.get_paths()['include']}", f"-I{nanobind.include_dir()}",
             f"-I{Path(nanobind.source_dir()).parent / 'ext' / 'robin_map' / 'include'}", f"-I{mlx_dir / 'include'}",

@@ -7,7 +7,9 @@ akunu's kernel: each weight read once at its stored width and multiplied as an i
 quantized to int8 per group of 32 (as llama.cpp does), a row's result independent of the rows
 beside it. Longer inputs dequantize the weight to float32 for one BLAS product.
 Layers the kernel does not cover (other modes or group sizes) keep MLX's path.
-Built on first use like `kernels`; AKUNU_QUANTIZED_KERNEL=0 turns it off.
+Built on first use like `kernels`, for one instruction set: AKUNU_CPU_ISA=avx512|avx2|neon|scalar names one
+(the build fails where the compiler cannot target it), and the default builds for this CPU, taking the fastest
+path it has. Every path gives the scalar reference's bits. AKUNU_QUANTIZED_KERNEL=0 turns the kernel off.
 """
 
 from __future__ import annotations
@@ -29,7 +31,16 @@ MODULE_NAME = "akunu_quantized_kernels"
 MAX_ROWS = 256  # the kernel beats dequantizing for one float32 product up to here; longer inputs dequantize
 BITS = (2, 3, 4, 5, 6, 8)
 SCALE_TYPES = (mx.float32, mx.float16, mx.bfloat16)
-REVISION = 11  # bumped when the kernel's speed changes, so cost curves are measured again
+REVISION = 12  # bumped when the kernel's speed changes, so cost curves are measured again
+ISA_SWITCH = "AKUNU_CPU_ISA"
+# The compiler's flags per instruction set; "native" is whatever this CPU has (the fastest path it has is taken).
+ISA_FLAGS = {
+    "native": ("-march=native",),
+    "avx512": ("-march=native", '-DAKUNU_ISA_REQUIRED="avx512"'),
+    "avx2": ("-march=x86-64-v3", "-mtune=native", '-DAKUNU_ISA_REQUIRED="avx2"'),
+    "neon": ("-march=armv8.2-a+dotprod", "-mtune=native", '-DAKUNU_ISA_REQUIRED="neon"'),
+    "scalar": ("-march=native", "-DAKUNU_ISA_SCALAR", '-DAKUNU_ISA_REQUIRED="scalar"'),
+}
 _why_not: list[str] = []
 
 
@@ -38,16 +49,12 @@ def load() -> ModuleType | None:
     """The kernel's module, built first if need be; None where it cannot run (`unavailable()` says why)."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return _give_up(f"{ENV_SWITCH}=0")
-    if kernels.load() is None:
-        return _give_up(f"the fused kernels' toolchain is unavailable ({kernels.unavailable()})")
-    import nanobind
-
+    isa = os.environ.get(ISA_SWITCH, "native")
+    if isa not in ISA_FLAGS:
+        return _give_up(f"{ISA_SWITCH}={isa} is not one of {', '.join(ISA_FLAGS)}")
     try:
-        module = kernels.build_and_import(SOURCE, MODULE_NAME, nanobind)
-        fused = kernels.load()
-        module.use_pool(fused.pool_runner_address())  # one set of helper threads for every kernel
-        fused.use_quantized_product(module.rows_product_address())  # a layer half's products, inside its one node
-        _check(module)
+        module = build(isa)
+        kernels.load().use_quantized_product(module.rows_product_address())  # a layer half's products, in its node
     except kernels.BuildError as error:
         return _give_up(str(error))
     except Exception as error:  # noqa: BLE001 - a module that does not check out is not used
@@ -55,9 +62,29 @@ def load() -> ModuleType | None:
     return module
 
 
+def build(isa: str) -> ModuleType:
+    """The kernel built for instruction set `isa` (a key of ISA_FLAGS), on the fused kernels' pool and checked;
+    kernels.BuildError where it cannot be built here."""
+    import nanobind
+
+    if kernels.load() is None:
+        raise kernels.BuildError(f"the fused kernels' toolchain is unavailable ({kernels.unavailable()})")
+    flags = (*ISA_FLAGS[isa], "-ffp-contract=off")  # the float sums' roundings are the reference's, never fused
+    module = kernels.build_and_import(SOURCE, MODULE_NAME, nanobind, flags)
+    module.use_pool(kernels.load().pool_runner_address())  # one set of helper threads for every kernel
+    _check(module)
+    return module
+
+
+def path() -> str | None:
+    """The instruction set the products run on (avx512, avx2, neon or scalar), None without the kernel."""
+    module = load()
+    return module.path if module else None
+
+
 def describe() -> str:
-    """For a run's header: whether quantized layers run akunu's kernel, and if not, why."""
-    return "akunu's" if load() else f"MLX's ({unavailable()})"
+    """For a run's header: whether quantized layers run akunu's kernel (on which instruction set), and if not, why."""
+    return f"akunu's ({load().path})" if load() else f"MLX's ({unavailable()})"
 
 
 def unavailable() -> str | None:
@@ -70,8 +97,8 @@ def _give_up(reason: str) -> None:
 
 
 def _check(module: ModuleType) -> None:
-    """Against MLX's own dequantize and `reference_product` on a small case of every width and scale type,
-    so a bad build is never used."""
+    """Against MLX's own dequantize, `reference_product` and the scalar reference's bits on a small case of every
+    width and scale type, so a bad build is never used."""
     x = mx.random.normal((3, 160), key=mx.random.key(0))
     w = mx.random.normal((5, 160), key=mx.random.key(1))
     for bits in BITS:
@@ -87,6 +114,7 @@ def _check(module: ModuleType) -> None:
                 if not (
                     mx.array_equal(module.dequantize(packed, scales, held, bits), dense).item()
                     and np.allclose(np.asarray(product), expected, rtol=1e-5, atol=1e-5)
+                    and mx.array_equal(product, module.scalar_product(x, packed, scales, held, bits)).item()
                 ):
                     raise ValueError(f"the {bits}-bit kernel ({dtype} scales) disagrees with the reference")
 

@@ -1,0 +1,314 @@
+// The quantized product on AVX2 (+FMA, F16C): integer dot products with vpmaddubsw/vpmaddwd, as llama.cpp's AVX2
+// kernels, and the reference's float sums (quantized_core.h) bit for bit.
+//
+// A group's 32 weights become one register of unsigned bytes, x's group one of signed bytes in the same order:
+//  4 bits: two groups' 32 packed bytes at once, low nibbles (even values) in one register and high nibbles (odd
+//    values) in another, x's pair of groups stored as [even of A, even of B, odd of A, odd of B];
+//  8 bits: the bytes themselves, multiplied as even and odd bytes apart (255 * 127 * 2 overflows vpmaddubsw's int16);
+//  2, 3, 5, 6 bits: each value's two bytes into a 16-bit lane (vpshufb), shifted by a multiply and packed back to
+//    bytes in x's natural order.
+// Eight groups' int32 partial sums are summed by one tree of vphaddd into one register (lane g = group g), then
+// converted and multiplied in the reference's order: lanes 0-3 and 4-7 are consecutive blocks of 4 groups.
+#pragma once
+
+#include <immintrin.h>
+
+#include "quantized_core.h"
+
+namespace akunu::quantized::avx2 {
+
+constexpr int CHUNK = 8;        // groups whose dot products one tree of vphaddd gives
+constexpr int TILE_ROWS = 4;    // rows of x sharing a chunk's unpacked weights in registers
+constexpr int PREFETCH = 512;   // bytes ahead along a weight row
+
+// x's rows quantized per group in the order the weights unpack to, padded to whole chunks (and to 16 groups for the
+// biases' sums) with zeros, each group's step, zero point term and dx * sum(qx).
+struct QuantizedRows {
+  int rows, groups, chunks, padded;
+  Aligned<int8_t> q;
+  Aligned<float> steps, sums;
+  Aligned<int32_t> totals;
+
+  QuantizedRows(const float* x, int rows_, int columns, int bits)
+      : rows(rows_),
+        groups(columns / GROUP),
+        chunks((groups + CHUNK - 1) / CHUNK),
+        padded((groups + 15) / 16 * 16 + 16),
+        q(size_t(rows_) * chunks * CHUNK * GROUP),
+        steps(size_t(rows_) * padded),
+        sums(size_t(rows_) * padded),
+        totals(size_t(rows_) * padded) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int m = 0; m < rows; m++)
+      for (int g = 0; g < groups; g++) {
+        const float* p = x + size_t(m) * columns + size_t(g) * GROUP;
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k] = _mm256_loadu_ps(p + 8 * k)));
+        __m128 top = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        top = _mm_max_ps(top, _mm_movehl_ps(top, top));
+        top = _mm_max_ss(top, _mm_movehdup_ps(top));
+        const float d = _mm_cvtss_f32(top) / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+        __m256i q32[4], total = _mm256_setzero_si256();
+        for (int k = 0; k < 4; k++) {
+          q32[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], _mm256_set1_ps(inverse)));  // round half to even
+          total = _mm256_add_epi32(total, q32[k]);
+        }
+        // int32 -> int8 in order: packs interleave 128-bit lanes, one vpermd puts them back
+        const __m256i packed = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(q32[0], q32[1]), _mm256_packs_epi32(q32[2], q32[3])),
+            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        alignas(32) int8_t natural[GROUP];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(natural), packed);
+        int8_t* out = q.get() + (size_t(m) * chunks * CHUNK + g) * GROUP;
+        if (bits == 4) {  // pair (A, B) of groups: [A even, B even, A odd, B odd], 16 values each
+          int8_t* pair = out - (g % 2) * GROUP;
+          for (int i = 0; i < 16; i++) {
+            pair[16 * (g % 2) + i] = natural[2 * i];
+            pair[32 + 16 * (g % 2) + i] = natural[2 * i + 1];
+          }
+        } else {
+          std::memcpy(out, natural, GROUP);
+        }
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        t = _mm_hadd_epi32(t, t);
+        t = _mm_hadd_epi32(t, t);
+        const size_t at = size_t(m) * padded + g;
+        steps.get()[at] = d;
+        totals.get()[at] = _mm_cvtsi128_si32(t);
+        sums.get()[at] = d * float(totals.get()[at]);
+      }
+  }
+  const int8_t* q_row(int m) const { return q.get() + size_t(m) * chunks * CHUNK * GROUP; }
+  const float* steps_row(int m) const { return steps.get() + size_t(m) * padded; }
+  const float* sums_row(int m) const { return sums.get() + size_t(m) * padded; }
+  const int32_t* totals_row(int m) const { return totals.get() + size_t(m) * padded; }
+};
+
+// 8 scales or biases from i on as float32.
+inline __m256 load8(const uint8_t* from, Scale type) {
+  if (type == Scale::f32) return _mm256_loadu_ps(reinterpret_cast<const float*>(from));
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from));
+  if (type == Scale::f16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+__attribute__((noinline)) inline __m256 load_few(const uint8_t* from, Scale type, int count) {
+  alignas(32) uint8_t held[32] = {};
+  std::memcpy(held, from, (type == Scale::f32 ? 4 : 2) * size_t(std::max(count, 0)));
+  return load8(held, type);
+}
+
+// `count` scales or biases from i on as float32, zero past `count` (< 8): read straight from memory unless the
+// 8 would pass `size`, the array's length.
+inline __m256 load8(const void* p, Scale type, size_t i, int count, size_t size) {
+  const uint8_t* from = static_cast<const uint8_t*>(p) + i * (type == Scale::f32 ? 4 : 2);
+  if (count >= 8) return load8(from, type);
+  if (i + 8 > size) return load_few(from, type, count);
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_and_ps(load8(from, type), _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(count), lanes)));
+}
+
+// 16-bit lane k of register r of a group of BITS (2, 3, 5 or 6) bits, in either 128-bit half: value 8r + k of the
+// half's 16 (the high half reads 2 * BITS bytes further on), picked as its two bytes and shifted by a multiply.
+template <int BITS>
+struct Cut {
+  __m256i pick[2], multiply;
+  Cut() {
+    alignas(32) uint8_t picks[2][32];
+    alignas(32) uint16_t multipliers[16];
+    for (int r = 0; r < 2; r++)
+      for (int half = 0; half < 2; half++)
+        for (int k = 0; k < 8; k++) {
+          const int bit = (8 * r + k) * BITS;
+          picks[r][16 * half + 2 * k] = uint8_t(bit / 8);
+          picks[r][16 * half + 2 * k + 1] = uint8_t(std::min(bit / 8 + 1, 15));
+          multipliers[8 * half + k] = uint16_t(1u << (8 - bit % 8));
+        }
+    pick[0] = _mm256_load_si256(reinterpret_cast<const __m256i*>(picks[0]));
+    pick[1] = _mm256_load_si256(reinterpret_cast<const __m256i*>(picks[1]));
+    multiply = _mm256_load_si256(reinterpret_cast<const __m256i*>(multipliers));
+  }
+};
+
+template <int BITS>
+constexpr int group_bytes = 4 * BITS;
+template <int BITS>
+constexpr int per_register = BITS == 4 ? 2 : 1;  // registers a group takes: 4 bits two groups in two registers
+
+// The register(s) of the group(s) at p: 4 bits two groups (even, odd values), 8 bits one group's bytes, others one
+// group's 4 * BITS bytes (readable 2 * BITS + 16 bytes on) as 32 bytes in order.
+template <int BITS>
+inline void unpack(const uint8_t* p, const Cut<BITS>& cut, __m256i* out) {
+  if constexpr (BITS == 4) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), nibble = _mm256_set1_epi8(0x0f);
+    out[0] = _mm256_and_si256(v, nibble);
+    out[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+  } else if constexpr (BITS == 8) {
+    out[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  } else {
+    const __m256i bytes = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p + 2 * BITS),
+                                              reinterpret_cast<const __m128i*>(p));
+    const __m256i first = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(bytes, cut.pick[0]), cut.multiply), 8);
+    const __m256i second = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(bytes, cut.pick[1]), cut.multiply), 8);
+    out[0] = _mm256_and_si256(_mm256_packus_epi16(first, second), _mm256_set1_epi8(char((1 << BITS) - 1)));
+  }
+}
+
+// The bytes of a chunk that would be read past the end of the weights' memory, copied into `held` (zeros after).
+__attribute__((noinline)) inline const uint8_t* held_copy(const uint8_t* p, const uint8_t* end, uint8_t* held, size_t bytes) {
+  std::memset(held, 0, bytes);
+  std::memcpy(held, p, std::min<size_t>(bytes, end - std::min(end, p)));
+  return held;
+}
+
+// 8 registers of 8 int32 each -> one register whose lane k is the sum of register k's lanes.
+inline __m256i sum_each(const __m256i r[8]) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(r[0], r[1]), _mm256_hadd_epi32(r[2], r[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(r[4], r[5]), _mm256_hadd_epi32(r[6], r[7]));
+  // a = [r0 r1 r2 r3 (low halves) | r0 r1 r2 r3 (high halves)], b the same of r4..r7
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// The chunk's 8 groups' exact dot products with row m of x (lane g = group g of the chunk).
+template <int BITS>
+inline __m256i chunk_dots(const __m256i* w, const int8_t* x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (BITS == 4) {  // register pair k: groups 2k, 2k + 1 in lanes 0-3 and 4-7
+    __m256i pairs[4];
+    for (int k = 0; k < 4; k++) {
+      const __m256i even = _mm256_maddubs_epi16(w[2 * k], _mm256_load_si256(reinterpret_cast<const __m256i*>(x + 64 * k)));
+      const __m256i odd = _mm256_maddubs_epi16(w[2 * k + 1], _mm256_load_si256(reinterpret_cast<const __m256i*>(x + 64 * k + 32)));
+      pairs[k] = _mm256_madd_epi16(_mm256_add_epi16(even, odd), ones);
+    }
+    // [g0 g2 g4 g6 | g1 g3 g5 g7] after the tree; vpermd puts the groups in order
+    const __m256i tree = _mm256_hadd_epi32(_mm256_hadd_epi32(pairs[0], pairs[1]), _mm256_hadd_epi32(pairs[2], pairs[3]));
+    return _mm256_permutevar8x32_epi32(tree, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  }
+  __m256i dots[CHUNK];
+  for (int g = 0; g < CHUNK; g++) {
+    const __m256i xq = _mm256_load_si256(reinterpret_cast<const __m256i*>(x + GROUP * g));
+    if constexpr (BITS == 8) {
+      const __m256i even = _mm256_maddubs_epi16(_mm256_and_si256(w[g], _mm256_set1_epi16(0x00ff)), xq);
+      const __m256i odd = _mm256_maddubs_epi16(_mm256_and_si256(w[g], _mm256_set1_epi16(short(0xff00))), xq);
+      dots[g] = _mm256_add_epi32(_mm256_madd_epi16(even, ones), _mm256_madd_epi16(odd, ones));
+    } else {
+      dots[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(w[g], xq), ones);
+    }
+  }
+  return sum_each(dots);
+}
+
+// acc (lane g: groups g, g + 4, ... of the row) += the chunk's dots times dx * scale, block by block as the reference.
+template <int BITS>
+inline __m128 add_chunk(__m128 acc, __m256i dots, const float* steps, const int32_t* totals, __m256 scales, bool centered) {
+  if (centered) {  // exact: |zero * total| < 2^22
+    const __m256i terms = _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(totals)), BITS - 1);
+    dots = _mm256_sub_epi32(dots, terms);
+  }
+  const __m256 terms = _mm256_cvtepi32_ps(dots);
+  const __m256 factors = _mm256_mul_ps(_mm256_loadu_ps(steps), scales);
+  acc = _mm_fmadd_ps(_mm256_castps256_ps128(terms), _mm256_castps256_ps128(factors), acc);
+  return _mm_fmadd_ps(_mm256_extractf128_ps(terms, 1), _mm256_extractf128_ps(factors, 1), acc);
+}
+
+// Output o from acc: the biases' terms and the reduction of the reference (v's 16 lanes in two registers).
+inline float finish(const Weights& w, int o, const float* sums, __m128 acc) {
+  const int groups = w.groups(), n = o % 4;
+  const __m256 placed = n % 2 ? _mm256_insertf128_ps(_mm256_setzero_ps(), acc, 1) : _mm256_zextps128_ps256(acc);
+  __m256 low = n < 2 ? placed : _mm256_setzero_ps(), high = n < 2 ? _mm256_setzero_ps() : placed;
+  const size_t at = size_t(o) * groups, size = size_t(w.outputs) * groups;
+  for (int g = 0; w.biases && g < groups; g += 16) {
+    low = _mm256_fmadd_ps(load8(w.biases, w.type, at + g, groups - g, size), _mm256_loadu_ps(sums + g), low);
+    high = _mm256_fmadd_ps(load8(w.biases, w.type, at + g + 8, std::max(groups - g - 8, 0), size),
+                           _mm256_loadu_ps(sums + g + 8), high);
+  }
+  // per 128-bit lane: (v0 + v2) + (v1 + v3) in lane 0; then (s0 + s2) + (s1 + s3)
+  low = _mm256_add_ps(low, _mm256_permute_ps(low, _MM_SHUFFLE(1, 0, 3, 2)));
+  low = _mm256_add_ps(low, _mm256_permute_ps(low, _MM_SHUFFLE(2, 3, 0, 1)));
+  high = _mm256_add_ps(high, _mm256_permute_ps(high, _MM_SHUFFLE(1, 0, 3, 2)));
+  high = _mm256_add_ps(high, _mm256_permute_ps(high, _MM_SHUFFLE(2, 3, 0, 1)));
+  const __m256 pairs = _mm256_add_ps(low, high);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
+}
+
+struct ProductCall {
+  const QuantizedRows& x;
+  const Weights& w;
+  float* y;
+  int64_t y_stride;
+};
+
+// Rows [m0, m0 + MR) of x against weight row o, chunk by chunk, each chunk unpacked once for the MR rows. Groups
+// past the row's end are read from the next row's memory (x's padding zeros make their products zero); a chunk that
+// would read past the weights' memory is read from a copy.
+template <int BITS, int MR>
+inline void tile(const ProductCall& call, const Cut<BITS>& cut, int o, int m0) {
+  constexpr int step = per_register<BITS>, chunk_bytes = CHUNK * group_bytes<BITS>;
+  const QuantizedRows& x = call.x;
+  const int groups = x.groups, chunks = x.chunks;
+  const bool centered = call.w.zero() != 0;
+  const Scale type = call.w.type;
+  const size_t scale_count = size_t(call.w.outputs) * groups, first_scale = size_t(o) * groups;
+  const void* scales = call.w.scales;
+  const uint8_t* row = call.w.packed + size_t(o) * call.w.row_bytes();
+  const uint8_t *end = call.w.end(), *last_safe = end - chunk_bytes - 16;
+  const int8_t* q[MR];
+  const float* steps[MR];
+  const int32_t* totals[MR];
+  __m128 acc[MR];
+  for (int m = 0; m < MR; m++) {
+    q[m] = x.q_row(m0 + m);
+    steps[m] = x.steps_row(m0 + m);
+    totals[m] = x.totals_row(m0 + m);
+    acc[m] = _mm_setzero_ps();
+  }
+  alignas(32) uint8_t held[chunk_bytes + 32];
+  for (int c = 0; c < chunks; c++) {
+    const uint8_t* p = row + c * chunk_bytes;
+    _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH, _MM_HINT_T0);
+    if constexpr (chunk_bytes > 64) _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH + 64, _MM_HINT_T0);
+    if constexpr (chunk_bytes > 128) _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH + 128, _MM_HINT_T0);
+    if constexpr (chunk_bytes > 192) _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH + 192, _MM_HINT_T0);
+    if (p > last_safe) p = held_copy(p, end, held, sizeof(held));
+    __m256i w[CHUNK];
+    for (int g = 0; g < CHUNK; g += step) unpack<BITS>(p + g * group_bytes<BITS>, cut, w + g);
+    const __m256 chunk_scales = load8(scales, type, first_scale + c * CHUNK, groups - c * CHUNK, scale_count);
+    for (int m = 0; m < MR; m++) {
+      const __m256i dots = chunk_dots<BITS>(w, q[m] + size_t(c) * CHUNK * GROUP);
+      acc[m] = add_chunk<BITS>(acc[m], dots, steps[m] + c * CHUNK, totals[m] + c * CHUNK, chunk_scales, centered);
+    }
+  }
+  for (int m = 0; m < MR; m++) call.y[(m0 + m) * call.y_stride + o] = finish(call.w, o, x.sums_row(m0 + m), acc[m]);
+}
+
+// Blocks [begin, end) of 4 weight rows: their outputs for every row of x.
+template <int BITS>
+void product_blocks(const void* context, int begin, int end) {
+  const ProductCall& call = *static_cast<const ProductCall*>(context);
+  const Cut<BITS> cut;
+  const int rows = call.x.rows;
+  for (int o = 4 * begin; o < std::min(4 * end, call.w.outputs); o++) {
+    int m = 0;
+    for (; m + TILE_ROWS <= rows; m += TILE_ROWS) tile<BITS, TILE_ROWS>(call, cut, o, m);
+    switch (rows - m) {
+      case 3: tile<BITS, 3>(call, cut, o, m); break;
+      case 2: tile<BITS, 2>(call, cut, o, m); break;
+      case 1: tile<BITS, 1>(call, cut, o, m); break;
+      default: break;
+    }
+  }
+}
+
+inline void product(const float* x, int rows, const Weights& w, float* y, int64_t y_stride) {
+  const QuantizedRows qx(x, rows, w.columns, w.bits);
+  const ProductCall call{qx, w, y, y_stride};
+  const Task task = w.bits == 2   ? product_blocks<2>
+                    : w.bits == 3 ? product_blocks<3>
+                    : w.bits == 4 ? product_blocks<4>
+                    : w.bits == 5 ? product_blocks<5>
+                    : w.bits == 6 ? product_blocks<6>
+                                  : product_blocks<8>;
+  share_blocks(task, &call, (w.outputs + 3) / 4, w);
+}
+
+}  // namespace akunu::quantized::avx2
