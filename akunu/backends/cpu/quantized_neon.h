@@ -252,6 +252,94 @@ inline void tile(const ProductCall& call, const Cut<BITS>& cut, int o, int m0) {
   for (int m = 0; m < MR; m++) call.y[(m0 + m) * call.y_stride + o] = finish(call.w, o, x.sums_row(m0 + m), acc[m]);
 }
 
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+// Weight rows o, o1 against pairs of x's rows with smmla (vmmlaq_s32), each operand 8 bytes of either row: a group's
+// 4 smmla leave its 4 dot products in one register, [m.o, m.o1, m1.o, m1.o1]. A chunk's 4 such registers are
+// transposed to one register per (x row, weight row), lane g = group g, and summed on as `tile` sums them.
+template <int BITS, int PAIRS>
+inline void tile_pairs(const ProductCall& call, const Cut<BITS>& cut, int o, int o1, int m0) {
+  constexpr int chunk_bytes = CHUNK * group_bytes<BITS>;
+  const QuantizedRows& x = call.x;
+  const int groups = x.groups, chunks = x.chunks, outputs[2] = {o, o1};
+  const int per_total = (BITS == 8 ? 128 : 0) - call.w.zero();
+  const size_t scale_count = size_t(call.w.outputs) * groups;
+  const uint8_t *end = call.w.end(), *last_safe = end - chunk_bytes - 16;
+  float32x4_t acc[2 * PAIRS][2];  // [x row][weight row]
+  for (auto& pair : acc) pair[0] = pair[1] = vdupq_n_f32(0.0f);
+  alignas(16) uint8_t held[2][chunk_bytes + 32];
+  for (int c = 0; c < chunks; c++) {
+    int8x16_t w[2][2 * CHUNK];
+    float32x4_t chunk_scales[2];
+    for (int r = 0; r < 2; r++) {
+      const uint8_t* p = call.w.packed + size_t(outputs[r]) * call.w.row_bytes() + c * chunk_bytes;
+      __builtin_prefetch(p + PREFETCH);
+      if constexpr (chunk_bytes > 64) __builtin_prefetch(p + PREFETCH + 64);
+      if (p > last_safe) p = held_copy(p, end, held[r], sizeof(held[r]));
+      for (int g = 0; g < CHUNK; g++) unpack<BITS>(p + g * group_bytes<BITS>, cut, w[r] + 2 * g);
+      chunk_scales[r] = load4(call.w.scales, call.w.type, size_t(outputs[r]) * groups + c * CHUNK, groups - c * CHUNK,
+                              scale_count);
+    }
+    int8x16_t both[4 * CHUNK];  // 8 bytes of row o, then the same 8 of row o1
+    for (int k = 0; k < 2 * CHUNK; k++) {
+      const int64x2_t first = vreinterpretq_s64_s8(w[0][k]), second = vreinterpretq_s64_s8(w[1][k]);
+      both[2 * k] = vreinterpretq_s8_s64(vzip1q_s64(first, second));
+      both[2 * k + 1] = vreinterpretq_s8_s64(vzip2q_s64(first, second));
+    }
+    for (int pair = 0; pair < PAIRS; pair++) {
+      const int m = m0 + 2 * pair;
+      const int8_t *xm = x.q_row(m) + size_t(c) * CHUNK * GROUP, *xm1 = x.q_row(m + 1) + size_t(c) * CHUNK * GROUP;
+      int32x4_t dots[CHUNK];
+      for (int g = 0; g < CHUNK; g++) {
+        dots[g] = vdupq_n_s32(0);
+        for (int k = 2 * g; k < 2 * g + 2; k++) {
+          const int64x2_t first = vreinterpretq_s64_s8(vld1q_s8(xm + 16 * k));
+          const int64x2_t second = vreinterpretq_s64_s8(vld1q_s8(xm1 + 16 * k));
+          dots[g] = vmmlaq_s32(dots[g], vreinterpretq_s8_s64(vzip1q_s64(first, second)), both[2 * k]);
+          dots[g] = vmmlaq_s32(dots[g], vreinterpretq_s8_s64(vzip2q_s64(first, second)), both[2 * k + 1]);
+        }
+      }
+      // 4 x 4 transpose: lane j of dots[g] -> lane g of by_product[j]
+      const int64x2_t low_even = vreinterpretq_s64_s32(vtrn1q_s32(dots[0], dots[1]));
+      const int64x2_t low_odd = vreinterpretq_s64_s32(vtrn2q_s32(dots[0], dots[1]));
+      const int64x2_t high_even = vreinterpretq_s64_s32(vtrn1q_s32(dots[2], dots[3]));
+      const int64x2_t high_odd = vreinterpretq_s64_s32(vtrn2q_s32(dots[2], dots[3]));
+      const int32x4_t by_product[4] = {vreinterpretq_s32_s64(vzip1q_s64(low_even, high_even)),   // m . o
+                                       vreinterpretq_s32_s64(vzip1q_s64(low_odd, high_odd)),     // m . o1
+                                       vreinterpretq_s32_s64(vzip2q_s64(low_even, high_even)),   // m1 . o
+                                       vreinterpretq_s32_s64(vzip2q_s64(low_odd, high_odd))};    // m1 . o1
+      for (int i = 0; i < 2; i++)
+        for (int r = 0; r < 2; r++)
+          acc[2 * pair + i][r] = add_chunk(acc[2 * pair + i][r], by_product[2 * i + r], x.steps_row(m + i) + c * CHUNK,
+                                           x.totals_row(m + i) + c * CHUNK, chunk_scales[r], per_total);
+    }
+  }
+  for (int m = 0; m < 2 * PAIRS; m++)
+    for (int r = 0; r < (o1 != o ? 2 : 1); r++)
+      call.y[(m0 + m) * call.y_stride + outputs[r]] = finish(call.w, outputs[r], x.sums_row(m0 + m), acc[m][r]);
+}
+
+// Blocks [begin, end) of 4 weight rows: their outputs for every row of x, two weight rows at a time with smmla
+// (the last row of an odd count paired with itself), an odd row of x by `tile`.
+template <int BITS>
+void product_blocks(const void* context, int begin, int end) {
+  const ProductCall& call = *static_cast<const ProductCall*>(context);
+  const Cut<BITS> cut;
+  const int rows = call.x.rows;
+  for (int o = 4 * begin; o < std::min(4 * end, call.w.outputs); o += 2) {
+    const int o1 = o + 1 < call.w.outputs ? o + 1 : o;
+    int m = 0;
+    for (; m + 4 <= rows; m += 4) tile_pairs<BITS, 2>(call, cut, o, o1, m);
+    if (rows - m >= 2) {
+      tile_pairs<BITS, 1>(call, cut, o, o1, m);
+      m += 2;
+    }
+    if (m < rows) {
+      tile<BITS, 1>(call, cut, o, m);
+      if (o1 != o) tile<BITS, 1>(call, cut, o1, m);
+    }
+  }
+}
+#else
 // Blocks [begin, end) of 4 weight rows: their outputs for every row of x.
 template <int BITS>
 void product_blocks(const void* context, int begin, int end) {
@@ -269,6 +357,7 @@ void product_blocks(const void* context, int begin, int end) {
     }
   }
 }
+#endif
 
 inline void product(const float* x, int rows, const Weights& w, float* y, int64_t y_stride) {
   const QuantizedRows qx(x, rows, w.columns, w.bits);
