@@ -9,7 +9,8 @@
 //  3, 5, 6 bits: each value's low and high byte picked by table lookups (vqtbl1q_u8), shifted per lane and or-ed,
 //    in x's natural order.
 // A chunk of 4 groups' int32 sums fold by two vpaddq into one register (lane g = group g of the chunk), which is
-// converted and multiplied in the reference's order: its lanes are acc's lanes.
+// converted and multiplied in the reference's order: its lanes are acc's lanes. Where the compiler targets i8mm,
+// pairs of x's rows go against pairs of weight rows with smmla instead (`tile_pairs`), to the same int32 sums.
 #pragma once
 
 #include <arm_neon.h>
@@ -328,7 +329,7 @@ void product_blocks(const void* context, int begin, int end) {
   for (int o = 4 * begin; o < std::min(4 * end, call.w.outputs); o += 2) {
     const int o1 = o + 1 < call.w.outputs ? o + 1 : o;
     int m = 0;
-    for (; m + 4 <= rows; m += 4) tile_pairs<BITS, 2>(call, cut, o, o1, m);
+    for (; m + TILE_ROWS <= rows; m += TILE_ROWS) tile_pairs<BITS, TILE_ROWS / 2>(call, cut, o, o1, m);
     if (rows - m >= 2) {
       tile_pairs<BITS, 1>(call, cut, o, o1, m);
       m += 2;
