@@ -17,6 +17,8 @@
 
 namespace akunu::quantized::avx2 {
 
+#define AKUNU_INLINE inline __attribute__((always_inline))  // the hot helpers: GCC left some as calls
+
 constexpr int CHUNK = 8;        // groups whose dot products one tree of vphaddd gives
 constexpr int TILE_ROWS = 4;    // rows of x sharing a chunk's unpacked weights in registers
 constexpr int PREFETCH = 512;   // bytes ahead along a weight row
@@ -84,28 +86,34 @@ struct QuantizedRows {
   const int32_t* totals_row(int m) const { return totals.get() + size_t(m) * padded; }
 };
 
-// 8 scales or biases from i on as float32.
-inline __m256 load8(const uint8_t* from, Scale type) {
-  if (type == Scale::f32) return _mm256_loadu_ps(reinterpret_cast<const float*>(from));
+// 8 scales or biases at `from` as float32.
+template <Scale TYPE>
+AKUNU_INLINE __m256 load8(const uint8_t* from) {
+  if constexpr (TYPE == Scale::f32) return _mm256_loadu_ps(reinterpret_cast<const float*>(from));
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from));
-  if (type == Scale::f16) return _mm256_cvtph_ps(h);
+  if constexpr (TYPE == Scale::f16) return _mm256_cvtph_ps(h);
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-__attribute__((noinline)) inline __m256 load_few(const uint8_t* from, Scale type, int count) {
+template <Scale TYPE>
+constexpr size_t scale_bytes = TYPE == Scale::f32 ? 4 : 2;
+
+template <Scale TYPE>
+__attribute__((noinline)) __m256 load_few(const uint8_t* from, int count) {
   alignas(32) uint8_t held[32] = {};
-  std::memcpy(held, from, (type == Scale::f32 ? 4 : 2) * size_t(std::max(count, 0)));
-  return load8(held, type);
+  std::memcpy(held, from, scale_bytes<TYPE> * size_t(std::max(count, 0)));
+  return load8<TYPE>(held);
 }
 
 // `count` scales or biases from i on as float32, zero past `count` (< 8): read straight from memory unless the
 // 8 would pass `size`, the array's length.
-inline __m256 load8(const void* p, Scale type, size_t i, int count, size_t size) {
-  const uint8_t* from = static_cast<const uint8_t*>(p) + i * (type == Scale::f32 ? 4 : 2);
-  if (count >= 8) return load8(from, type);
-  if (i + 8 > size) return load_few(from, type, count);
+template <Scale TYPE>
+AKUNU_INLINE __m256 load8(const void* p, size_t i, int count, size_t size) {
+  const uint8_t* from = static_cast<const uint8_t*>(p) + i * scale_bytes<TYPE>;
+  if (count >= 8) return load8<TYPE>(from);
+  if (i + 8 > size) return load_few<TYPE>(from, count);
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_and_ps(load8(from, type), _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(count), lanes)));
+  return _mm256_and_ps(load8<TYPE>(from), _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(count), lanes)));
 }
 
 // 16-bit lane k of register r of a group of BITS (2, 3, 5 or 6) bits, in either 128-bit half: value 8r + k of the
@@ -138,7 +146,7 @@ constexpr int per_register = BITS == 4 ? 2 : 1;  // registers a group takes: 4 b
 // The register(s) of the group(s) at p: 4 bits two groups (even, odd values), 8 bits one group's bytes, others one
 // group's 4 * BITS bytes (readable 2 * BITS + 16 bytes on) as 32 bytes in order.
 template <int BITS>
-inline void unpack(const uint8_t* p, const Cut<BITS>& cut, __m256i* out) {
+AKUNU_INLINE void unpack(const uint8_t* p, const Cut<BITS>& cut, __m256i* out) {
   if constexpr (BITS == 4) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), nibble = _mm256_set1_epi8(0x0f);
     out[0] = _mm256_and_si256(v, nibble);
@@ -161,31 +169,24 @@ __attribute__((noinline)) inline const uint8_t* held_copy(const uint8_t* p, cons
   return held;
 }
 
-// 8 registers of 8 int32 each -> one register whose lane k is the sum of register k's lanes.
-inline __m256i sum_each(const __m256i r[8]) {
-  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(r[0], r[1]), _mm256_hadd_epi32(r[2], r[3]));
-  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(r[4], r[5]), _mm256_hadd_epi32(r[6], r[7]));
-  // a = [r0 r1 r2 r3 (low halves) | r0 r1 r2 r3 (high halves)], b the same of r4..r7
-  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
-}
-
-// The chunk's 8 groups' exact dot products with row m of x (lane g = group g of the chunk).
-template <int BITS>
-inline __m256i chunk_dots(const __m256i* w, const int8_t* x) {
+// The exact dot products of G (8, or 4 for a row's last block) groups with x's: lane g = group g of the chunk.
+template <int BITS, int G>
+AKUNU_INLINE __m256i chunk_dots(const __m256i* w, const int8_t* x) {
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (BITS == 4) {  // register pair k: groups 2k, 2k + 1 in lanes 0-3 and 4-7
     __m256i pairs[4];
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < G / 2; k++) {
       const __m256i even = _mm256_maddubs_epi16(w[2 * k], _mm256_load_si256(reinterpret_cast<const __m256i*>(x + 64 * k)));
       const __m256i odd = _mm256_maddubs_epi16(w[2 * k + 1], _mm256_load_si256(reinterpret_cast<const __m256i*>(x + 64 * k + 32)));
       pairs[k] = _mm256_madd_epi16(_mm256_add_epi16(even, odd), ones);
     }
-    // [g0 g2 g4 g6 | g1 g3 g5 g7] after the tree; vpermd puts the groups in order
-    const __m256i tree = _mm256_hadd_epi32(_mm256_hadd_epi32(pairs[0], pairs[1]), _mm256_hadd_epi32(pairs[2], pairs[3]));
+    // [g0 g2 g4 g6 | g1 g3 g5 g7] after the tree ([g0 g2 g0 g2 | g1 g3 g1 g3] for 4); vpermd puts the groups in order
+    const __m256i low = _mm256_hadd_epi32(pairs[0], pairs[1]);
+    const __m256i tree = _mm256_hadd_epi32(low, G == 8 ? _mm256_hadd_epi32(pairs[2], pairs[3]) : low);
     return _mm256_permutevar8x32_epi32(tree, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   }
   __m256i dots[CHUNK];
-  for (int g = 0; g < CHUNK; g++) {
+  for (int g = 0; g < G; g++) {
     const __m256i xq = _mm256_load_si256(reinterpret_cast<const __m256i*>(x + GROUP * g));
     if constexpr (BITS == 8) {
       const __m256i even = _mm256_maddubs_epi16(_mm256_and_si256(w[g], _mm256_set1_epi16(0x00ff)), xq);
@@ -195,12 +196,16 @@ inline __m256i chunk_dots(const __m256i* w, const int8_t* x) {
       dots[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(w[g], xq), ones);
     }
   }
-  return sum_each(dots);
+  // lane k of the low and high halves: register k's partial sums; the halves added
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(dots[0], dots[1]), _mm256_hadd_epi32(dots[2], dots[3]));
+  if constexpr (G == 4) return _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(dots[4], dots[5]), _mm256_hadd_epi32(dots[6], dots[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
 // acc (lane g: groups g, g + 4, ... of the row) += the chunk's dots times dx * scale, block by block as the reference.
-template <int BITS>
-inline __m128 add_chunk(__m128 acc, __m256i dots, const float* steps, const int32_t* totals, __m256 scales, bool centered) {
+template <int BITS, int G>
+AKUNU_INLINE __m128 add_chunk(__m128 acc, __m256i dots, const float* steps, const int32_t* totals, __m256 scales, bool centered) {
   if (centered) {  // exact: |zero * total| < 2^22
     const __m256i terms = _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(totals)), BITS - 1);
     dots = _mm256_sub_epi32(dots, terms);
@@ -208,27 +213,38 @@ inline __m128 add_chunk(__m128 acc, __m256i dots, const float* steps, const int3
   const __m256 terms = _mm256_cvtepi32_ps(dots);
   const __m256 factors = _mm256_mul_ps(_mm256_loadu_ps(steps), scales);
   acc = _mm_fmadd_ps(_mm256_castps256_ps128(terms), _mm256_castps256_ps128(factors), acc);
+  if constexpr (G == 4) return acc;
   return _mm_fmadd_ps(_mm256_extractf128_ps(terms, 1), _mm256_extractf128_ps(factors, 1), acc);
 }
 
-// Output o from acc: the biases' terms and the reduction of the reference (v's 16 lanes in two registers).
-inline float finish(const Weights& w, int o, const float* sums, __m128 acc) {
-  const int groups = w.groups(), n = o % 4;
-  const __m256 placed = n % 2 ? _mm256_insertf128_ps(_mm256_setzero_ps(), acc, 1) : _mm256_zextps128_ps256(acc);
-  __m256 low = n < 2 ? placed : _mm256_setzero_ps(), high = n < 2 ? _mm256_setzero_ps() : placed;
-  const size_t at = size_t(o) * groups, size = size_t(w.outputs) * groups;
-  for (int g = 0; w.biases && g < groups; g += 16) {
-    low = _mm256_fmadd_ps(load8(w.biases, w.type, at + g, groups - g, size), _mm256_loadu_ps(sums + g), low);
-    high = _mm256_fmadd_ps(load8(w.biases, w.type, at + g + 8, std::max(groups - g - 8, 0), size),
-                           _mm256_loadu_ps(sums + g + 8), high);
+// Outputs o0..o0 + 3 from their acc: each output's biases' terms on v's 16 lanes (two registers, acc in lanes
+// 4n..4n + 3), then the reference's reduction of the four together. Rows past the matrix repeat its last row.
+template <Scale TYPE>
+inline __m128 finish4(const Weights& w, int o0, const float* sums, const __m128 acc[4]) {
+  const int groups = w.groups();
+  const size_t size = size_t(w.outputs) * groups;
+  __m256 low[4], high[4];
+  for (int n = 0; n < 4; n++) {
+    const __m256 placed = n % 2 ? _mm256_insertf128_ps(_mm256_setzero_ps(), acc[n], 1) : _mm256_zextps128_ps256(acc[n]);
+    low[n] = n < 2 ? placed : _mm256_setzero_ps();
+    high[n] = n < 2 ? _mm256_setzero_ps() : placed;
   }
-  // per 128-bit lane: (v0 + v2) + (v1 + v3) in lane 0; then (s0 + s2) + (s1 + s3)
-  low = _mm256_add_ps(low, _mm256_permute_ps(low, _MM_SHUFFLE(1, 0, 3, 2)));
-  low = _mm256_add_ps(low, _mm256_permute_ps(low, _MM_SHUFFLE(2, 3, 0, 1)));
-  high = _mm256_add_ps(high, _mm256_permute_ps(high, _MM_SHUFFLE(1, 0, 3, 2)));
-  high = _mm256_add_ps(high, _mm256_permute_ps(high, _MM_SHUFFLE(2, 3, 0, 1)));
-  const __m256 pairs = _mm256_add_ps(low, high);
-  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
+  for (int g = 0; w.biases && g < groups; g += 16) {
+    const __m256 sums_low = _mm256_loadu_ps(sums + g), sums_high = _mm256_loadu_ps(sums + g + 8);
+    for (int n = 0; n < 4; n++) {
+      const size_t at = size_t(std::min(o0 + n, w.outputs - 1)) * groups + g;
+      low[n] = _mm256_fmadd_ps(load8<TYPE>(w.biases, at, groups - g, size), sums_low, low[n]);
+      high[n] = _mm256_fmadd_ps(load8<TYPE>(w.biases, at + 8, std::max(groups - g - 8, 0), size), sums_high, high[n]);
+    }
+  }
+  // per 128-bit lane and output n: s = (v0 + v2) + (v1 + v3), the four outputs side by side (as AVX-512's sum_each)
+  const auto lanes = [](const __m256 v[4]) {
+    const __m256 a = _mm256_add_ps(_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
+    const __m256 b = _mm256_add_ps(_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3]));
+    return _mm256_add_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  };
+  const __m256 pairs = _mm256_add_ps(lanes(low), lanes(high));  // [s0 + s2 | s1 + s3] of each output
+  return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
 }
 
 struct ProductCall {
@@ -238,77 +254,108 @@ struct ProductCall {
   int64_t y_stride;
 };
 
-// Rows [m0, m0 + MR) of x against weight row o, chunk by chunk, each chunk unpacked once for the MR rows. Groups
-// past the row's end are read from the next row's memory (x's padding zeros make their products zero); a chunk that
-// would read past the weights' memory is read from a copy.
-template <int BITS, int MR>
-inline void tile(const ProductCall& call, const Cut<BITS>& cut, int o, int m0) {
-  constexpr int step = per_register<BITS>, chunk_bytes = CHUNK * group_bytes<BITS>;
-  const QuantizedRows& x = call.x;
-  const int groups = x.groups, chunks = x.chunks;
-  const bool centered = call.w.zero() != 0;
-  const Scale type = call.w.type;
-  const size_t scale_count = size_t(call.w.outputs) * groups, first_scale = size_t(o) * groups;
-  const void* scales = call.w.scales;
-  const uint8_t* row = call.w.packed + size_t(o) * call.w.row_bytes();
-  const uint8_t *end = call.w.end(), *last_safe = end - chunk_bytes - 16;
-  const int8_t* q[MR];
-  const float* steps[MR];
-  const int32_t* totals[MR];
-  __m128 acc[MR];
+// Row m's quantized x, steps and zero point terms, from a chunk's first group on.
+struct RowView {
+  const int8_t* q;
+  const float* steps;
+  const int32_t* totals;
+};
+
+// One step of G groups (8, or 4 for a row's last block) of a weight row (at p) for MR rows of x: unpacked once,
+// then each row's dots added to its acc.
+template <int BITS, int G, int MR>
+AKUNU_INLINE void rows_times_chunk(const uint8_t* p, const Cut<BITS>& cut, __m256 scales, const RowView* rows, int group,
+                             bool centered, __m128* acc) {
+  __m256i w[CHUNK];
+  for (int g = 0; g < G; g += per_register<BITS>) unpack<BITS>(p + g * group_bytes<BITS>, cut, w + g);
   for (int m = 0; m < MR; m++) {
-    q[m] = x.q_row(m0 + m);
-    steps[m] = x.steps_row(m0 + m);
-    totals[m] = x.totals_row(m0 + m);
-    acc[m] = _mm_setzero_ps();
+    const __m256i dots = chunk_dots<BITS, G>(w, rows[m].q + size_t(group) * GROUP);
+    acc[m] = add_chunk<BITS, G>(acc[m], dots, rows[m].steps + group, rows[m].totals + group, scales, centered);
   }
-  alignas(32) uint8_t held[chunk_bytes + 32];
-  for (int c = 0; c < chunks; c++) {
-    const uint8_t* p = row + c * chunk_bytes;
-    _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH, _MM_HINT_T0);
-    if constexpr (chunk_bytes > 64) _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH + 64, _MM_HINT_T0);
-    if constexpr (chunk_bytes > 128) _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH + 128, _MM_HINT_T0);
-    if constexpr (chunk_bytes > 192) _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH + 192, _MM_HINT_T0);
-    if (p > last_safe) p = held_copy(p, end, held, sizeof(held));
-    __m256i w[CHUNK];
-    for (int g = 0; g < CHUNK; g += step) unpack<BITS>(p + g * group_bytes<BITS>, cut, w + g);
-    const __m256 chunk_scales = load8(scales, type, first_scale + c * CHUNK, groups - c * CHUNK, scale_count);
-    for (int m = 0; m < MR; m++) {
-      const __m256i dots = chunk_dots<BITS>(w, q[m] + size_t(c) * CHUNK * GROUP);
-      acc[m] = add_chunk<BITS>(acc[m], dots, steps[m] + c * CHUNK, totals[m] + c * CHUNK, chunk_scales, centered);
-    }
-  }
-  for (int m = 0; m < MR; m++) call.y[(m0 + m) * call.y_stride + o] = finish(call.w, o, x.sums_row(m0 + m), acc[m]);
 }
 
-// Blocks [begin, end) of 4 weight rows: their outputs for every row of x.
-template <int BITS>
+// Rows [m0, m0 + MR) of x against the block of weight rows o0..o0 + 3 (rows past the matrix repeat its last row, not
+// stored): each weight row read once, start to end, chunk by chunk. Groups past a row's end are read from the next
+// row's memory (x's padding zeros make their products zero); a chunk that would read past the weights' memory is
+// read from a copy.
+template <int BITS, Scale TYPE, int MR>
+void block_rows(const ProductCall& call, const Cut<BITS>& cut, int o0, int m0) {
+  constexpr int chunk_bytes = CHUNK * group_bytes<BITS>;
+  const QuantizedRows& x = call.x;
+  const Weights w = call.w;  // a copy: the compiler keeps its fields in registers across the stores below
+  const int groups = x.groups, chunks = x.chunks, last = w.outputs - 1;
+  const bool short_tail = groups % CHUNK != 0 && groups % CHUNK <= 4;  // the last chunk is one block of 4 groups
+  const int full = short_tail ? chunks - 1 : chunks;
+  const size_t scale_count = size_t(w.outputs) * groups;
+  const uint8_t *end = w.end(), *last_safe = end - chunk_bytes - 16;
+  const bool centered = w.zero() != 0;
+  RowView rows[MR];
+  for (int m = 0; m < MR; m++) rows[m] = {x.q_row(m0 + m), x.steps_row(m0 + m), x.totals_row(m0 + m)};
+  alignas(32) uint8_t held[chunk_bytes + 32];
+  __m128 acc[MR][4];
+  for (int n = 0; n < 4; n++) {
+    const int o = std::min(o0 + n, last);
+    const uint8_t* row = w.packed + size_t(o) * w.row_bytes();
+    const size_t first_scale = size_t(o) * groups;
+    __m128 a[MR];
+    for (int m = 0; m < MR; m++) a[m] = _mm_setzero_ps();
+    for (int c = 0; c < chunks; c++) {
+      const uint8_t* p = row + c * chunk_bytes;
+      for (int ahead = 0; ahead < chunk_bytes; ahead += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH + ahead, _MM_HINT_T0);
+      if (p > last_safe) p = held_copy(p, end, held, sizeof(held));
+      const int group = c * CHUNK;
+      const __m256 scales = load8<TYPE>(w.scales, first_scale + group, groups - group, scale_count);
+      if (c < full) rows_times_chunk<BITS, CHUNK, MR>(p, cut, scales, rows, group, centered, a);
+      else rows_times_chunk<BITS, 4, MR>(p, cut, scales, rows, group, centered, a);
+    }
+    for (int m = 0; m < MR; m++) acc[m][n] = a[m];
+  }
+  const int count = std::min(4, w.outputs - o0);
+  for (int m = 0; m < MR; m++) {
+    alignas(16) float out[4];
+    _mm_store_ps(out, finish4<TYPE>(w, o0, x.sums_row(m0 + m), acc[m]));
+    std::memcpy(call.y + (m0 + m) * call.y_stride + o0, out, sizeof(float) * count);
+  }
+}
+
+// Blocks [begin, end) of 4 weight rows: their outputs for every row of x, TILE_ROWS rows of x at a time.
+template <int BITS, Scale TYPE>
 void product_blocks(const void* context, int begin, int end) {
   const ProductCall& call = *static_cast<const ProductCall*>(context);
   const Cut<BITS> cut;
   const int rows = call.x.rows;
-  for (int o = 4 * begin; o < std::min(4 * end, call.w.outputs); o++) {
+  for (int block = begin; block < end; block++) {
     int m = 0;
-    for (; m + TILE_ROWS <= rows; m += TILE_ROWS) tile<BITS, TILE_ROWS>(call, cut, o, m);
+    for (; m + TILE_ROWS <= rows; m += TILE_ROWS) block_rows<BITS, TYPE, TILE_ROWS>(call, cut, 4 * block, m);
     switch (rows - m) {
-      case 3: tile<BITS, 3>(call, cut, o, m); break;
-      case 2: tile<BITS, 2>(call, cut, o, m); break;
-      case 1: tile<BITS, 1>(call, cut, o, m); break;
+      case 3: block_rows<BITS, TYPE, 3>(call, cut, 4 * block, m); break;
+      case 2: block_rows<BITS, TYPE, 2>(call, cut, 4 * block, m); break;
+      case 1: block_rows<BITS, TYPE, 1>(call, cut, 4 * block, m); break;
       default: break;
     }
   }
 }
 
+template <Scale TYPE>
+Task by_bits(int bits) {
+  return bits == 2   ? product_blocks<2, TYPE>
+         : bits == 3 ? product_blocks<3, TYPE>
+         : bits == 4 ? product_blocks<4, TYPE>
+         : bits == 5 ? product_blocks<5, TYPE>
+         : bits == 6 ? product_blocks<6, TYPE>
+                     : product_blocks<8, TYPE>;
+}
+
 inline void product(const float* x, int rows, const Weights& w, float* y, int64_t y_stride) {
   const QuantizedRows qx(x, rows, w.columns, w.bits);
   const ProductCall call{qx, w, y, y_stride};
-  const Task task = w.bits == 2   ? product_blocks<2>
-                    : w.bits == 3 ? product_blocks<3>
-                    : w.bits == 4 ? product_blocks<4>
-                    : w.bits == 5 ? product_blocks<5>
-                    : w.bits == 6 ? product_blocks<6>
-                                  : product_blocks<8>;
+  const Task task = w.type == Scale::f16 ? by_bits<Scale::f16>(w.bits)
+                    : w.type == Scale::bf16 ? by_bits<Scale::bf16>(w.bits)
+                                            : by_bits<Scale::f32>(w.bits);
   share_blocks(task, &call, (w.outputs + 3) / 4, w);
 }
+
+#undef AKUNU_INLINE
 
 }  // namespace akunu::quantized::avx2
