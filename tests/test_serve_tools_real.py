@@ -23,7 +23,9 @@ def server(model_home):
     with pytest.MonkeyPatch.context() as monkeypatch, contextlib.ExitStack() as stack:
         monkeypatch.setenv("AKUNU_HOME", str(model_home))
         try:
-            running = start(stack, monkeypatch, "--model", model, "--max-tokens", "64")
+            # speculative, with drafts of a fixed length: no pass costs to measure first (minutes on a CPU;
+            # adaptive drafting's own tests measure them)
+            running = start(stack, monkeypatch, "--model", model, "--max-tokens", "64", "--draft-length", "fixed")
         except AssertionError as error:  # not downloadable here, or its architecture not supported yet
             pytest.skip(f"{model} does not load: {str(error).splitlines()[0] if str(error) else error!r}")
         yield running
