@@ -4,7 +4,8 @@
 // A group's 32 weights become one register of unsigned bytes, x's group one of signed bytes in the same order:
 //  4 bits: two groups' 32 packed bytes at once, low nibbles (even values) in one register and high nibbles (odd
 //    values) in another, x's pair of groups stored as [even of A, even of B, odd of A, odd of B];
-//  8 bits: the bytes themselves, multiplied as even and odd bytes apart (255 * 127 * 2 overflows vpmaddubsw's int16);
+//  8 bits: the bytes less 128 as signed bytes, their magnitudes times x with their signs (255 * 127 * 2 would
+//    overflow vpmaddubsw's int16; 128 * 127 * 2 does not);
 //  2, 3, 5, 6 bits: each value's two bytes into a 16-bit lane (vpshufb), shifted by a multiply and packed back to
 //    bytes in x's natural order.
 // Eight groups' int32 partial sums are summed by one tree of vphaddd into one register (lane g = group g), then
@@ -151,8 +152,8 @@ AKUNU_INLINE void unpack(const uint8_t* p, const Cut<BITS>& cut, __m256i* out) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), nibble = _mm256_set1_epi8(0x0f);
     out[0] = _mm256_and_si256(v, nibble);
     out[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-  } else if constexpr (BITS == 8) {
-    out[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  } else if constexpr (BITS == 8) {  // as signed bytes w - 128: exact in vpmaddubsw beside x (see chunk_dots)
+    out[0] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_set1_epi8(char(0x80)));
   } else {
     const __m256i bytes = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p + 2 * BITS),
                                               reinterpret_cast<const __m128i*>(p));
@@ -188,10 +189,9 @@ AKUNU_INLINE __m256i chunk_dots(const __m256i* w, const int8_t* x) {
   __m256i dots[CHUNK];
   for (int g = 0; g < G; g++) {
     const __m256i xq = _mm256_load_si256(reinterpret_cast<const __m256i*>(x + GROUP * g));
-    if constexpr (BITS == 8) {
-      const __m256i even = _mm256_maddubs_epi16(_mm256_and_si256(w[g], _mm256_set1_epi16(0x00ff)), xq);
-      const __m256i odd = _mm256_maddubs_epi16(_mm256_and_si256(w[g], _mm256_set1_epi16(short(0xff00))), xq);
-      dots[g] = _mm256_add_epi32(_mm256_madd_epi16(even, ones), _mm256_madd_epi16(odd, ones));
+    if constexpr (BITS == 8) {  // |w - 128| <= 128 unsigned times x's signs moved over (|x| <= 127): pairs fit int16
+      const __m256i products = _mm256_maddubs_epi16(_mm256_abs_epi8(w[g]), _mm256_sign_epi8(xq, w[g]));
+      dots[g] = _mm256_madd_epi16(products, ones);
     } else {
       dots[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(w[g], xq), ones);
     }
@@ -206,9 +206,10 @@ AKUNU_INLINE __m256i chunk_dots(const __m256i* w, const int8_t* x) {
 // acc (lane g: groups g, g + 4, ... of the row) += the chunk's dots times dx * scale, block by block as the reference.
 template <int BITS, int G>
 AKUNU_INLINE __m128 add_chunk(__m128 acc, __m256i dots, const float* steps, const int32_t* totals, __m256 scales, bool centered) {
-  if (centered) {  // exact: |zero * total| < 2^22
+  // 8 bits' dots are of w - 128 already: the zero point is added back where the weights have none (exact, < 2^22)
+  if (centered != (BITS == 8)) {
     const __m256i terms = _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(totals)), BITS - 1);
-    dots = _mm256_sub_epi32(dots, terms);
+    dots = BITS == 8 ? _mm256_add_epi32(dots, terms) : _mm256_sub_epi32(dots, terms);
   }
   const __m256 terms = _mm256_cvtepi32_ps(dots);
   const __m256 factors = _mm256_mul_ps(_mm256_loadu_ps(steps), scales);
