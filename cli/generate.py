@@ -308,7 +308,8 @@ def describe_run(loaded, config) -> None:
 
     err = stderr_console()
     backend = backends.describe()
-    kernels = f" · CPU kernels: {backend['cpu_kernels']}" if backend["cpu_kernels"] else ""
+    kernels = f" · CPU kernels: {backend['cpu_kernels']}" if backend.get("cpu_kernels") else ""
+    kernels += f" · quantized products: {backend['quantized_kernel']}" if backend.get("quantized_kernel") else ""
     err.print(f"[dim]{loaded.describe()} · {getattr(loaded, 'dtype_reason', '')} · BLAS: {backend['blas']}{kernels}[/]")
     spec = config.spec
     mode = f"on, up to {spec.draft_tokens} drafts, {spec.draft_length.value}" if spec.enabled else "off"
