@@ -33,6 +33,7 @@ namespace PATH = akunu::quantized::avx512;
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "quantized_avx2.h"
 #define AKUNU_PATH "avx2"
+#define AKUNU_AVX2 1
 namespace PATH = akunu::quantized::avx2;
 #define AKUNU_VECTOR_PATH 1
 #elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
@@ -92,6 +93,9 @@ inline void unpack_group(const uint8_t* p, int bits, int32_t* values) {
 // Rows [begin, end) of the whole matrix as float32, scale * q + bias with one rounding.
 void dequantize_rows(const void* context, int begin, int end) {
   const auto& [w, out] = *static_cast<const std::pair<const Weights&, float*>*>(context);
+#ifdef AKUNU_AVX2
+  akunu::quantized::avx2::dequantize_rows(w, begin, end, out);
+#else
   int32_t values[GROUP];
   for (int o = begin; o < end; o++)
     for (int g = 0; g < w.groups(); g++) {
@@ -100,6 +104,7 @@ void dequantize_rows(const void* context, int begin, int end) {
       float* row = out + size_t(o) * w.columns + g * GROUP;
       for (int i = 0; i < GROUP; i++) row[i] = std::fma(float(values[i]), scale, bias);
     }
+#endif
 }
 
 // The whole matrix as float32 (for prefill: one float32 GEMM).

@@ -357,6 +357,48 @@ inline void product(const float* x, int rows, const Weights& w, float* y, int64_
   share_blocks(task, &call, (w.outputs + 3) / 4, w);
 }
 
+// Rows [begin, end) of the weights as float32, scale * q + bias with one rounding (for prefill's float32 product).
+// A group within 2 * BITS + 16 bytes of the weights' end is read from a copy.
+template <int BITS>
+void dequantize_rows(const Weights& w, int begin, int end, float* out) {
+  const Cut<BITS> cut;
+  const uint8_t* last = w.end() - 2 * BITS - 16;
+  for (int o = begin; o < end; o++)
+    for (int g = 0; g < w.groups(); g++) {
+      const uint8_t* p = w.packed + size_t(o) * w.row_bytes() + size_t(g) * group_bytes<BITS>;
+      alignas(32) uint8_t held[64];
+      if (p > last) p = held_copy(p, w.end(), held, sizeof(held));
+      __m256i q;
+      if constexpr (BITS == 4) {  // byte j holds values 2j (low nibble) and 2j + 1
+        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), nibble = _mm_set1_epi8(0x0f);
+        const __m128i low = _mm_and_si128(packed, nibble), high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+        q = _mm256_set_m128i(_mm_unpackhi_epi8(low, high), _mm_unpacklo_epi8(low, high));
+      } else if constexpr (BITS == 8) {
+        q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      } else {
+        unpack<BITS>(p, cut, &q);
+      }
+      const __m256 scale = _mm256_set1_ps(w.scale(o, g)), bias = _mm256_set1_ps(w.bias(o, g));
+      float* row = out + size_t(o) * w.columns + size_t(g) * GROUP;
+      for (int k = 0; k < 4; k++) {
+        const __m128i bytes = k < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
+        const __m256i values = _mm256_cvtepu8_epi32(k % 2 ? _mm_srli_si128(bytes, 8) : bytes);
+        _mm256_storeu_ps(row + 8 * k, _mm256_fmadd_ps(_mm256_cvtepi32_ps(values), scale, bias));
+      }
+    }
+}
+
+inline void dequantize_rows(const Weights& w, int begin, int end, float* out) {
+  switch (w.bits) {
+    case 2: return dequantize_rows<2>(w, begin, end, out);
+    case 3: return dequantize_rows<3>(w, begin, end, out);
+    case 4: return dequantize_rows<4>(w, begin, end, out);
+    case 5: return dequantize_rows<5>(w, begin, end, out);
+    case 6: return dequantize_rows<6>(w, begin, end, out);
+    default: return dequantize_rows<8>(w, begin, end, out);
+  }
+}
+
 #undef AKUNU_INLINE
 
 }  // namespace akunu::quantized::avx2
