@@ -28,7 +28,11 @@ def print_header(loaded, config: str, llama_cpp: str = "") -> dict:
         f"[dim]{machine['platform']} · {escape(str(machine['cpu']))} · {machine['cores']} cores · backend {machine['backend']}"
         f" · BLAS {escape(str(machine['blas']))} · mlx {machine['mlx']} · mlx-lm {machine['mlx_lm']}"
         + (f" · CPU kernels: {escape(str(machine['cpu_kernels']))}" if machine.get("cpu_kernels") else "")
-        + (f" · quantized products: {escape(str(machine['quantized_kernel']))}" if machine.get("quantized_kernel") else "")
+        + (
+            f" · quantized products: {escape(str(machine['quantized_kernel']))}"
+            if machine.get("quantized_kernel")
+            else ""
+        )
         + "[/]"
     )
     if config:
