@@ -24,6 +24,12 @@ def restore_attention():
         (fast_step.enable if was else fast_step.disable)(model)
 
 
+@pytest.fixture
+def float32_caches(monkeypatch):
+    """The patched model's caches in float32, as mlx-lm's (they hold float16 where the kernels read them)."""
+    monkeypatch.setattr(fused_layers, "_half_cache", lambda: False)
+
+
 def scripted_logits(model, tokens, prefix=11):
     """Logits of a prefill, 1-token steps, k-token passes and rollbacks, as speculation does them."""
     cache, out = make_cache(model), []
@@ -40,7 +46,7 @@ def scripted_logits(model, tokens, prefix=11):
 
 @MODELS
 @pytest.mark.parametrize("prefix", [11, elementwise.WORTH_IT_FROM + 9], ids=["short", "long"])
-def test_patched_model_gives_the_unpatched_logits(model_fn, prefix, restore_attention):
+def test_patched_model_gives_the_unpatched_logits(model_fn, prefix, restore_attention, float32_caches):
     model = model_fn(seed=3)
     tokens = [random.Random(5).randrange(64) for _ in range(prefix + 29)]
     assert fast_step.disable(model)
@@ -52,7 +58,7 @@ def test_patched_model_gives_the_unpatched_logits(model_fn, prefix, restore_atte
 
 
 @MODELS
-def test_patched_model_decodes_the_same_tokens(model_fn, restore_attention):
+def test_patched_model_decodes_the_same_tokens(model_fn, restore_attention, float32_caches):
     model = model_fn(seed=1)
     rng = random.Random(2)
     tokenizer = FakeTokenizer()
@@ -162,7 +168,7 @@ def test_load_model_applies_the_fast_step_unless_switched_off(tmp_path, monkeypa
     assert fast_step.is_enabled(loaded.model) == patched
 
 
-def test_exact_mode_and_the_fast_step_compose_in_either_order(restore_attention):
+def test_exact_mode_and_the_fast_step_compose_in_either_order(restore_attention, float32_caches):
     from akunu.exact import FixedWidthModel
 
     model = tiny_llama(seed=2)

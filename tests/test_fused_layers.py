@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.models import llama
 
 from akunu import backends
-from akunu.backends.cpu import fast_step, fused_layers, quantized
+from akunu.backends.cpu import fast_step, fused_layers, kernels, quantized
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import make_cache, rewind
 from tests.fakes import FakeTokenizer
@@ -32,9 +32,10 @@ def decode_logits(model: nn.Module) -> mx.array:
 
 
 @pytest.fixture
-def unfused_llama():
+def unfused_llama(monkeypatch):
     model = tiny_llama(seed=7, hidden=64, layers=2)
     fast_step.disable(model)  # only the fusion differs between the runs compared
+    monkeypatch.setattr(fused_layers, "_half_cache", lambda: False)  # float32 caches, as mlx-lm's
     yield model
     fused_layers.unfuse(model)
 
@@ -92,10 +93,11 @@ MODELS = {
 
 
 @pytest.fixture(params=MODELS)
-def other_model(request):
+def other_model(request, monkeypatch):
     if quantized.load() is None and "quantized" in request.param:
         pytest.skip(f"no quantized kernel here: {quantized.unavailable()}")
     model = MODELS[request.param]()
+    monkeypatch.setattr(fused_layers, "_half_cache", lambda: False)  # float32 caches, as mlx-lm's
     quantized.enable(model)  # the reference runs each quantized layer through akunu's kernel, as the backend does
     yield model
     fused_layers.unfuse(model)
@@ -156,6 +158,27 @@ def test_greedy_speculative_equals_plain_through_the_fused_path(name, exact):
     )
     assert fast == plain
     assert stats.drafted > stats.accepted > 5  # drafts landed, and some were rejected mid-draft and rolled back
+
+
+def test_the_cache_holds_float16_keys_and_values_the_kernels_read():
+    """With akunu's kernels, a fused model's cache stores float16 (prefill chunks, steps and passes alike), and
+    attention over it gives the bits of attention over the float16-rounded keys and values in float32."""
+    built = kernels.load()
+    if built is None:
+        pytest.skip(f"no CPU kernels here: {kernels.unavailable()}")
+    model = tiny_llama(seed=7, hidden=64, layers=2)
+    backends.apply(model)
+    cache = make_cache(model)
+    for chunk in (TOKENS[: fused_layers.MAX_ROWS + 6], TOKENS[70:71], TOKENS[71:80]):  # prefill, a step, a pass
+        mx.eval(model(mx.array([chunk]), cache=cache))
+        assert {(c.keys.dtype, c.values.dtype) for c in cache} == {(mx.float16, mx.float16)}
+    q = mx.random.normal((1, 4, 9, 16), key=mx.random.key(1))
+    k, v = (mx.random.normal((1, 2, 300, 16), key=mx.random.key(i)).astype(mx.float16) for i in (2, 3))
+    got = built.attention(q, k, v, 0.25, True, 290)
+    assert mx.array_equal(got, built.attention(q, k.astype(mx.float32), v.astype(mx.float32), 0.25, True, 290)).item()
+    mask = mx.arange(281, 290)[:, None] >= mx.arange(290)
+    rounded = (a[:, :, :290].astype(mx.float32) for a in (k, v))
+    assert mx.allclose(got, mx.fast.scaled_dot_product_attention(q, *rounded, scale=0.25, mask=mask), atol=1e-6).item()
 
 
 def test_other_architectures_are_left_alone():

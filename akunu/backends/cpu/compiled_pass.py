@@ -56,10 +56,11 @@ class CacheBuffers:
 
 
 def has_room(caches: Sequence[Any], L: int) -> bool:
-    """Whether every layer's cache is a plain KVCache already holding float32 buffers with room for L
-    more positions, all at one offset and capacity (an interrupt can leave layers apart)."""
+    """Whether every layer's cache is a plain KVCache already holding buffers of one dtype (float16 as
+    fused_layers stores them, or float32) with room for L more positions, all at one offset and capacity (an
+    interrupt can leave layers apart)."""
     first = caches[0]
-    if type(first) is not KVCache or first.keys is None or first.keys.dtype != mx.float32:
+    if type(first) is not KVCache or first.keys is None or first.keys.dtype not in (mx.float32, mx.float16):
         return False
     offset, capacity = first.offset, first.keys.shape[2]
     if offset + L > capacity:

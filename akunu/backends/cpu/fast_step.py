@@ -141,9 +141,10 @@ cpu_attention.akunu_kernel_attention = True  # so fused_layers may run the kerne
 
 
 def _kernel_shapes(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
-    """Whether the fused attention kernel takes these: float32, head sizes a multiple of 16."""
-    float32 = queries.dtype == keys.dtype == values.dtype == mx.float32
-    return float32 and queries.shape[-1] % 16 == values.shape[-1] % 16 == 0
+    """Whether the fused attention kernel takes these: float32 queries, float32 or float16 keys and values (a
+    CPU cache's), head sizes a multiple of 16."""
+    stored = keys.dtype == values.dtype in (mx.float32, mx.float16)
+    return queries.dtype == mx.float32 and stored and queries.shape[-1] % 16 == values.shape[-1] % 16 == 0
 
 
 def cpu_swiglu(gate: mx.array, x: mx.array) -> mx.array:

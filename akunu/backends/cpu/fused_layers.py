@@ -169,7 +169,7 @@ class AttentionRows:
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         if not self.fused_applies(x.shape[1], cache):
-            return super().__call__(x, mask, cache)
+            return super().__call__(x, mask, HalfUpdates(cache) if cache is not None and _half_cache() else cache)
         B, L, D = x.shape
         return self.rows(x.reshape(B * L, D), B, L, mask, cache).reshape(B, L, -1)
 
@@ -184,6 +184,8 @@ class AttentionRows:
         where `fused_applies`."""
         held = stacks(self)
         queries, keys, values = self.rotated_heads(held["qkv"](x), B, L, cache.offset)
+        if _half_cache():
+            keys, values = keys.astype(mx.float16), values.astype(mx.float16)
         keys, values = cache.update_and_fetch(keys, values)
         attend = self.mlx_module.scaled_dot_product_attention  # the module global, which akunu swaps
         if kernel_reads_cache(attend, queries, cache, mask):
@@ -514,17 +516,39 @@ class FusedQwen2Model(ModelRows, qwen2.Qwen2Model):
     mlx_module = qwen2
 
 
+def _half_cache() -> bool:
+    """Whether these layers' caches hold float16 keys and values: where akunu's kernels read them (half the bytes
+    a long context's step reads, as llama.cpp's CPU cache); MLX's ops keep float32."""
+    return kernels.load() is not None and mx.default_device() == mx.cpu
+
+
+class HalfUpdates:
+    """A KVCache as mlx-lm's own attention (prefill chunks) sees it: what it stores is rounded to float16 first, so
+    the buffers stay float16 when they grow (mlx-lm makes them in the dtype of the keys given)."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.cache, name)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return self.cache.update_and_fetch(keys.astype(mx.float16), values.astype(mx.float16))
+
+
 def kernel_reads_cache(attend: Any, queries: mx.array, cache: Any, mask: Any) -> bool:
     """Whether akunu's attention kernel may read the cache's buffers itself: the module's attention is akunu's
     kernel-backed one (also behind exact mode's dispatcher, since the kernel computes each row alone: a pass
-    gives the bits exact mode's per-row calls would), the cache a plain KVCache, the heads float32."""
+    gives the bits exact mode's per-row calls would), the cache a plain KVCache, the heads float32 and the
+    buffers float32 or float16."""
     if not _kernel_attention(attend):
         return False
     if type(cache) is not KVCache or isinstance(mask, mx.array) or not kernels.load() or mx.default_device() != mx.cpu:
         return False
     keys, values = cache.keys, cache.values
     return (
-        queries.dtype == keys.dtype == values.dtype == mx.float32
+        queries.dtype == mx.float32
+        and keys.dtype == values.dtype in (mx.float32, mx.float16)
         and queries.shape[-1] % 16 == values.shape[-1] % 16 == 0
     )
 

@@ -30,6 +30,10 @@
 
 #include "pool.h"
 
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -55,6 +59,35 @@ inline vf load(const float* p) {
 }
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// KV caches hold float16 (half the bytes a step reads): W of them widened to float32. Elsewhere MLX's float16_t
+// converts (aarch64's __fp16).
+inline vf load(const float16_t* p) {
+#ifdef __F16C__
+  static_assert(W == 16, "two vcvtph2ps of 8");
+  const __m256 halves[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+  vf v;
+  std::memcpy(&v, halves, sizeof v);
+  return v;
+#else
+  float b[W];
+  for (int i = 0; i < W; i++) b[i] = static_cast<float>(p[i]);
+  return load(b);
+#endif
+}
+
+// x rounded to the nearest float16, ties to even: MLX's astype(float16), so every path stores the same bits.
+inline float16_t to_half(float x) {
+#ifdef __F16C__
+  const uint16_t bits = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+  float16_t h;
+  std::memcpy(&h, &bits, sizeof h);
+  return h;
+#else
+  return static_cast<float16_t>(x);
+#endif
+}
 
 // n < W elements of p, the rest `fill`.
 inline vf load_part(const float* p, int n, float fill) {
@@ -198,8 +231,10 @@ struct AttentionShape {
 
 constexpr int ROW_BLOCK = 8;  // query rows that share one read of a KV head's keys and values
 
-// scores[j] = scale * q . key j for W keys `step` floats apart; the accumulators stay in registers.
-inline void score_block(const float* q, const float* keys, int64_t step, int dims, float scale, float* scores) {
+// scores[j] = scale * q . key j for W keys `step` elements apart (KV: float or float16_t); the accumulators stay in
+// registers.
+template <typename KV>
+inline void score_block(const float* q, const KV* keys, int64_t step, int dims, float scale, float* scores) {
   vf acc[W] = {};
   for (int d = 0; d < dims; d += W) {
     const vf qd = load(q + d);
@@ -209,9 +244,10 @@ inline void score_block(const float* q, const float* keys, int64_t step, int dim
 }
 
 // The same for the last `count` < W keys, read from a zero-padded copy (never past the cache's end).
-void score_tail(const float* q, const float* keys, int64_t step, int count, int dims, float scale, float* scores) {
-  std::vector<float> padded(size_t(W) * dims, 0.0f);
-  for (int j = 0; j < count; j++) std::memcpy(padded.data() + j * dims, keys + j * step, dims * sizeof(float));
+template <typename KV>
+void score_tail(const float* q, const KV* keys, int64_t step, int count, int dims, float scale, float* scores) {
+  std::vector<KV> padded(size_t(W) * dims, KV(0.0f));
+  for (int j = 0; j < count; j++) std::memcpy(padded.data() + j * dims, keys + j * step, dims * sizeof(KV));
   float block[W];
   score_block(q, padded.data(), dims, dims, scale, block);
   std::memcpy(scores, block, count * sizeof(float));
@@ -220,8 +256,8 @@ void score_tail(const float* q, const float* keys, int64_t step, int count, int 
 // For R rows: out_r[d0, d0 + T * W) = sum over j < n_r of weights_r[j] * value j, added in order
 // of j, so a row's result does not depend on the rows beside it. Each value is read once for all
 // the rows that still want it.
-template <int R, int T>
-inline void weigh_tile(float* const* weights, const int* n, const float* values, int64_t step, int d0, float* const* outs) {
+template <int R, int T, typename KV>
+inline void weigh_tile(float* const* weights, const int* n, const KV* values, int64_t step, int d0, float* const* outs) {
   vf acc[R][T] = {};
   int common = n[0];
   for (int r = 1; r < R; r++) common = n[r] < common ? n[r] : common;
@@ -242,15 +278,16 @@ inline void weigh_tile(float* const* weights, const int* n, const float* values,
   }
 }
 
-template <int R>
-void weigh_rows(float* const* weights, const int* n, const float* values, int64_t step, int dims, float* const* outs) {
+template <int R, typename KV>
+void weigh_rows(float* const* weights, const int* n, const KV* values, int64_t step, int dims, float* const* outs) {
   int d0 = 0;
   for (; d0 + 4 * W <= dims; d0 += 4 * W) weigh_tile<R, 4>(weights, n, values, step, d0, outs);
   for (; d0 < dims; d0 += W) weigh_tile<R, 1>(weights, n, values, step, d0, outs);
 }
 
 // weights[i] @ values for `count` rows, up to 4 at a time.
-void weigh_values(float* const* weights, const int* n, int count, const float* values, int64_t step, int dims, float* const* outs) {
+template <typename KV>
+void weigh_values(float* const* weights, const int* n, int count, const KV* values, int64_t step, int dims, float* const* outs) {
   for (int i = 0; i < count; i += 4) {
     switch (count - i < 4 ? count - i : 4) {
       case 1: weigh_rows<1>(weights + i, n + i, values, step, dims, outs + i); break;
@@ -261,13 +298,15 @@ void weigh_values(float* const* weights, const int* n, int count, const float* v
   }
 }
 
-// A 4-D float32 array's data and strides; keys and values get a contiguous copy when their rows are strided.
+// A 4-D array's data (KV: float32 or float16) and strides; keys and values get a contiguous copy when their rows are
+// strided.
+template <typename KV = float>
 struct View {
-  const float* data;
+  const KV* data;
   int64_t strides[4];
-  std::vector<float> copy;
+  std::vector<KV> copy;
 
-  explicit View(const array& a) : data(a.data<float>()) {
+  explicit View(const array& a) : data(a.data<KV>()) {
     for (int i = 0; i < 4; i++) strides[i] = a.strides()[i];
   }
   void make_rows_contiguous(const array& a) {
@@ -286,11 +325,12 @@ struct View {
 
 // Rows [first, last) of KV head `kv` in batch `b`; row r is query head kv * repeats + r / queries,
 // pass position r % queries. Dims are multiples of W and key and value rows contiguous (checked).
-void attention_block(const View& q, const View& k, const View& v, float* out, float scale,
+template <typename KV>
+void attention_block(const View<>& q, const View<KV>& k, const View<KV>& v, float* out, float scale,
                      const AttentionShape& s, int b, int kv, int first, int last) {
   const int repeats = s.heads / s.kv_heads, count = last - first;
-  const float* keys = k.data + b * k.strides[0] + kv * k.strides[1];
-  const float* values = v.data + b * v.strides[0] + kv * v.strides[1];
+  const KV* keys = k.data + b * k.strides[0] + kv * k.strides[1];
+  const KV* values = v.data + b * v.strides[0] + kv * v.strides[1];
   std::vector<float> rows(count * s.dims), scores(size_t(count) * s.keys);
   int limit[ROW_BLOCK], widest = 0;
   float* outs[ROW_BLOCK];
@@ -327,8 +367,10 @@ void run_on_pool(Pool::Task task, const void* context, int items, int share, int
   Pool::get().run(task, context, items, share, parallel != 0);
 }
 
+template <typename KV>
 struct AttentionCall {
-  const View &q, &k, &v;
+  const View<>& q;
+  const View<KV>&k, &v;
   float* out;
   float scale;
   AttentionShape shape;
@@ -336,8 +378,9 @@ struct AttentionCall {
 };
 
 // Tasks [begin, end): task t is block t % blocks of ROW_BLOCK rows of KV head (t / blocks) % kv_heads.
+template <typename KV>
 void attention_tasks(const void* context, int begin, int end) {
-  const AttentionCall& c = *static_cast<const AttentionCall*>(context);
+  const AttentionCall<KV>& c = *static_cast<const AttentionCall<KV>*>(context);
   for (int t = begin; t < end; t++) {
     int block = t % c.blocks, kv = (t / c.blocks) % c.shape.kv_heads, b = t / c.blocks / c.shape.kv_heads;
     int first = block * ROW_BLOCK, last = first + ROW_BLOCK < c.rows ? first + ROW_BLOCK : c.rows;
@@ -346,17 +389,26 @@ void attention_tasks(const void* context, int begin, int end) {
 }
 
 // keys: how many of k's and v's first positions to read (a cache buffer holds more than it has filled).
-void attention_kernel(const array& q, const array& k, const array& v, array& out, float scale, bool causal, int keys,
-                      bool rows_out) {
+template <typename KV>
+void attention_over(const array& q, const array& k, const array& v, array& out, float scale, bool causal, int keys,
+                    bool rows_out) {
   AttentionShape s{q.shape(0), q.shape(1), q.shape(2), q.shape(3), k.shape(1), keys, v.shape(3), causal, rows_out};
   const int rows = s.heads / s.kv_heads * s.queries, blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
   const int tasks = s.batch * s.kv_heads * blocks;
   const int64_t work = int64_t(s.batch) * s.heads * s.queries * s.keys * (s.dims + s.value_dims);
-  View query_view(q), key_view(k), value_view(v);
+  View<> query_view(q);
+  View<KV> key_view(k), value_view(v);
   key_view.make_rows_contiguous(k);
   value_view.make_rows_contiguous(v);
-  const AttentionCall call{query_view, key_view, value_view, out.data<float>(), scale, s, rows, blocks};
-  Pool::get().run(attention_tasks, &call, tasks, 1, work > 200000);
+  const AttentionCall<KV> call{query_view, key_view, value_view, out.data<float>(), scale, s, rows, blocks};
+  Pool::get().run(attention_tasks<KV>, &call, tasks, 1, work > 200000);
+}
+
+// Keys and values float16 (a CPU cache's buffers) or float32, both alike (checked).
+void attention_kernel(const array& q, const array& k, const array& v, array& out, float scale, bool causal, int keys,
+                      bool rows_out) {
+  if (k.dtype() == float16) return attention_over<float16_t>(q, k, v, out, scale, causal, keys, rows_out);
+  attention_over<float>(q, k, v, out, scale, causal, keys, rows_out);
 }
 
 // ---- SwiGLU and RMSNorm --------------------------------------------------------------------------
@@ -443,14 +495,20 @@ void rms_norm_kernel(const array& x, const array& weight, float eps, array& out)
 // ---- the q|k|v product's heads, rotated ------------------------------------------------------------
 
 // Where one kind of head goes: (B, heads, positions, D) at any strides, the pass's rows from `first` on
-// (0 for a fresh output; the cache's fill for a KV cache buffer written in place).
+// (0 for a fresh output; the cache's fill for a KV cache buffer written in place), float32 or float16.
 struct HeadsOut {
-  float* data;
+  char* data;
   int64_t strides[4];
   int first;
+  bool half;
 
-  HeadsOut(const array& a, int first_position) : data(const_cast<float*>(a.data<float>())), first(first_position) {
+  HeadsOut(const array& a, int first_position)
+      : data(const_cast<char*>(a.data<char>())), first(first_position), half(a.dtype() == float16) {
     for (int i = 0; i < 4; i++) strides[i] = a.strides()[i];
+  }
+  void set(int64_t at, float x) const {
+    if (half) reinterpret_cast<float16_t*>(data)[at] = to_half(x);
+    else reinterpret_cast<float*>(data)[at] = x;
   }
 };
 
@@ -475,11 +533,11 @@ __attribute__((optimize("fp-contract=off"))) void split_heads_kernel(const array
         const bool value = h >= heads + kv_heads;
         const HeadsOut& target = out[h < heads ? 0 : value ? 2 : 1];
         const int local = h < heads ? h : value ? h - heads - kv_heads : h - heads;
-        float* dst = target.data + b * target.strides[0] + local * target.strides[1] + int64_t(target.first + p) * target.strides[2];
+        const int64_t at = b * target.strides[0] + local * target.strides[1] + int64_t(target.first + p) * target.strides[2];
         const int64_t step = target.strides[3];
         for (int d = 0; d < dims; d++) {
           const int partner = traditional ? d ^ 1 : (d < half ? d + half : d - half);
-          dst[d * step] = value ? x[d] : x[d] * cp[d] + x[partner] * sp[d];
+          target.set(at + d * step, value ? x[d] : x[d] * cp[d] + x[partner] * sp[d]);
         }
       }
     }
@@ -1010,9 +1068,15 @@ void require_float32(const array& a, const char* what) {
   if (a.dtype() != float32) throw std::invalid_argument(std::string(what) + " must be float32");
 }
 
+void require_keys_values(const array& keys, const array& values, const char* what) {
+  if (keys.dtype() != values.dtype() || (keys.dtype() != float32 && keys.dtype() != float16))
+    throw std::invalid_argument(std::string(what) + ": keys and values must both be float32 or both float16");
+}
+
 // keys < 0: all of k's positions; else its first `keys` (a cache buffer and how far it is filled).
 array attention(const array& q, const array& k, const array& v, float scale, bool causal, int keys, bool rows_out) {
-  for (auto* a : {&q, &k, &v}) require_float32(*a, "attention inputs");
+  require_float32(q, "attention inputs");
+  require_keys_values(k, v, "attention inputs");
   if (keys < 0) keys = k.ndim() == 4 ? k.shape(2) : 0;
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || k.shape(1) == 0 || q.shape(1) % k.shape(1) ||
       q.shape(3) != k.shape(3) || k.shape(2) != v.shape(2) || k.shape(1) != v.shape(1) ||
@@ -1124,7 +1188,8 @@ int width(const Operand& op, const std::vector<array>& w) { return outputs(op, w
 // An attention half's tables and cache buffers against its rows x (N, D) and its products' widths.
 void check_attention_buffers(const array& x, int qkv_width, int o_width, const array& cos, const array& sin,
                              const array& keys, const array& values, int batch, int heads, int kv_heads) {
-  for (auto* a : {&cos, &sin, &keys, &values}) require_float32(*a, "attention_half inputs");
+  for (auto* a : {&cos, &sin}) require_float32(*a, "attention_half inputs");
+  require_keys_values(keys, values, "attention_half inputs");
   const int dims = cos.ndim() == 2 ? cos.shape(1) : 0;
   if (cos.ndim() != 2 || cos.shape() != sin.shape() || dims % 2 || dims % W || batch < 1 || x.shape(0) % batch ||
       qkv_width != (heads + 2 * kv_heads) * dims || keys.ndim() != 4 || keys.shape() != values.shape() ||
@@ -1170,7 +1235,8 @@ array attention_half_quantized_op(const array& x, const array& norm_weight, floa
 
 array attention_rows_op(const array& qkv, const array& cos, const array& sin, const array& keys, const array& values,
                         const array& offset, int batch, int heads, int kv_heads, bool traditional, float scale) {
-  for (auto* a : {&qkv, &cos, &sin, &keys, &values}) require_float32(*a, "attention_rows inputs");
+  for (auto* a : {&qkv, &cos, &sin}) require_float32(*a, "attention_rows inputs");
+  require_keys_values(keys, values, "attention_rows inputs");
   require_offset(offset);
   const int dims = cos.ndim() == 2 ? cos.shape(1) : 0;
   if (qkv.ndim() != 2 || cos.ndim() != 2 || cos.shape() != sin.shape() || dims % 2 || dims % W || batch < 1 ||
@@ -1307,7 +1373,8 @@ NB_MODULE(akunu_cpu_kernels, m) {
         "the address of a C function that runs a parallel loop on this module's pool (for quantized.cpp, _matvec.c)");
   m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"), nb::arg("causal"),
         nb::arg("keys") = -1, nb::arg("rows") = false,
-        "softmax(scale * q @ k^T, causal from the last query) @ v: q (B, H, L, D), k (B, KVH, S, D), v (B, KVH, S, Dv), "
+        "softmax(scale * q @ k^T, causal from the last query) @ v: q (B, H, L, D), k (B, KVH, S, D), v (B, KVH, S, Dv) "
+        "(k and v float32 or float16), "
         "over k's and v's first `keys` positions (all if negative); (B, H, L, Dv), or (B * L, H * Dv) if `rows`");
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"), "silu(gate) * x");
   m.def("swiglu_halves", &swiglu_halves, nb::arg("gate_up"), "silu(gate) * up for rows (..., 2n) holding gate | up");

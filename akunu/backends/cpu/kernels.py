@@ -168,9 +168,14 @@ def _check(module: ModuleType) -> None:
     partner = heads[..., [i ^ 1 for i in range(16)]]
     buffer_k, buffer_v = mx.pad(k, [(0, 0), (0, 0), (0, 3), (0, 0)]), mx.pad(v, [(0, 0), (0, 0), (0, 3), (0, 0)])
     first, second = mx.split(product, 2, axis=-1)  # a gate|up product's halves
+    half_k, half_v = (a.astype(mx.float16) for a in (buffer_k, buffer_v))  # a CPU cache's buffers
+    expected_half = mx.fast.scaled_dot_product_attention(q, k.astype(mx.float16).astype(mx.float32),
+                                                         v.astype(mx.float16).astype(mx.float32), scale=0.3,
+                                                         mask=mx.arange(2, 5)[:, None] >= mx.arange(5))  # fmt: skip
     checks = [
         (module.attention(q, k, v, 0.3, True), expected),
         (module.attention(q, buffer_k, buffer_v, 0.3, True, 5, True), expected.transpose(0, 2, 1, 3).reshape(3, 64)),
+        (module.attention(q, half_k, half_v, 0.3, True, 5), expected_half),
         (module.swiglu_halves(product), first * mx.sigmoid(first) * second),
         (module.swiglu(gate, x), gate * mx.sigmoid(gate) * x),
         (module.rms_norm(q, k[0, 0, 0], 1e-5), mx.fast.rms_norm(q, k[0, 0, 0], 1e-5)),
