@@ -270,18 +270,20 @@ def _layer_weights(D, H, KV, hd, inter, seed=9):
     return norm, wqkv.T, wo.T, wgu.T, wdown.T
 
 
+@pytest.mark.parametrize("stored", [mx.float32, mx.float16], ids=["float32", "float16"])
 @pytest.mark.parametrize("traditional", [True, False])
 @pytest.mark.parametrize("batch, length, offset", [(1, 1, 0), (1, 5, 17), (2, 17, 230)])
-def test_a_layer_s_halves_give_the_bits_of_the_nodes_they_replace(kernels, traditional, batch, length, offset):
+def test_a_layer_s_halves_give_the_bits_of_the_nodes_they_replace(kernels, traditional, batch, length, offset, stored):
     """A compiled pass's two nodes a layer: the eager fused path's norm, products, split, attention, SwiGLU and
     residual adds, bit for bit. The attention half writes the pass's keys and values into the cache buffers in
-    place at the offset (nothing else in them changes), its tables read from the offset's row."""
+    place at the offset (nothing else in them changes; into float16 buffers as astype rounds them), its tables read
+    from the offset's row."""
     from akunu.backends.cpu import rope as cpu_rope
 
     D, H, KV, hd, S, inter = 64, 6, 2, 16, 256, 96
     norm, wqkv, wo, wgu, wdown = _layer_weights(D, H, KV, hd, inter)
     x = mx.random.normal((batch * length, D), key=mx.random.key(3))
-    keys, values = (mx.random.normal((batch, KV, S, hd), key=mx.random.key(i)) for i in (1, 2))
+    keys, values = (mx.random.normal((batch, KV, S, hd), key=mx.random.key(i)).astype(stored) for i in (1, 2))
     before = [mx.array(np.array(a)) for a in (keys, values)]  # copies: the kernel writes the buffers themselves
     tables = cpu_rope.head_tables(S, 0, hd, 1e4, 1.0, traditional, mx.float32)  # rows for every position
     position = mx.array([offset], mx.int32)
@@ -293,7 +295,7 @@ def test_a_layer_s_halves_give_the_bits_of_the_nodes_they_replace(kernels, tradi
     pass_tables = cpu_rope.head_tables(length, offset, hd, 1e4, 1.0, traditional, mx.float32)
     q, k, v = kernels.split_heads(kernels.rms_norm(x, norm, 1e-5) @ wqkv, *pass_tables, batch, H, KV, traditional)
     for buffer, old, written in ((keys, before[0], k), (values, before[1], v)):
-        assert mx.array_equal(buffer[:, :, offset : offset + length], written).item()
+        assert mx.array_equal(buffer[:, :, offset : offset + length], written.astype(stored)).item()
         assert mx.array_equal(buffer[:, :, :offset], old[:, :, :offset]).item()
         assert mx.array_equal(buffer[:, :, offset + length :], old[:, :, offset + length :]).item()
     attended = kernels.attention(q, keys, values, 0.3, True, offset + length, True)
