@@ -65,11 +65,10 @@ inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf load(const float16_t* p) {
 #ifdef __F16C__
   static_assert(W == 16, "two vcvtph2ps of 8");
-  const __m256 halves[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-                            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
-  vf v;
-  std::memcpy(&v, halves, sizeof v);
-  return v;
+  typedef float v8 __attribute__((vector_size(32)));
+  const v8 low = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const v8 high = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 #else
   float b[W];
   for (int i = 0; i < W; i++) b[i] = static_cast<float>(p[i]);
@@ -230,15 +229,25 @@ struct AttentionShape {
 };
 
 constexpr int ROW_BLOCK = 8;  // query rows that share one read of a KV head's keys and values
+// Accumulators held at once: W keys' (or 4 rows x 4 tiles of values) fill AVX-512's 32 registers, twice AVX2's 16.
+#ifdef __AVX512F__
+constexpr int KEYS_AT_ONCE = W, VALUE_TILES = 4;
+#else
+constexpr int KEYS_AT_ONCE = 4, VALUE_TILES = 1;
+#endif
 
 // scores[j] = scale * q . key j for W keys `step` elements apart (KV: float or float16_t); the accumulators stay in
 // registers.
 template <typename KV>
 inline void score_block(const float* q, const KV* keys, int64_t step, int dims, float scale, float* scores) {
-  vf acc[W] = {};
-  for (int d = 0; d < dims; d += W) {
-    const vf qd = load(q + d);
-    for (int j = 0; j < W; j++) acc[j] += qd * load(keys + j * step + d);
+  vf acc[W];
+  for (int j0 = 0; j0 < W; j0 += KEYS_AT_ONCE) {  // each key's sum runs over d in order, however keys are grouped
+    vf part[KEYS_AT_ONCE] = {};
+    for (int d = 0; d < dims; d += W) {
+      const vf qd = load(q + d);
+      for (int j = 0; j < KEYS_AT_ONCE; j++) part[j] += qd * load(keys + (j0 + j) * step + d);
+    }
+    for (int j = 0; j < KEYS_AT_ONCE; j++) acc[j0 + j] = part[j];
   }
   store(scores, lane_sums(acc) * scale);
 }
@@ -281,7 +290,7 @@ inline void weigh_tile(float* const* weights, const int* n, const KV* values, in
 template <int R, typename KV>
 void weigh_rows(float* const* weights, const int* n, const KV* values, int64_t step, int dims, float* const* outs) {
   int d0 = 0;
-  for (; d0 + 4 * W <= dims; d0 += 4 * W) weigh_tile<R, 4>(weights, n, values, step, d0, outs);
+  for (; d0 + VALUE_TILES * W <= dims; d0 += VALUE_TILES * W) weigh_tile<R, VALUE_TILES>(weights, n, values, step, d0, outs);
   for (; d0 < dims; d0 += W) weigh_tile<R, 1>(weights, n, values, step, d0, outs);
 }
 
