@@ -46,7 +46,12 @@ using akunu::Pool;
 
 namespace {
 
-constexpr int W = 16;  // lanes of one vector
+// Lanes of one vector: a register's. GCC splits wider generic vectors through memory (AVX2 code ran from the stack).
+#ifdef __AVX512F__
+constexpr int W = 16;
+#else
+constexpr int W = 8;
+#endif
 typedef float vf __attribute__((vector_size(W * 4), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(W * 4), aligned(4)));
 
@@ -63,12 +68,10 @@ inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 // KV caches hold float16 (half the bytes a step reads): W of them widened to float32. Elsewhere MLX's float16_t
 // converts (aarch64's __fp16).
 inline vf load(const float16_t* p) {
-#ifdef __F16C__
-  static_assert(W == 16, "two vcvtph2ps of 8");
-  typedef float v8 __attribute__((vector_size(32)));
-  const v8 low = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const v8 high = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-  return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#if defined(__AVX512F__)
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
   float b[W];
   for (int i = 0; i < W; i++) b[i] = static_cast<float>(p[i]);
@@ -205,9 +208,10 @@ float exponentiate(float* scores, int n) {
 
 #define PICK(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 
-// The lane sums of 16 vectors at once (lane a of the result sums v[a]), by the halving tree of
+// The lane sums of W vectors at once (lane a of the result sums v[a]), by the halving tree of
 // akunu/_matvec.c: every sum is the same tree whichever vectors share the call.
 inline vf lane_sums(const vf v[W]) {
+#ifdef __AVX512F__
   vf eights[8], fours[4], twos[2];
   for (int i = 0; i < 8; i++)
     eights[i] = PICK(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -220,6 +224,15 @@ inline vf lane_sums(const vf v[W]) {
               PICK(fours[2 * i], fours[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
   return PICK(twos[0], twos[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          PICK(twos[0], twos[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  vf fours[4], twos[2];
+  for (int i = 0; i < 4; i++)
+    fours[i] = PICK(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) + PICK(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; i++)
+    twos[i] = PICK(fours[2 * i], fours[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+              PICK(fours[2 * i], fours[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return PICK(twos[0], twos[1], 0, 2, 4, 6, 8, 10, 12, 14) + PICK(twos[0], twos[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
 }
 
 struct AttentionShape {
@@ -229,25 +242,15 @@ struct AttentionShape {
 };
 
 constexpr int ROW_BLOCK = 8;  // query rows that share one read of a KV head's keys and values
-// Accumulators held at once: W keys' (or 4 rows x 4 tiles of values) fill AVX-512's 32 registers, twice AVX2's 16.
-#ifdef __AVX512F__
-constexpr int KEYS_AT_ONCE = W, VALUE_TILES = 4;
-#else
-constexpr int KEYS_AT_ONCE = 4, VALUE_TILES = 1;
-#endif
 
 // scores[j] = scale * q . key j for W keys `step` elements apart (KV: float or float16_t); the accumulators stay in
 // registers.
 template <typename KV>
 inline void score_block(const float* q, const KV* keys, int64_t step, int dims, float scale, float* scores) {
-  vf acc[W];
-  for (int j0 = 0; j0 < W; j0 += KEYS_AT_ONCE) {  // each key's sum runs over d in order, however keys are grouped
-    vf part[KEYS_AT_ONCE] = {};
-    for (int d = 0; d < dims; d += W) {
-      const vf qd = load(q + d);
-      for (int j = 0; j < KEYS_AT_ONCE; j++) part[j] += qd * load(keys + (j0 + j) * step + d);
-    }
-    for (int j = 0; j < KEYS_AT_ONCE; j++) acc[j0 + j] = part[j];
+  vf acc[W] = {};
+  for (int d = 0; d < dims; d += W) {
+    const vf qd = load(q + d);
+    for (int j = 0; j < W; j++) acc[j] += qd * load(keys + j * step + d);
   }
   store(scores, lane_sums(acc) * scale);
 }
@@ -290,7 +293,8 @@ inline void weigh_tile(float* const* weights, const int* n, const KV* values, in
 template <int R, typename KV>
 void weigh_rows(float* const* weights, const int* n, const KV* values, int64_t step, int dims, float* const* outs) {
   int d0 = 0;
-  for (; d0 + VALUE_TILES * W <= dims; d0 += VALUE_TILES * W) weigh_tile<R, VALUE_TILES>(weights, n, values, step, d0, outs);
+  constexpr int tiles = W == 16 ? 4 : 2;  // R x tiles accumulators and the tiles' values fit the 32 or 16 registers
+  for (; d0 + tiles * W <= dims; d0 += tiles * W) weigh_tile<R, tiles>(weights, n, values, step, d0, outs);
   for (; d0 < dims; d0 += W) weigh_tile<R, 1>(weights, n, values, step, d0, outs);
 }
 
@@ -788,7 +792,8 @@ struct Best {
 };
 
 Best chunk_best(const float* p, int n, int64_t first) {
-  const vi lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  vi lanes;
+  for (int l = 0; l < W; l++) lanes[l] = l;
   vf best = load_part(p, std::min(n, W), -INFINITY);  // lanes past n: -inf at indices past n's, never chosen first
   vi at = lanes, nans = vi{};
   for (int i = 0; i < n; i += W) {
@@ -1091,7 +1096,7 @@ array attention(const array& q, const array& k, const array& v, float scale, boo
       q.shape(3) != k.shape(3) || k.shape(2) != v.shape(2) || k.shape(1) != v.shape(1) ||
       q.shape(0) != k.shape(0) || q.shape(2) > keys || keys > k.shape(2))
     throw std::invalid_argument("attention expects q (B, H, L, D), k (B, KVH, S, D), v (B, KVH, S, Dv), L <= keys <= S");
-  if (q.shape(3) % W || v.shape(3) % W) throw std::invalid_argument("attention's head dimensions must be multiples of 16");
+  if (q.shape(3) % 16 || v.shape(3) % 16) throw std::invalid_argument("attention's head dimensions must be multiples of 16");
   Shape shape = rows_out ? Shape{q.shape(0) * q.shape(2), q.shape(1) * v.shape(3)} : Shape{q.shape(0), q.shape(1), q.shape(2), v.shape(3)};
   return array(shape, float32, std::make_shared<Attention>(cpu_stream(), scale, causal, keys, rows_out), {q, k, v});
 }

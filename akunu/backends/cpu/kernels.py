@@ -61,7 +61,7 @@ def load() -> ModuleType | None:
     except ImportError:
         return _give_up("nanobind is not installed")
     try:
-        module = build_and_import(SOURCE, MODULE_NAME, nanobind)
+        module = build_and_import(SOURCE, MODULE_NAME, nanobind, ("-march=native", "-ffp-contract=off"))
     except BuildError as error:
         return _give_up(str(error))
     blas.share_threads(module.pool_runner_address())  # one set of helper threads for every CPU kernel
