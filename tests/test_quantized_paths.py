@@ -34,6 +34,7 @@ FLAGS = _cpu_flags()
 HAS = {
     "scalar": True,
     "avx2": X86 and {"avx2", "fma", "f16c", "bmi2"} <= FLAGS,
+    "avxvnni": X86 and {"avx2", "fma", "f16c", "bmi2", "avx_vnni"} <= FLAGS,
     "avx512": X86 and {"avx512vbmi", "avx512_vnni", "avx512bw", "avx512vl"} <= FLAGS,
 }
 RUNNABLE = [isa for isa, here in HAS.items() if here]
@@ -83,10 +84,10 @@ def test_builds_agree_with_each_other_across_a_threaded_product(build):
 @pytest.mark.skipif(not (X86 and HAS["avx2"] and shutil.which("g++")), reason="needs g++ on an AVX2 CPU")
 def test_the_standalone_check_passes_every_case_on_this_cpus_paths(tmp_path):
     """quantized_check.cpp (no MLX) over 1,008 cases per path: widths, scale types, zero points, shapes, rows."""
-    targets = {"avx2": "-march=x86-64-v3", "avx512": "-march=native"}
-    for isa in (isa for isa in ("avx2", "avx512") if HAS[isa]):
+    targets = {"avx2": ["-march=x86-64-v3"], "avxvnni": ["-march=x86-64-v3", "-mavxvnni"], "avx512": ["-march=native"]}
+    for isa in (isa for isa in targets if HAS[isa]):
         binary = tmp_path / f"check-{isa}"
-        command = ["g++", "-O2", "-std=c++20", targets[isa], "-ffp-contract=off", "quantized_check.cpp", "-o", str(binary)]  # fmt: skip
+        command = ["g++", "-O2", "-std=c++20", *targets[isa], "-ffp-contract=off", "quantized_check.cpp", "-o", str(binary)]  # fmt: skip
         subprocess.run(command, cwd=CPU_DIR, check=True, capture_output=True, timeout=300)
         run = subprocess.run([binary], capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stdout
@@ -112,4 +113,4 @@ def test_an_unknown_instruction_set_is_one_line():
         env={**os.environ, quantized.ISA_SWITCH: "sse9"},
         timeout=300,
     )
-    assert run.stdout.strip() == "None AKUNU_CPU_ISA=sse9 is not one of native, avx512, avx2, neon, scalar"
+    assert run.stdout.strip() == "None AKUNU_CPU_ISA=sse9 is not one of native, avx512, avxvnni, avx2, neon, scalar"

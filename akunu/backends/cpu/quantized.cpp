@@ -32,7 +32,11 @@ namespace PATH = akunu::quantized::avx512;
 #define AKUNU_VECTOR_PATH 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "quantized_avx2.h"
+#ifdef __AVXVNNI__
+#define AKUNU_PATH "avxvnni"
+#else
 #define AKUNU_PATH "avx2"
+#endif
 #define AKUNU_AVX2 1
 namespace PATH = akunu::quantized::avx2;
 #define AKUNU_VECTOR_PATH 1

@@ -7,7 +7,7 @@ akunu's kernel: each weight read once at its stored width and multiplied as an i
 quantized to int8 per group of 32 (as llama.cpp does), a row's result independent of the rows
 beside it. Longer inputs dequantize the weight to float32 for one BLAS product.
 Layers the kernel does not cover (other modes or group sizes) keep MLX's path.
-Built on first use like `kernels`, for one instruction set: AKUNU_CPU_ISA=avx512|avx2|neon|scalar names one
+Built on first use like `kernels`, for one instruction set: AKUNU_CPU_ISA=avx512|avxvnni|avx2|neon|scalar names one
 (the build fails where the compiler cannot target it), and the default builds for this CPU, taking the fastest
 path it has. Every path gives the scalar reference's bits. AKUNU_QUANTIZED_KERNEL=0 turns the kernel off.
 """
@@ -37,6 +37,7 @@ ISA_SWITCH = "AKUNU_CPU_ISA"
 ISA_FLAGS = {
     "native": ("-march=native",),
     "avx512": ("-march=native", '-DAKUNU_ISA_REQUIRED="avx512"'),
+    "avxvnni": ("-march=x86-64-v3", "-mavxvnni", "-mtune=native", '-DAKUNU_ISA_REQUIRED="avxvnni"'),
     "avx2": ("-march=x86-64-v3", "-mtune=native", '-DAKUNU_ISA_REQUIRED="avx2"'),
     "neon": ("-march=armv8.2-a+dotprod", "-mtune=native", '-DAKUNU_ISA_REQUIRED="neon"'),
     "scalar": ("-march=native", "-DAKUNU_ISA_SCALAR", '-DAKUNU_ISA_REQUIRED="scalar"'),
@@ -77,7 +78,7 @@ def build(isa: str) -> ModuleType:
 
 
 def path() -> str | None:
-    """The instruction set the products run on (avx512, avx2, neon or scalar), None without the kernel."""
+    """The instruction set the products run on (avx512, avxvnni, avx2, neon or scalar), None without the kernel."""
     module = load()
     return module.path if module else None
 

@@ -1,5 +1,5 @@
 // The quantized product on AVX2 (+FMA, F16C): integer dot products with vpmaddubsw/vpmaddwd, as llama.cpp's AVX2
-// kernels, and the reference's float sums (quantized_core.h) bit for bit.
+// kernels (vpdpbusd where AVX-VNNI exists), and the reference's float sums (quantized_core.h) bit for bit.
 //
 // A group's 32 weights become one register of unsigned bytes, x's group one of signed bytes in the same order:
 //  4 bits: two groups' 32 packed bytes at once, low nibbles (even values) in one register and high nibbles (odd
@@ -170,16 +170,30 @@ __attribute__((noinline)) inline const uint8_t* held_copy(const uint8_t* p, cons
   return held;
 }
 
+// acc + the sums of 4 products of unsigned bytes u with signed bytes s, per int32 lane: one vpdpbusd with AVX-VNNI
+// (Intel's client chips), else vpmaddubsw and vpmaddwd (exact: every pair of products here fits int16).
+AKUNU_INLINE __m256i unsigned_dot(__m256i acc, __m256i u, __m256i s) {
+#ifdef __AVXVNNI__
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
 // The exact dot products of G (8, or 4 for a row's last block) groups with x's: lane g = group g of the chunk.
 template <int BITS, int G>
 AKUNU_INLINE __m256i chunk_dots(const __m256i* w, const int8_t* x) {
-  const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (BITS == 4) {  // register pair k: groups 2k, 2k + 1 in lanes 0-3 and 4-7
     __m256i pairs[4];
     for (int k = 0; k < G / 2; k++) {
-      const __m256i even = _mm256_maddubs_epi16(w[2 * k], _mm256_load_si256(reinterpret_cast<const __m256i*>(x + 64 * k)));
-      const __m256i odd = _mm256_maddubs_epi16(w[2 * k + 1], _mm256_load_si256(reinterpret_cast<const __m256i*>(x + 64 * k + 32)));
-      pairs[k] = _mm256_madd_epi16(_mm256_add_epi16(even, odd), ones);
+      const __m256i x_even = _mm256_load_si256(reinterpret_cast<const __m256i*>(x + 64 * k));
+      const __m256i x_odd = _mm256_load_si256(reinterpret_cast<const __m256i*>(x + 64 * k + 32));
+#ifdef __AVXVNNI__
+      pairs[k] = unsigned_dot(unsigned_dot(_mm256_setzero_si256(), w[2 * k], x_even), w[2 * k + 1], x_odd);
+#else  // the two halves' int16 pair sums added first: 2 * 15 * 127 * 2 fits int16
+      const __m256i sums = _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * k], x_even), _mm256_maddubs_epi16(w[2 * k + 1], x_odd));
+      pairs[k] = _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
+#endif
     }
     // [g0 g2 g4 g6 | g1 g3 g5 g7] after the tree ([g0 g2 g0 g2 | g1 g3 g1 g3] for 4); vpermd puts the groups in order
     const __m256i low = _mm256_hadd_epi32(pairs[0], pairs[1]);
@@ -190,10 +204,9 @@ AKUNU_INLINE __m256i chunk_dots(const __m256i* w, const int8_t* x) {
   for (int g = 0; g < G; g++) {
     const __m256i xq = _mm256_load_si256(reinterpret_cast<const __m256i*>(x + GROUP * g));
     if constexpr (BITS == 8) {  // |w - 128| <= 128 unsigned times x's signs moved over (|x| <= 127): pairs fit int16
-      const __m256i products = _mm256_maddubs_epi16(_mm256_abs_epi8(w[g]), _mm256_sign_epi8(xq, w[g]));
-      dots[g] = _mm256_madd_epi16(products, ones);
+      dots[g] = unsigned_dot(_mm256_setzero_si256(), _mm256_abs_epi8(w[g]), _mm256_sign_epi8(xq, w[g]));
     } else {
-      dots[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(w[g], xq), ones);
+      dots[g] = unsigned_dot(_mm256_setzero_si256(), w[g], xq);
     }
   }
   // lane k of the low and high halves: register k's partial sums; the halves added

@@ -22,7 +22,11 @@ constexpr const char* NAME = "avx512";
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "quantized_avx2.h"
 namespace path = akunu::quantized::avx2;
+#ifdef __AVXVNNI__
+constexpr const char* NAME = "avxvnni";
+#else
 constexpr const char* NAME = "avx2";
+#endif
 #elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
 #include "quantized_neon.h"
 namespace path = akunu::quantized::neon;
