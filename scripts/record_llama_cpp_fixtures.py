@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -26,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 FIXTURES = ROOT / "tests" / "fixtures" / "llama_cpp"
 WORKER = Path(__file__).with_name("llama_cpp_worker.py")
-LLAMA_PYTHON = "/work/llamacpp/venv/bin/python"
+# The Python whose environment has llama-cpp-python: $LLAMA_CPP_PYTHON, else this one (`pip install -e '.[llama-cpp]'`).
+LLAMA_PYTHON = os.environ.get("LLAMA_CPP_PYTHON", sys.executable)
 REAL_FIXTURE = FIXTURES / "qwen2.5-coder-0.5b.json"
 REAL_PROMPT = (  # Qwen2.5's ChatML for one user turn, with the default system message its template adds
     "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
