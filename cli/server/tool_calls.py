@@ -51,12 +51,22 @@ def family_of(chat_template: str | None) -> str:
     return HERMES
 
 
-def parse(family: str, text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a whole answer; content is None when the answer is only calls."""
+def parse(family: str, text: str, *, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole answer; content is None when the answer is only calls.
+    `cut`: max_tokens ended the answer, so a trailing fragment of a call's opening is a call cut short, not content."""
     content, calls = _PARSERS[family](text)
     if not calls:
         return (content if family == HARMONY else text), []  # harmony's channel markup is never content
+    if cut:
+        content = without_cut_opening(family, content)
     return (content.strip() or None), calls
+
+
+def without_cut_opening(family: str, text: str) -> str:
+    """`text` without a trailing proper prefix of the family's call opening (what a cut left of the next call)."""
+    openings = CallStream._OPENINGS.get(family, ())
+    cut = max((k for o in openings for k in range(1, len(o)) if text.endswith(o[:k])), default=0)
+    return text[: len(text) - cut]
 
 
 def forced_call(family: str, functions: list[dict], name: str | None) -> ForcedCall:
@@ -206,6 +216,7 @@ class CallStream:
     def __init__(self, family: str) -> None:
         self.family, self.pending, self.held = family, "", False
         self.started = False  # anything but whitespace was shown (llama 3 calls come only first)
+        self.calls_seen = False
         self.harmony = HarmonyStream(_harmony_call) if family == HARMONY else None
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -230,15 +241,19 @@ class CallStream:
                 shown += self._show(block)
             else:
                 calls.append(call)
+                self.calls_seen = True
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """What is left: the held calls, or the held text when it was not a call after all."""
+    def finish(self, *, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """What is left: the held calls, or the held text when it was not a call after all
+        (`cut`: max_tokens ended the answer; after calls, a fragment of an opening is dropped as in `parse`)."""
         if self.harmony:
             return self.harmony.finish()
         rest, self.pending = self.pending, ""
+        if cut and self.calls_seen:
+            rest = without_cut_opening(self.family, rest)
         if not rest:
             return "", []
-        content, calls = parse(self.family, rest)
+        content, calls = parse(self.family, rest, cut=cut)
         return content or "", calls
 
     def _openings(self) -> tuple[str, ...]:
