@@ -64,6 +64,7 @@ GREEDY_BELOW = 1e-5  # a temperature this small is greedy: dividing logits by it
 def parse_chat(body: dict, loaded, base_config) -> ParsedRequest:
     from akunu.cli.conversation import PLAIN_USER_PREFIX, Conversation
 
+    check_text(body)
     messages = _messages(body.get("messages"))
     try:
         tools = tool_request(body)
@@ -100,6 +101,7 @@ def parse_chat(body: dict, loaded, base_config) -> ParsedRequest:
 
 
 def parse_completion(body: dict, loaded, base_config) -> ParsedRequest:
+    check_text(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -122,6 +124,33 @@ def parse_completion(body: dict, loaded, base_config) -> ParsedRequest:
             param="prompt",
         )
     return _parsed(COMPLETION, body, loaded, base_config, prompt_ids, ())
+
+
+def check_text(body: dict) -> None:
+    """Every string in the body is text: JSON's "\\ud800" escapes decode to lone surrogates, which no tokenizer takes."""
+    stack = [(body, "")]
+    while stack:  # iterative: a deeply nested body must not overflow Python's stack
+        value, path = stack.pop()
+        if isinstance(value, str) and not _is_text(value):
+            field = path or "the request body"
+            raise ApiError(
+                400,
+                f"{field} holds a lone surrogate (an unpaired \\uD800-\\uDFFF escape), which is not text",
+                param=path or None,
+            )
+        if isinstance(value, dict):
+            stack += [(key, path) for key in value]
+            stack += [(item, f"{path}.{key}" if path else str(key)) for key, item in value.items()]
+        elif isinstance(value, list):
+            stack += [(item, f"{path}[{i}]") for i, item in enumerate(value)]
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _messages(messages) -> list[dict]:
