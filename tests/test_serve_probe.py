@@ -3,11 +3,13 @@ whose message names the field and fits on a line, never a 500 or a traceback."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
 import pytest
 
+from tests.grammar_fixtures import json_model, json_tokenizer
 from tests.serve_fixtures import USER, raw_request
 
 
@@ -30,3 +32,54 @@ def test_a_lone_surrogate_is_a_400_naming_the_field_without_a_traceback(fake_eng
         status, error = error_of(server, path, body)
     assert (status, error["param"]) == (400, param) and "lone surrogate" in error["message"]
     assert "\n" not in error["message"] and not any(record.exc_info for record in caplog.records)
+
+
+# -- grammars: compiled before queueing, their errors a 400 naming the field ----------------------------
+
+
+@pytest.fixture
+def json_server(fake_engine, serve):
+    fake_engine.loaded = dataclasses.replace(fake_engine.loaded, model=json_model(seed=1), tokenizer=json_tokenizer())
+    return serve("--max-tokens", "40")
+
+
+TOO_MANY = 600  # integer properties: the parser gives up at the first token (a row of over 2,000 items)
+
+
+def response_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def test_a_schema_no_json_value_satisfies_is_a_400(json_server, fake_engine):
+    body = {"messages": USER, "response_format": response_format({"$ref": "#"})}
+    status, error = error_of(json_server, "/v1/chat/completions", body)
+    assert (status, error["param"]) == (400, "response_format") and "admits no output" in error["message"]
+    assert fake_engine.streams == []  # refused before it was queued
+
+
+def test_a_schema_too_complex_for_the_grammar_is_a_400_naming_it_with_no_grammar_dump(json_server, fake_engine, caplog):
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(TOO_MANY)}}
+    with caplog.at_level(logging.INFO):
+        status, error = error_of(
+            json_server, "/v1/chat/completions", {"messages": USER, "response_format": response_format(schema)}
+        )
+    assert (status, error["param"]) == (400, "response_format") and "too complex" in error["message"]
+    assert len(error["message"]) < 400 and "\n" not in error["message"]
+    assert not any(record.exc_info for record in caplog.records)
+    assert all(len(record.getMessage()) < 1000 for record in caplog.records if record.levelno >= logging.INFO)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_error_in_the_worker_names_the_field_that_asked_for_the_grammar(json_server, monkeypatch, stream):
+    from akunu.grammar import Constraint, GrammarError
+
+    def gives_up(self, draft, width):
+        raise GrammarError("the schema is too complex for constrained decoding: a row of 2407 items")
+
+    monkeypatch.setattr(Constraint, "masks", gives_up)  # past the checks before queueing, as a deep output would be
+    body = {"messages": USER, "response_format": {"type": "json_object"}, "stream": stream}
+    status, _, raw = raw_request(json_server.base_url, "POST", "/v1/chat/completions", body)
+    events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
+    error = events[-1]["error"] if stream else json.loads(raw)["error"]
+    assert status == (200 if stream else 400) and error["param"] == "response_format"
+    assert "too complex" in error["message"]

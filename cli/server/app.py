@@ -75,7 +75,8 @@ def create_app(
                            param="model", code="model_not_found")  # fmt: skip
         parsed = parse(body, worker.loaded, base_config)
         channel, request_id = EventChannel(), new_id(parsed.kind)
-        job = Job(parsed.prompt_ids, parsed.config, channel.emit, label=f"{request_id} {request.url.path}")
+        job = Job(parsed.prompt_ids, parsed.config, channel.emit, label=f"{request_id} {request.url.path}",
+                  constraint=parsed.constraint, grammar_param=parsed.grammar_param)  # fmt: skip
         try:
             worker.submit(job)
         except QueueFull as full:
@@ -95,7 +96,7 @@ def create_app(
                 final = event
         if isinstance(final, Failed):
             raise (
-                ApiError(400, final.message)
+                ApiError(400, final.message, param=final.param)
                 if final.client_error
                 else ApiError(500, final.message, kind="server_error")
             )
@@ -252,7 +253,7 @@ async def _server_sent_events(parsed, answer: Answer, request_id: str, model: st
                 yield data(chunk_body(parsed.kind, request_id, model, None, stats=event.stats))
         else:
             kind = "invalid_request_error" if event.client_error else "server_error"
-            yield data(ApiError(400, event.message, kind=kind).body())
+            yield data(ApiError(400, event.message, kind=kind, param=event.param).body())
     yield "data: [DONE]\n\n"
 
 

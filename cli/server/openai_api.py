@@ -40,6 +40,8 @@ class ParsedRequest:
     include_usage: bool
     tools: ToolRequest | None = None  # calls are read from the answer only when tools are offered
     family: str = HERMES  # how the model writes tool calls
+    constraint: object = None  # config.grammar compiled and checked (akunu.grammar.Constraint), for the worker
+    grammar_param: str | None = None  # the field that asked for the grammar, blamed for its errors
 
 
 # Fields that would change the answer's meaning if ignored: refused unless given their neutral value.
@@ -94,10 +96,11 @@ def parse_chat(body: dict, loaded, base_config) -> ParsedRequest:
                 "tool_choice required or a named function cannot be combined with response_format",
                 param="tool_choice",
             )
+        grammar = _grammar("tools", _forced_grammar, forced, tools.parallel)
         parsed = dataclasses.replace(
-            parsed, config=dataclasses.replace(parsed.config, grammar=_forced_grammar(forced, tools.parallel))
+            parsed, config=dataclasses.replace(parsed.config, grammar=grammar), grammar_param="tools"
         )
-    return dataclasses.replace(parsed, tools=tools, family=family)
+    return compiled(dataclasses.replace(parsed, tools=tools, family=family), tokenizer)
 
 
 def parse_completion(body: dict, loaded, base_config) -> ParsedRequest:
@@ -123,7 +126,7 @@ def parse_completion(body: dict, loaded, base_config) -> ParsedRequest:
             "'prompt' must be a non-empty string or list of token ids (or a list holding one of them)",
             param="prompt",
         )
-    return _parsed(COMPLETION, body, loaded, base_config, prompt_ids, ())
+    return compiled(_parsed(COMPLETION, body, loaded, base_config, prompt_ids, ()), loaded.tokenizer)
 
 
 def check_text(body: dict) -> None:
@@ -246,9 +249,9 @@ def _parsed(
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
     config = dataclasses.replace(
         base_config, max_tokens=max_tokens, sampling=_sampling(body, loaded), stop=(*_stops(body.get("stop")), *extra_stop),
-        grammar=_response_format(body.get("response_format")), logprobs=_logprobs(kind, body),
+        grammar=_grammar("response_format", _response_format, body.get("response_format")), logprobs=_logprobs(kind, body),
     )  # fmt: skip
-    return ParsedRequest(kind, prompt_ids, config, stream, include_usage)
+    return ParsedRequest(kind, prompt_ids, config, stream, include_usage, grammar_param="response_format")
 
 
 def _sampling(body: dict, loaded):
@@ -279,6 +282,31 @@ def _logprobs(kind: str, body: dict) -> int | None:
     return top or 0
 
 
+def compiled(parsed: ParsedRequest, tokenizer) -> ParsedRequest:
+    """The request with its grammar compiled and its first step computed, so that a schema that is bad, admits
+    nothing or is too complex is a 400 naming its field before the request is queued."""
+    from akunu.grammar import Constraint
+
+    if parsed.config.grammar is None:
+        return parsed
+    constraint = _grammar(parsed.grammar_param, Constraint, parsed.config.grammar, tokenizer)
+    _grammar(parsed.grammar_param, constraint.check_start)
+    return dataclasses.replace(parsed, constraint=constraint)
+
+
+def _grammar(param: str, step, *args):
+    """`step(*args)`, one stage of building a grammar; its failure is a 400 naming `param` in one line."""
+    from akunu.errors import OptionsError
+
+    try:
+        return step(*args)
+    except OptionsError as error:
+        message = str(error) if str(error).startswith(param) else f"{param}: {error}"
+        raise ApiError(400, message, param=param) from None
+    except RecursionError:
+        raise ApiError(400, f"{param}: the schema is nested too deeply", param=param) from None
+
+
 def _forced_grammar(forced, parallel: bool) -> str:
     from akunu.grammar import wrapped_json_grammar
 
@@ -288,16 +316,10 @@ def _forced_grammar(forced, parallel: bool) -> str:
 
 
 def _response_format(response_format) -> str | None:
-    """The grammar `response_format` asks for (akunu.grammar), None for text; a bad one is a 400."""
-    from akunu.errors import OptionsError
+    """The grammar `response_format` asks for (akunu.grammar), None for text."""
     from akunu.grammar import response_format_grammar
 
-    if response_format is None:
-        return None
-    try:
-        return response_format_grammar(response_format)
-    except OptionsError as error:
-        raise ApiError(400, str(error), param="response_format") from None
+    return None if response_format is None else response_format_grammar(response_format)
 
 
 def _field(body: dict, name: str, default, kind: type, *, low=None, high=None, low_open: bool = False):
