@@ -9,8 +9,12 @@ import logging
 
 import pytest
 
+from tests.fakes import make_loaded
 from tests.grammar_fixtures import json_model, json_tokenizer
+from tests.scripted import CharTokenizer, ScriptedModel
 from tests.serve_fixtures import USER, raw_request
+from tests.test_serve_tools import ASK, QWEN_TEMPLATE, TURN, WEATHER_TOOL, script
+from tests.tiny import tiny_llama
 
 
 def error_of(server, path: str, body: dict) -> tuple[int, dict]:
@@ -83,3 +87,39 @@ def test_a_grammar_error_in_the_worker_names_the_field_that_asked_for_the_gramma
     error = events[-1]["error"] if stream else json.loads(raw)["error"]
     assert status == (200 if stream else 400) and error["param"] == "response_format"
     assert "too complex" in error["message"]
+
+
+# -- tools -------------------------------------------------------------------------------------------------
+
+PLACE_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "$defs": {"City": {"type": "string", "maxLength": 20}},
+    "type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"]}}}  # fmt: skip
+NO_TOOLS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+)
+
+
+def scripted_with(fake_engine, template: str):
+    tokenizer = CharTokenizer(template)
+    model = ScriptedModel(tiny_llama(vocab=tokenizer.vocab_size, seed=4), tokenizer, TURN, script)
+    fake_engine.loaded = make_loaded(model=model, context_length=4096)
+    fake_engine.loaded.tokenizer = tokenizer
+    return fake_engine
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_parameters_with_defs_resolve_against_the_callers_schema(fake_engine, serve, tool_choice):
+    scripted_with(fake_engine, QWEN_TEMPLATE)
+    client = serve("--max-tokens", "120").client()
+    response = client.chat.completions.create(model="tiny", messages=ASK, tools=[PLACE_TOOL], tool_choice=tool_choice)
+    (call,) = response.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+
+
+def test_tools_for_a_template_without_tools_are_a_400_naming_tools(fake_engine, serve):
+    scripted_with(fake_engine, NO_TOOLS_TEMPLATE)
+    server = serve()
+    status, error = error_of(server, "/v1/chat/completions", {"messages": ASK, "tools": [WEATHER_TOOL]})
+    assert (status, error["param"]) == (400, "tools") and "no place for tools" in error["message"]
+    assert fake_engine.streams == []
+    assert error_of(server, "/v1/chat/completions", {"messages": ASK})[0] == 200  # without tools it answers

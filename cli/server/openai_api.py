@@ -79,16 +79,19 @@ def parse_chat(body: dict, loaded, base_config) -> ParsedRequest:
     conversation = Conversation(system=system, turns=[m for m in messages if m["role"] != "system"])
     try:
         if tools:
+            _check_template_takes_tools(tokenizer, conversation.messages(), tools)
             prompt_ids = tokenizer.encode_chat(conversation.messages(), tools=tools.template_tools())
         else:
             prompt_ids = conversation.prompt_ids(tokenizer)
+    except ApiError:
+        raise
     except Exception as error:  # noqa: BLE001  (a chat template may reject a message order)
         raise ApiError(400, f"the chat template cannot render these messages: {error}", param="messages") from None
     # Without a chat template the conversation is a transcript: stop where the user's next line would begin.
     extra_stop = () if tokenizer.has_chat_template else (PLAIN_USER_PREFIX,)
     parsed = _parsed(CHAT, body, loaded, base_config, prompt_ids, extra_stop)
     family = family_of(getattr(tokenizer, "chat_template", None))
-    forced = tools.forced(family) if tools else None
+    forced = _grammar("tools", tools.forced, family) if tools else None
     if forced is not None:
         if parsed.config.grammar is not None:
             raise ApiError(
@@ -101,6 +104,14 @@ def parse_chat(body: dict, loaded, base_config) -> ParsedRequest:
             parsed, config=dataclasses.replace(parsed.config, grammar=grammar), grammar_param="tools"
         )
     return compiled(dataclasses.replace(parsed, tools=tools, family=family), tokenizer)
+
+
+def _check_template_takes_tools(tokenizer, messages: list[dict], tools: ToolRequest) -> None:
+    """A 400 if the chat template writes the same prompt with the tools as without: they would be dropped unseen."""
+    with_tools = tokenizer.apply_chat_template(messages, tools=tools.template_tools())
+    if with_tools == tokenizer.apply_chat_template(messages):
+        raise ApiError(400, "this model's chat template has no place for tools, so the model would never see them; "
+                       "send the request without 'tools'", param="tools")  # fmt: skip
 
 
 def parse_completion(body: dict, loaded, base_config) -> ParsedRequest:

@@ -77,7 +77,9 @@ def forced_call(family: str, functions: list[dict], name: str | None) -> ForcedC
         return ForcedCall(f"<|channel|>commentary to=functions.{function['name']} <|constrain|>json<|message|>",
                           _parameters(function), "<|call|>")  # fmt: skip
     arguments = "parameters" if family == LLAMA3 else "arguments"
-    calls = [_call_schema(f["name"], arguments, _parameters(f)) for f in chosen]
+    # where each function's parameters sit in the call schema, for its references to resolve against
+    at = lambda i: f"/properties/{arguments}" if len(chosen) == 1 else f"/anyOf/{i}/properties/{arguments}"
+    calls = [_call_schema(f["name"], arguments, rebased(_parameters(f), at(i))) for i, f in enumerate(chosen)]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if family == MISTRAL:
         return ForcedCall("[TOOL_CALLS][", schema, "]", separator=None)
@@ -89,6 +91,30 @@ def forced_call(family: str, functions: list[dict], name: str | None) -> ForcedC
 def _parameters(function: dict) -> dict:
     parameters = function.get("parameters")
     return parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
+
+
+# Keywords whose values are data, not schemas (a "$ref" in them is no reference), and those whose values map
+# names to schemas (a name such as "const" is no keyword).
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def rebased(schema, pointer: str):
+    """`schema` with its local references ("#", "#/$defs/...") pointing into where it is nested (`pointer`,
+    a JSON pointer), so they resolve against the schema the caller wrote, as Pydantic's `$defs` expect."""
+    if isinstance(schema, list):
+        return [rebased(item, pointer) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            moved[key] = "#" + pointer + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            moved[key] = {name: rebased(item, pointer) for name, item in value.items()}
+        else:
+            moved[key] = value if key in _DATA_KEYWORDS else rebased(value, pointer)
+    return moved
 
 
 def _call_schema(name: str, arguments: str, parameters: dict) -> dict:
