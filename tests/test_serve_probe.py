@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
+import time
 
 import pytest
 
@@ -123,3 +125,45 @@ def test_tools_for_a_template_without_tools_are_a_400_naming_tools(fake_engine, 
     assert (status, error["param"]) == (400, "tools") and "no place for tools" in error["message"]
     assert fake_engine.streams == []
     assert error_of(server, "/v1/chat/completions", {"messages": ASK})[0] == 200  # without tools it answers
+
+
+# -- prompts: bounded before tokenizing, tokenized off the event loop, cancelled between prefill chunks -----
+
+
+def test_text_the_context_could_never_hold_is_refused_before_it_is_tokenized(fake_engine, serve, monkeypatch):
+    server = serve()
+    encoded = []
+    monkeypatch.setattr(fake_engine.loaded.tokenizer, "encode", lambda text, **_: encoded.append(text) or [1])
+    for path, body, param in [("/v1/completions", {"prompt": "a" * 1_000_000}, "prompt"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 1_000_000}]}, "messages")]:  # fmt: skip
+        status, error = error_of(server, path, body)
+        assert (status, error["param"], error["code"]) == (400, param, "context_length_exceeded")
+        assert "1,000,0" in error["message"] and "bytes" in error["message"]
+    assert encoded == []
+
+
+def test_health_answers_while_a_prompt_is_tokenized(fake_engine, serve, monkeypatch):
+    server = serve()
+    tokenizing, release = threading.Event(), threading.Event()
+    real_encode = fake_engine.loaded.tokenizer.encode
+
+    def slow_encode(text, **kwargs):
+        tokenizing.set()
+        release.wait(30)
+        return real_encode(text, **kwargs)
+
+    monkeypatch.setattr(fake_engine.loaded.tokenizer, "encode", slow_encode)
+    answers = []
+    sender = threading.Thread(
+        target=lambda: answers.append(error_of(server, "/v1/completions", {"prompt": "ab", "max_tokens": 2}))
+    )
+    sender.start()
+    try:
+        assert tokenizing.wait(10)
+        started = time.monotonic()
+        status, _, _ = raw_request(server.base_url, "GET", "/health", timeout=5)
+        assert status == 200 and time.monotonic() - started < 1
+    finally:
+        release.set()
+        sender.join(30)
+    assert answers and answers[0][0] == 200

@@ -73,7 +73,8 @@ def create_app(
         if body.get("model") not in (None, model_name):
             raise ApiError(404, f"the model '{body['model']}' is not served here; this server has '{model_name}'",
                            param="model", code="model_not_found")  # fmt: skip
-        parsed = parse(body, worker.loaded, base_config)
+        # Tokenizing and compiling a grammar take long enough to stall every other request: off the loop.
+        parsed = await asyncio.to_thread(parse, body, worker.loaded, base_config)
         channel, request_id = EventChannel(), new_id(parsed.kind)
         job = Job(parsed.prompt_ids, parsed.config, channel.emit, label=f"{request_id} {request.url.path}",
                   constraint=parsed.constraint, grammar_param=parsed.grammar_param)  # fmt: skip

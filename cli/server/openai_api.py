@@ -68,6 +68,7 @@ def parse_chat(body: dict, loaded, base_config) -> ParsedRequest:
 
     check_text(body)
     messages = _messages(body.get("messages"))
+    _check_fits([m["content"] for m in messages], loaded.context_length, "messages")
     try:
         tools = tool_request(body)
     except ToolRequestError as error:
@@ -126,6 +127,7 @@ def parse_completion(body: dict, loaded, base_config) -> ParsedRequest:
             param="prompt",
         )
     if isinstance(prompt, str) and prompt:
+        _check_fits([prompt], loaded.context_length, "prompt")
         prompt_ids = loaded.tokenizer.encode(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not all(0 <= t < loaded.tokenizer.vocab_size for t in prompt):
@@ -165,6 +167,20 @@ def _is_text(value: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def _check_fits(texts: list[str], context: int | None, param: str) -> None:
+    """A 400 for text no tokenization could fit in the context, before tokenizing it (which would block for
+    seconds and take hundreds of MB for a multi-megabyte prompt, only to refuse it)."""
+    from akunu.cli.text_input import BYTES_PER_TOKEN, text_limit
+
+    size = sum(len(text.encode("utf-8")) for text in texts)
+    if context and size > text_limit(context):
+        message = (
+            f"'{param}' holds {size:,} bytes of text, more than the model's context of {context} tokens can take"
+            f" (at most {BYTES_PER_TOKEN} bytes a token)"
+        )
+        raise ApiError(400, message, param=param, code="context_length_exceeded")
 
 
 def _messages(messages) -> list[dict]:
