@@ -185,7 +185,7 @@ class Drafting:
         drafter = self.drafter(loaded, job.config)
         return runtime.stream(
             loaded, job.prompt_ids, job.config, prompt_cache=prompt_cache, costs=costs, drafter=drafter,
-            constraint=job.constraint,
+            constraint=job.constraint, between_chunks=job.stop_if_cancelled,
         )  # fmt: skip
 
 

@@ -14,7 +14,7 @@ import pytest
 from tests.fakes import make_loaded
 from tests.grammar_fixtures import json_model, json_tokenizer
 from tests.scripted import CharTokenizer, ScriptedModel
-from tests.serve_fixtures import USER, raw_request
+from tests.serve_fixtures import USER, connect, raw_request
 from tests.test_serve_tools import ASK, QWEN_TEMPLATE, TURN, WEATHER_TOOL, script
 from tests.tiny import tiny_llama
 
@@ -167,3 +167,38 @@ def test_health_answers_while_a_prompt_is_tokenized(fake_engine, serve, monkeypa
         release.set()
         sender.join(30)
     assert answers and answers[0][0] == 200
+
+
+class SlowPrefill:
+    """The tiny model, with each prefill chunk (a pass of more than one token) taking CHUNK_SECONDS."""
+
+    def __init__(self, model) -> None:
+        self.model, self.chunks = model, 0
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        if inputs.shape[1] > 1:
+            self.chunks += 1
+            time.sleep(CHUNK_SECONDS)
+        return self.model(inputs, cache=cache, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+CHUNK_SECONDS = 0.4
+
+
+def test_a_client_that_leaves_during_prefill_stops_it_between_chunks(fake_engine, serve):
+    slow = SlowPrefill(tiny_llama(vocab=64, seed=4))
+    fake_engine.loaded = make_loaded(model=slow, context_length=8192)
+    server = serve()
+    slow.chunks = 0  # whatever the start-up ran
+    head = "POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n"
+    body = json.dumps({"prompt": "ab" * 2500, "max_tokens": 2}).encode()  # 5000 tokens: 10 chunks of 512
+    with connect(server.base_url) as sock:
+        sock.sendall(head.format(len(body)).encode() + body)
+        deadline = time.monotonic() + 10
+        while slow.chunks == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    server.wait_idle(timeout=3 * CHUNK_SECONDS)
+    assert 1 <= slow.chunks <= 3  # stopped a chunk or two after the client left, not after all ten

@@ -57,6 +57,15 @@ class Job:
     def cancel(self) -> None:
         self.cancelled.set()
 
+    def stop_if_cancelled(self) -> None:
+        """Between prefill chunks: a job whose client left stops there, not after the whole prompt."""
+        if self.cancelled.is_set():
+            raise JobCancelled
+
+
+class JobCancelled(Exception):
+    """The client left while the job ran; raised inside the engine to stop it between chunks."""
+
 
 class QueueFull(Exception):
     def __init__(self, retry_after: int) -> None:
@@ -175,6 +184,9 @@ class Worker:
                 if job.cancelled.is_set():  # checked per token, so at most the pass in flight is wasted
                     finish = "cancelled"
                     break
+        except JobCancelled:
+            log.info("%s cancelled during prefill", job.label)
+            return
         except AkunuError as error:
             job.emit(Failed(str(error), client_error=True, param=_blamed_field(job, error)))
             return
