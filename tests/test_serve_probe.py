@@ -202,3 +202,61 @@ def test_a_client_that_leaves_during_prefill_stops_it_between_chunks(fake_engine
             time.sleep(0.01)
     server.wait_idle(timeout=3 * CHUNK_SECONDS)
     assert 1 <= slow.chunks <= 3  # stopped a chunk or two after the client left, not after all ten
+
+
+# -- hostile shapes, all at once: never a 500, and /health answers within a second throughout ---------------
+
+
+def deep_schema(levels: int) -> dict:
+    schema = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+LINKED = {
+    "$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}}},
+    "$ref": "#/$defs/node",
+}
+HOSTILE_SCHEMAS = [
+    deep_schema(150),
+    LINKED,
+    {"enum": [f"value-{i}" for i in range(20_000)]},
+    {"type": "string", "pattern": "(a+)+b"},
+    {"type": "string", "pattern": "x{1000}y{1000}"},
+    {"anyOf": [{"type": "object", "properties": {f"k{i}": {"const": i}}, "required": [f"k{i}"]} for i in range(3000)]},
+    {"type": "object", "description": "\ud800"},
+]
+
+
+def hostile_requests() -> list[tuple[str, dict]]:
+    chat = "/v1/chat/completions"
+    shapes = [(chat, {"messages": USER, "response_format": response_format(schema)}) for schema in HOSTILE_SCHEMAS]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {**LINKED, "type": "object"}}}
+    shapes.append((chat, {"messages": USER, "tools": [tool], "tool_choice": "required"}))
+    shapes.append((chat, {"messages": [{"role": "user", "content": "a" * 3_000_000}]}))  # 3 MB of text
+    shapes.append(("/v1/completions", {"prompt": "a\udc80"}))
+    return shapes
+
+
+def test_hostile_shapes_never_get_a_500_and_health_stays_fast(json_server, caplog):
+    statuses, done = [], threading.Event()
+
+    def send_all():
+        for path, body in hostile_requests():
+            statuses.append((path, error_of(json_server, path, body)))
+        done.set()
+
+    sender = threading.Thread(target=send_all)
+    with caplog.at_level(logging.INFO):
+        sender.start()
+        slowest = 0.0
+        while not done.wait(0.05):
+            started = time.monotonic()
+            assert raw_request(json_server.base_url, "GET", "/health", timeout=5)[0] == 200
+            slowest = max(slowest, time.monotonic() - started)
+        sender.join()
+    assert len(statuses) == len(hostile_requests()) and all(status < 500 for _, (status, _) in statuses), statuses
+    assert all(len(error.get("message", "")) < 400 for _, (_, error) in statuses)
+    assert slowest < 1.0
+    assert not any(record.exc_info or record.levelno >= logging.ERROR for record in caplog.records)
