@@ -6,7 +6,7 @@ update `stats` in place and leave the cache holding every token they fed the mod
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,12 +26,17 @@ from akunu.verify import Verdict, verify_greedy, verify_sampled
 MAX_OWED = 16
 
 
-def feed(model: nn.Module, cache: list, tokens: Sequence[int], step: int = 512) -> None:
-    """Feed `tokens` in chunks of `step`, keeping no logits."""
+def feed(
+    model: nn.Module, cache: list, tokens: Sequence[int], step: int = 512, between: Callable[[], None] | None = None
+) -> None:
+    """Feed `tokens` in chunks of `step`, keeping no logits; `between()` runs after each chunk and may raise
+    to stop the feed there (a server's client that left), with the cache whole up to that chunk."""
     tokens = mx.array(tokens, dtype=mx.uint32)
     for start in range(0, tokens.size, step):
         run(model, tokens[start : start + step][None], cache)
         mx.eval([c.state for c in cache])  # bound the graph, as mlx-lm does per chunk
+        if between is not None:
+            between()
 
 
 def prefill(model: nn.Module, cache: list, tokens: Sequence[int], step: int = 512) -> mx.array:

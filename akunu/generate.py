@@ -8,7 +8,7 @@ ends when the first token is known, decode tok/s counts the tokens after it.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
@@ -115,6 +115,7 @@ def stream_generate(
     drafter: Drafter | None = None,
     costs: CostCurves | Sequence[float] | None = None,
     constraint: Constraint | None = None,
+    between_chunks: Callable[[], None] | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate from token ids, yielding a response per token (and a final flush).
 
@@ -122,6 +123,7 @@ def stream_generate(
     across calls (chat); `costs` holds the pass costs adaptive drafting weighs (measured curves,
     read at this generation's context, or one relative curve). A `constraint` (akunu.grammar)
     keeps the output inside its grammar, e.g. a JSON schema; without one, `config.grammar` makes one.
+    `between_chunks()` runs between the prompt's prefill chunks and may raise to stop the prefill there.
     """
     _check_prompt(prompt, config, context_length)
     params = config.sampling
@@ -145,7 +147,7 @@ def stream_generate(
     start = time.perf_counter()
     to_feed = prompt_cache.reuse(prompt)
     stats.prefilled_tokens = len(to_feed)
-    logits = prompt_cache.prefill(model, to_feed, config.prefill_step)
+    logits = prompt_cache.prefill(model, to_feed, config.prefill_step, between_chunks)
     rows = [] if config.logprobs is not None else None  # each token's logits row, appended as it is yielded
     tokens = _decode_loop(
         model, prompt_cache.cache, logits, prompt, config, stats=stats, drafter=drafter, costs=costs, budget=budget,

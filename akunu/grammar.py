@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -20,6 +21,31 @@ import numpy as np
 
 from akunu.drafters.base import Draft
 from akunu.errors import OptionsError
+
+log = logging.getLogger("akunu.grammar")
+MESSAGE_CHARS = 200  # llguidance's errors may carry the whole grammar; the caller gets the start of one line
+
+
+class GrammarError(OptionsError):
+    """A grammar that cannot be followed: malformed, admitting no output, or too complex for the parser."""
+
+
+def _over_limits(error: str) -> bool:
+    """Whether llguidance gave up at one of its parser limits (LLParserLimits)."""
+    return any(word in error for word in ("max is", "fuel", "TooComplex", "too complex"))
+
+
+def _parser_failure(error: str, otherwise: str) -> GrammarError:
+    """The error for a matcher that gave up: at its limits, the schema is too complex; else `otherwise`."""
+    reason = "the schema is too complex for constrained decoding" if _over_limits(error) else otherwise
+    return GrammarError(f"{reason}: {_short(error)}")
+
+
+def _short(error: str) -> str:
+    """The first line of an llguidance error, cut to MESSAGE_CHARS; the whole of it goes to the debug log."""
+    log.debug("llguidance: %s", error)
+    line = error.strip().splitlines()[0] if error.strip() else "unknown error"
+    return line if len(line) <= MESSAGE_CHARS else line[: MESSAGE_CHARS - 1] + "…"
 
 
 class _VocabularyView:
@@ -58,7 +84,7 @@ def json_schema_grammar(schema: dict, *, lenient: bool = False) -> str:
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={**JSON_LAYOUT, "lenient": lenient})
     except ValueError as error:
-        raise OptionsError(f"the JSON schema cannot be used: {error}") from None
+        raise GrammarError(f"the JSON schema cannot be used: {_short(str(error))}") from None
 
 
 def response_format_grammar(response_format) -> str | None:
@@ -106,9 +132,10 @@ class Constraint:
         self.jump_forward = jump_forward  # draft the tokens the grammar forces (off: only check the drafter's)
         if not tokenizer.eos_ids:  # a finished output could never end
             raise OptionsError("constrained output needs a model with an end-of-text token")
-        self.matcher = llguidance.LLMatcher(_guidance_tokenizer(tokenizer), grammar, log_level=0)
+        limits = llguidance.LLParserLimits(verbose_errors=False)  # errors without a dump of the grammar
+        self.matcher = llguidance.LLMatcher(_guidance_tokenizer(tokenizer), grammar, log_level=0, limits=limits)
         if self.matcher.is_error():
-            raise OptionsError(f"the grammar cannot be used: {self.matcher.get_error()}")
+            raise GrammarError(f"the grammar cannot be used: {_short(self.matcher.get_error())}")
         self.vocab_size = tokenizer.vocab_size
         self.eos_ids = frozenset(tokenizer.eos_ids)
         self._words = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
@@ -125,6 +152,20 @@ class Constraint:
     def lark(cls, text: str, tokenizer, **options) -> Constraint:
         return cls(lark_grammar(text), tokenizer, **options)
 
+    def check_start(self) -> None:
+        """A GrammarError now, before any generation, for a grammar that admits no output or whose parser gives
+        up at its first token (too complex): the first mask is computed and one allowed token tried."""
+        empty = "the grammar admits no output (no JSON value satisfies the schema)"
+        self.matcher.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
+        if self.matcher.is_error():
+            raise _parser_failure(self.matcher.get_error(), empty)
+        bits = np.unpackbits(self._words.view(np.uint8), bitorder="little")[: self.vocab_size]
+        tokens = [int(t) for t in np.flatnonzero(bits) if t not in self.eos_ids]
+        if self.matcher.is_stopped() or not tokens:
+            raise GrammarError(empty)
+        self.commit(tokens[:1])
+        self.matcher.rollback(1)
+
     def reset(self) -> None:
         self.matcher.reset()
 
@@ -138,7 +179,10 @@ class Constraint:
         An end token is allowed only where the output may end, and ends it, so the matcher skips it."""
         tokens = [t for t in tokens if t not in self.eos_ids]
         if tokens and not self.matcher.consume_tokens(tokens):
-            raise RuntimeError(f"a token the grammar forbids was committed: {self.matcher.get_error()}")
+            error = self.matcher.get_error()
+            if _over_limits(error):  # the mask allowed the token; the parser gave up on it
+                raise _parser_failure(error, "")
+            raise RuntimeError(f"a token the grammar forbids was committed: {_short(error)}")
 
     def constrain(self, logits: mx.array, draft: Sequence[int] = ()) -> mx.array:
         """`logits` ((V,) or (len(draft) + 1, V)) with the tokens the grammar forbids at -inf."""
@@ -159,6 +203,8 @@ class Constraint:
 
     def _mask_words(self) -> np.ndarray:
         self.matcher.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
+        if self.matcher.is_error():  # the parser gave up: the schema, not the engine, is at fault
+            raise _parser_failure(self.matcher.get_error(), "the grammar cannot be followed")
         return self._words.copy()
 
     def extend(self, proposal: Sequence[int], limit: int) -> tuple[list[int], list[bool]]:

@@ -155,17 +155,18 @@ class PromptCache:
         self.tokens = list(prompt)
         return list(prompt[shared:])
 
-    def prefill(self, model, tokens: Sequence[int], step: int = 512) -> mx.array:
-        """Feed the tokens `reuse` left, keeping snapshots on the way; return the logits after the last one."""
+    def prefill(self, model, tokens: Sequence[int], step: int = 512, between=None) -> mx.array:
+        """Feed the tokens `reuse` left, keeping snapshots on the way; return the logits after the last one.
+        `between()` runs after each chunk and may raise to stop there (akunu.decode.feed)."""
         from akunu.decode import feed
 
         tokens = list(tokens)
         if self.mark is not None and self.mark > self.cache.fed:
             cut = self.mark - self.cache.fed
-            feed(model, self.cache, tokens[:cut], step)
+            feed(model, self.cache, tokens[:cut], step, between)
             self._keep_snapshot()
             tokens = tokens[cut:]
-        feed(model, self.cache, tokens[:-1], step)
+        feed(model, self.cache, tokens[:-1], step, between)
         self._keep_snapshot()
         return run(model, mx.array([tokens[-1:]], mx.uint32), self.cache)[0, -1]
 

@@ -13,8 +13,8 @@ from rich.markup import escape
 
 from akunu.cli import display, harmony, options, runtime, text_input
 from akunu.cli.chat_view import ChatView
-from akunu.cli.conversation import PLAIN_USER_PREFIX, Conversation
-from akunu.errors import AkunuError
+from akunu.cli.conversation import PLAIN_USER_PREFIX, Conversation, replaceable
+from akunu.errors import AkunuError, OptionsError
 
 EXAMPLES = """[bold]Examples[/]
   akunu chat
@@ -30,7 +30,7 @@ COMMANDS = {
     "/reset": "start a new conversation (keeps the system prompt)",
     "/stats": "every statistic of the last answer, and the session's",
     "/spec on|off": "turn speculative decoding on or off",
-    "/save FILE": "save the conversation as JSON",
+    "/save FILE": "save the conversation as JSON (/save --force FILE replaces a file that is not one)",
     "/exit": "quit (also /quit, /bye, Ctrl-D)",
 }
 CONVERSATION_PANEL = "Conversation"
@@ -62,6 +62,12 @@ def chat(
         Path | None,
         typer.Option(rich_help_panel=CONVERSATION_PANEL, help="Resume the conversation saved in this JSON file."),
     ] = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", rich_help_panel=CONVERSATION_PANEL, help="Let --save replace a file that is not a conversation."
+        ),
+    ] = False,
 ) -> None:
     """Chat with a model in the terminal; the KV cache carries over, so each turn prefills only what is new.
 
@@ -69,6 +75,10 @@ def chat(
     """
     if save is not None:
         options.check_writable_file(save, "--save")
+        if not force and not replaceable(save):
+            raise OptionsError(
+                f"--save {save}: the file exists and is not an akunu conversation; give --force to replace it"
+            )
     conversation = Conversation.load(load) if load else Conversation()
     if system is not None:
         conversation.system = text_input.check_text(system, "--system")
@@ -268,9 +278,14 @@ class ChatSession:
         self.view.dim(f"speculative decoding {self._spec_state()}")
 
     def _save(self, argument: str) -> None:
+        force = argument.split(" ", 1)[0] == "--force"
+        argument = argument.removeprefix("--force").strip() if force else argument
         path = Path(argument).expanduser() if argument else self.save_path
         if path is None:
             self.view.say("[yellow]usage:[/] /save FILE")
+            return
+        if not force and path != self.save_path and not replaceable(path):
+            self.view.error(f"{path} exists and is not an akunu conversation; /save --force {path} replaces it")
             return
         try:
             self.conversation.save(path, self.loaded.name)

@@ -100,6 +100,18 @@ class Conversation:
         return cls(system=system, turns=turns, model=model if isinstance(model, str) else None)
 
 
+def replaceable(path: Path) -> bool:
+    """Whether a save may replace `path`: absent, empty, or a conversation (what --load reads); any other
+    file is the user's own, and a mistyped --save must not destroy it."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return True
+    try:
+        Conversation.load(path)
+    except AkunuError:
+        return False
+    return True
+
+
 def _is_message(message) -> bool:
     return (
         isinstance(message, dict)

@@ -200,7 +200,10 @@ def read_schema(path: Path | None, json_object: bool) -> dict | None:
         return {"type": "object"}
     if path is None:
         return None
-    text = text_input.read_text_file(path, text_input.READ_LIMIT, "the JSON schema file", CONVERT_HINT)
+    try:
+        text = text_input.read_text_file(path, text_input.READ_LIMIT, "the JSON schema file", CONVERT_HINT)
+    except AkunuError as error:  # a missing or unreadable schema is bad input, as an invalid one is: exit 2
+        raise OptionsError(str(error)) from None
     return parse_schema_file(text, f"the JSON schema file {path}")
 
 

@@ -147,9 +147,10 @@ def costs_for(loaded, config):
     return None
 
 
-def stream(loaded, prompt_ids: list[int], config, *, prompt_cache=None, costs=None, drafter=None, constraint=None):
+def stream(loaded, prompt_ids: list[int], config, *, prompt_cache=None, costs=None, drafter=None, constraint=None,
+           between_chunks=None):  # fmt: skip
     """The engine's response stream for one generation (`drafter`: None for the default drafter;
-    `constraint`: the grammar the output follows, akunu.grammar)."""
+    `constraint`: the grammar the output follows, akunu.grammar; `between_chunks`: see stream_generate)."""
     from akunu.generate import stream_generate
 
     return stream_generate(
@@ -162,6 +163,7 @@ def stream(loaded, prompt_ids: list[int], config, *, prompt_cache=None, costs=No
         costs=costs,
         drafter=drafter,
         constraint=constraint,
+        between_chunks=between_chunks,
     )
 
 

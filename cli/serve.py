@@ -184,8 +184,9 @@ class Drafting:
         """The engine's response stream for one request (the worker's `run`)."""
         drafter = self.drafter(loaded, job.config)
         return runtime.stream(
-            loaded, job.prompt_ids, job.config, prompt_cache=prompt_cache, costs=costs, drafter=drafter
-        )
+            loaded, job.prompt_ids, job.config, prompt_cache=prompt_cache, costs=costs, drafter=drafter,
+            constraint=job.constraint, between_chunks=job.stop_if_cancelled,
+        )  # fmt: skip
 
 
 def configure_logging() -> None:

@@ -42,7 +42,7 @@ def hold(folder: Path, *, wait: bool = True, on_wait: Callable[[], None] | None 
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = open(path, "a+")
     except OSError as error:
-        raise ModelError(f"cannot use the model cache {path.parent}: {error.strerror or error}") from None
+        raise ModelError(f"cannot use the model cache {path.parent}: {_cache_problem(folder, error)}") from None
     with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -60,6 +60,14 @@ def hold(folder: Path, *, wait: bool = True, on_wait: Callable[[], None] | None 
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _cache_problem(folder: Path, error: OSError) -> str:
+    """Why the cache cannot be used; mkdir says only "File exists" for a symlink whose target is gone."""
+    dangling = next((p for p in (folder, *folder.parents) if p.is_symlink() and not p.exists()), None)
+    if dangling is None:
+        return error.strerror or str(error)
+    return f"{dangling} is a symlink to {os.readlink(dangling)}, which does not exist (create it, or remove the link)"
 
 
 def _write_pid(handle) -> None:

@@ -78,9 +78,11 @@ def start(stack: contextlib.ExitStack, monkeypatch, *args: str) -> Running:
     return Running(stack.enter_context(on_loopback(app)), worker, options)
 
 
-def raw_request(base_url: str, method: str, path: str, body=None, headers=None) -> tuple[int, dict, bytes]:
+def raw_request(
+    base_url: str, method: str, path: str, body=None, headers=None, timeout: float = 30
+) -> tuple[int, dict, bytes]:
     url = urlparse(base_url)
-    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
     connection.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
     response = connection.getresponse()

@@ -130,12 +130,38 @@ def test_save_and_ngram_cache_options_refuse_what_is_not_a_file_before_loading(f
 def test_saving_through_a_symlink_writes_its_target_and_keeps_the_link(fake_engine, tmp_path, exists):
     real, link = tmp_path / "real.json", tmp_path / "link.json"
     if exists:
-        real.write_text("{}")
+        real.write_text(json.dumps({"format": "akunu-chat", "version": 1, "messages": []}))
     link.symlink_to(real)
     result = invoke("chat", "--max-tokens", "2", "--save", str(link), input="hi\n")
     assert result.exit_code == 0, result.output
     assert link.is_symlink() and os.readlink(link) == str(real)
     assert json.loads(real.read_text())["messages"][0] == {"role": "user", "content": "hi"}
+
+
+def test_save_refuses_to_replace_a_file_that_is_not_a_conversation_unless_forced(fake_engine, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    assert_one_line(
+        invoke("chat", "--save", str(notes)),
+        2,
+        f"--save {notes}: the file exists and is not an akunu conversation; give --force",
+    )
+    assert fake_engine.loads == [] and notes.read_text() == "my notes\n"
+    result = invoke("chat", "--max-tokens", "2", "--save", str(notes), "--force", input="hi\n")
+    assert result.exit_code == 0, result.output
+    assert json.loads(notes.read_text())["messages"][0] == {"role": "user", "content": "hi"}
+
+
+def test_slash_save_refuses_a_file_that_is_not_a_conversation_until_forced(fake_engine, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    result = invoke("chat", "--max-tokens", "2", input=f"hi\n/save {notes}\n")
+    assert result.exit_code == 0, result.output
+    assert f"error: {notes} exists and is not an akunu conversation; /save --force {notes} replaces it" in result.stdout
+    assert notes.read_text() == "my notes\n"
+    forced = invoke("chat", "--max-tokens", "2", input=f"hi\n/save --force {notes}\n")
+    assert f"saved 2 messages to {notes}" in forced.stdout
+    assert json.loads(notes.read_text())["format"] == "akunu-chat"
 
 
 # -- 3: sampling at the edges, through the CLI ------------------------------------------------------

@@ -148,3 +148,12 @@ def test_rm_refuses_while_another_process_holds_the_model(isolated_home):
     assert result.stderr.endswith("(a pull or a load); try again when it has finished\n")
     assert result.stderr.count("\n") == 1
     assert runner.invoke(app, ["models", "rm", "smollm2-135m"]).exit_code == 0 and not path.exists()
+
+
+def test_a_model_cache_that_is_a_dangling_symlink_is_named_in_one_line(isolated_home, tmp_path):
+    isolated_home.mkdir()
+    (isolated_home / "models").symlink_to(tmp_path / "gone", target_is_directory=True)
+    result = runner.invoke(app, ["models", "pull", "smollm2-135m"])
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "File exists" not in result.stderr
+    assert f"{isolated_home / 'models'} is a symlink to {tmp_path / 'gone'}, which does not exist" in result.stderr

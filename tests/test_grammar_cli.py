@@ -57,7 +57,12 @@ def test_a_bad_schema_file_is_one_clear_line(json_engine, tmp_path, content, mes
     path = tmp_path / "schema.json"
     path.write_text(content)
     result = invoke("generate", "--raw", "x", "--json-schema", str(path))
-    assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_a_missing_schema_file_exits_2_as_an_invalid_one_does(json_engine, tmp_path):
+    result = invoke("generate", "--raw", "x", "--json-schema", str(tmp_path / "missing.json"))
+    assert result.exit_code == 2 and "missing.json" in result.output and "Traceback" not in result.output
 
 
 def test_json_schema_and_json_object_exclude_each_other(json_engine, tmp_path):

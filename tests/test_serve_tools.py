@@ -119,3 +119,28 @@ def test_logprobs_on_chat_and_completions_streamed_or_not(fake_engine, serve):
     completion = client.completions.create(model="tiny", prompt="hello", max_tokens=6, logprobs=2).choices[0]
     assert "".join(completion.logprobs.tokens) == completion.text and len(completion.logprobs.top_logprobs[0]) <= 2
     assert completion.logprobs.text_offset == [sum(len(t) for t in completion.logprobs.tokens[:i]) for i in range(6)]
+
+
+@pytest.fixture
+def two_calls(scripted):
+    """The scripted assistant writes two calls in a row, so a max_tokens cut can fall just inside the second."""
+    model = scripted.loaded.model
+    scripted.loaded.model = ScriptedModel(model.model, model.tokenizer, TURN, lambda _: f"{CALL}\n{CALL}")
+    return scripted
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_cut_by_max_tokens_finishes_with_length_and_no_markup_as_content(two_calls, serve, stream):
+    client = serve().client()
+    request = dict(model="tiny", messages=ASK, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=len(CALL) + 2)
+    if stream:
+        chunks = [c.choices[0] for c in client.chat.completions.create(**request, stream=True) if c.choices]
+        finish = chunks[-1].finish_reason
+        content = "".join(c.delta.content or "" for c in chunks).strip() or None
+        calls = [call for c in chunks for call in c.delta.tool_calls or ()]
+    else:
+        choice = client.chat.completions.create(**request).choices[0]
+        finish, content, calls = choice.finish_reason, choice.message.content, choice.message.tool_calls
+    assert two_calls.streams[-1]["tokens"][-2:] == two_calls.loaded.tokenizer.encode("\n<")  # cut in the second call
+    assert (finish, content) == ("length", None)
+    assert [call.function.name for call in calls] == ["get_weather"]

@@ -73,9 +73,11 @@ def create_app(
         if body.get("model") not in (None, model_name):
             raise ApiError(404, f"the model '{body['model']}' is not served here; this server has '{model_name}'",
                            param="model", code="model_not_found")  # fmt: skip
-        parsed = parse(body, worker.loaded, base_config)
+        # Tokenizing and compiling a grammar take long enough to stall every other request: off the loop.
+        parsed = await asyncio.to_thread(parse, body, worker.loaded, base_config)
         channel, request_id = EventChannel(), new_id(parsed.kind)
-        job = Job(parsed.prompt_ids, parsed.config, channel.emit, label=f"{request_id} {request.url.path}")
+        job = Job(parsed.prompt_ids, parsed.config, channel.emit, label=f"{request_id} {request.url.path}",
+                  constraint=parsed.constraint, grammar_param=parsed.grammar_param)  # fmt: skip
         try:
             worker.submit(job)
         except QueueFull as full:
@@ -95,15 +97,16 @@ def create_app(
                 final = event
         if isinstance(final, Failed):
             raise (
-                ApiError(400, final.message)
+                ApiError(400, final.message, param=final.param)
                 if final.client_error
                 else ApiError(500, final.message, kind="server_error")
             )
         text = "".join(piece.text for piece in pieces)
-        content, calls = tool_calls.parse(parsed.family, text) if _reads_calls(parsed) else (text, [])
+        cut = final.finish_reason == "length"
+        content, calls = tool_calls.parse(parsed.family, text, cut=cut) if _reads_calls(parsed) else (text, [])
         calls = calls if parsed.tools is None or parsed.tools.parallel else calls[:1]
         logprobs = logprobs_body(parsed.kind, [e for piece in pieces for e in piece.logprobs], worker.loaded.tokenizer)
-        finish = "tool_calls" if calls else final.finish_reason
+        finish = finish_reason(final.finish_reason, bool(calls))
         return JSONResponse(
             completion_body(
                 parsed.kind, request_id, model_name, content, finish, final.stats, tool_calls=calls, logprobs=logprobs
@@ -184,6 +187,11 @@ async def _until_disconnect(request: Request, job: Job, channel: EventChannel):
         job.cancel()  # a no-op once the job is done; stops it if this stream was abandoned
 
 
+def finish_reason(engine_reason: str, made_calls: bool) -> str:
+    """OpenAI's rule: `length` whenever max_tokens cut the answer, even in a call; else `tool_calls` after calls."""
+    return "tool_calls" if made_calls and engine_reason != "length" else engine_reason
+
+
 def _reads_calls(parsed) -> bool:
     """Whether the answer is read for calls: with tools offered, and always for harmony, whose channel markup
     (and reasoning) is never content."""
@@ -204,8 +212,8 @@ class Answer:
         text, calls = self.calls.feed(piece.text) if self.calls else (piece.text, [])
         return text, self._numbered(calls), self._take_logprobs(text)
 
-    def finish(self) -> tuple[str, list, dict | None]:
-        text, calls = self.calls.finish() if self.calls else ("", [])
+    def finish(self, *, cut: bool = False) -> tuple[str, list, dict | None]:
+        text, calls = self.calls.finish(cut=cut) if self.calls else ("", [])
         return text, self._numbered(calls), self._take_logprobs(text, every=True)
 
     def _numbered(self, calls) -> list:
@@ -238,15 +246,15 @@ async def _server_sent_events(parsed, answer: Answer, request_id: str, model: st
                 )
                 first = False
         elif isinstance(event, Finished):
-            text, calls, logprobs = answer.finish()
-            finish = "tool_calls" if answer.sent_calls else event.finish_reason
+            text, calls, logprobs = answer.finish(cut=event.finish_reason == "length")
+            finish = finish_reason(event.finish_reason, answer.sent_calls > 0)
             yield data(chunk_body(parsed.kind, request_id, model, text if text or not first else "", first=first,
                                   finish_reason=finish, stats=event.stats, tool_calls=calls, logprobs=logprobs))  # fmt: skip
             if parsed.include_usage:
                 yield data(chunk_body(parsed.kind, request_id, model, None, stats=event.stats))
         else:
             kind = "invalid_request_error" if event.client_error else "server_error"
-            yield data(ApiError(400, event.message, kind=kind).body())
+            yield data(ApiError(400, event.message, kind=kind, param=event.param).body())
     yield "data: [DONE]\n\n"
 
 

@@ -40,6 +40,8 @@ class ParsedRequest:
     include_usage: bool
     tools: ToolRequest | None = None  # calls are read from the answer only when tools are offered
     family: str = HERMES  # how the model writes tool calls
+    constraint: object = None  # config.grammar compiled and checked (akunu.grammar.Constraint), for the worker
+    grammar_param: str | None = None  # the field that asked for the grammar, blamed for its errors
 
 
 # Fields that would change the answer's meaning if ignored: refused unless given their neutral value.
@@ -64,7 +66,9 @@ GREEDY_BELOW = 1e-5  # a temperature this small is greedy: dividing logits by it
 def parse_chat(body: dict, loaded, base_config) -> ParsedRequest:
     from akunu.cli.conversation import PLAIN_USER_PREFIX, Conversation
 
+    check_text(body)
     messages = _messages(body.get("messages"))
+    _check_fits([m["content"] for m in messages], loaded.context_length, "messages")
     try:
         tools = tool_request(body)
     except ToolRequestError as error:
@@ -76,16 +80,19 @@ def parse_chat(body: dict, loaded, base_config) -> ParsedRequest:
     conversation = Conversation(system=system, turns=[m for m in messages if m["role"] != "system"])
     try:
         if tools:
+            _check_template_takes_tools(tokenizer, conversation.messages(), tools)
             prompt_ids = tokenizer.encode_chat(conversation.messages(), tools=tools.template_tools())
         else:
             prompt_ids = conversation.prompt_ids(tokenizer)
+    except ApiError:
+        raise
     except Exception as error:  # noqa: BLE001  (a chat template may reject a message order)
         raise ApiError(400, f"the chat template cannot render these messages: {error}", param="messages") from None
     # Without a chat template the conversation is a transcript: stop where the user's next line would begin.
     extra_stop = () if tokenizer.has_chat_template else (PLAIN_USER_PREFIX,)
     parsed = _parsed(CHAT, body, loaded, base_config, prompt_ids, extra_stop)
     family = family_of(getattr(tokenizer, "chat_template", None))
-    forced = tools.forced(family) if tools else None
+    forced = _grammar("tools", tools.forced, family) if tools else None
     if forced is not None:
         if parsed.config.grammar is not None:
             raise ApiError(
@@ -93,13 +100,23 @@ def parse_chat(body: dict, loaded, base_config) -> ParsedRequest:
                 "tool_choice required or a named function cannot be combined with response_format",
                 param="tool_choice",
             )
+        grammar = _grammar("tools", _forced_grammar, forced, tools.parallel)
         parsed = dataclasses.replace(
-            parsed, config=dataclasses.replace(parsed.config, grammar=_forced_grammar(forced, tools.parallel))
+            parsed, config=dataclasses.replace(parsed.config, grammar=grammar), grammar_param="tools"
         )
-    return dataclasses.replace(parsed, tools=tools, family=family)
+    return compiled(dataclasses.replace(parsed, tools=tools, family=family), tokenizer)
+
+
+def _check_template_takes_tools(tokenizer, messages: list[dict], tools: ToolRequest) -> None:
+    """A 400 if the chat template writes the same prompt with the tools as without: they would be dropped unseen."""
+    with_tools = tokenizer.apply_chat_template(messages, tools=tools.template_tools())
+    if with_tools == tokenizer.apply_chat_template(messages):
+        raise ApiError(400, "this model's chat template has no place for tools, so the model would never see them; "
+                       "send the request without 'tools'", param="tools")  # fmt: skip
 
 
 def parse_completion(body: dict, loaded, base_config) -> ParsedRequest:
+    check_text(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -110,6 +127,7 @@ def parse_completion(body: dict, loaded, base_config) -> ParsedRequest:
             param="prompt",
         )
     if isinstance(prompt, str) and prompt:
+        _check_fits([prompt], loaded.context_length, "prompt")
         prompt_ids = loaded.tokenizer.encode(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not all(0 <= t < loaded.tokenizer.vocab_size for t in prompt):
@@ -121,7 +139,48 @@ def parse_completion(body: dict, loaded, base_config) -> ParsedRequest:
             "'prompt' must be a non-empty string or list of token ids (or a list holding one of them)",
             param="prompt",
         )
-    return _parsed(COMPLETION, body, loaded, base_config, prompt_ids, ())
+    return compiled(_parsed(COMPLETION, body, loaded, base_config, prompt_ids, ()), loaded.tokenizer)
+
+
+def check_text(body: dict) -> None:
+    """Every string in the body is text: JSON's "\\ud800" escapes decode to lone surrogates, which no tokenizer takes."""
+    stack = [(body, "")]
+    while stack:  # iterative: a deeply nested body must not overflow Python's stack
+        value, path = stack.pop()
+        if isinstance(value, str) and not _is_text(value):
+            field = path or "the request body"
+            raise ApiError(
+                400,
+                f"{field} holds a lone surrogate (an unpaired \\uD800-\\uDFFF escape), which is not text",
+                param=path or None,
+            )
+        if isinstance(value, dict):
+            stack += [(key, path) for key in value]
+            stack += [(item, f"{path}.{key}" if path else str(key)) for key, item in value.items()]
+        elif isinstance(value, list):
+            stack += [(item, f"{path}[{i}]") for i, item in enumerate(value)]
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_fits(texts: list[str], context: int | None, param: str) -> None:
+    """A 400 for text no tokenization could fit in the context, before tokenizing it (which would block for
+    seconds and take hundreds of MB for a multi-megabyte prompt, only to refuse it)."""
+    from akunu.cli.text_input import BYTES_PER_TOKEN, text_limit
+
+    size = sum(len(text.encode("utf-8")) for text in texts)
+    if context and size > text_limit(context):
+        message = (
+            f"'{param}' holds {size:,} bytes of text, more than the model's context of {context} tokens can take"
+            f" (at most {BYTES_PER_TOKEN} bytes a token)"
+        )
+        raise ApiError(400, message, param=param, code="context_length_exceeded")
 
 
 def _messages(messages) -> list[dict]:
@@ -217,9 +276,9 @@ def _parsed(
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
     config = dataclasses.replace(
         base_config, max_tokens=max_tokens, sampling=_sampling(body, loaded), stop=(*_stops(body.get("stop")), *extra_stop),
-        grammar=_response_format(body.get("response_format")), logprobs=_logprobs(kind, body),
+        grammar=_grammar("response_format", _response_format, body.get("response_format")), logprobs=_logprobs(kind, body),
     )  # fmt: skip
-    return ParsedRequest(kind, prompt_ids, config, stream, include_usage)
+    return ParsedRequest(kind, prompt_ids, config, stream, include_usage, grammar_param="response_format")
 
 
 def _sampling(body: dict, loaded):
@@ -250,6 +309,31 @@ def _logprobs(kind: str, body: dict) -> int | None:
     return top or 0
 
 
+def compiled(parsed: ParsedRequest, tokenizer) -> ParsedRequest:
+    """The request with its grammar compiled and its first step computed, so that a schema that is bad, admits
+    nothing or is too complex is a 400 naming its field before the request is queued."""
+    from akunu.grammar import Constraint
+
+    if parsed.config.grammar is None:
+        return parsed
+    constraint = _grammar(parsed.grammar_param, Constraint, parsed.config.grammar, tokenizer)
+    _grammar(parsed.grammar_param, constraint.check_start)
+    return dataclasses.replace(parsed, constraint=constraint)
+
+
+def _grammar(param: str, step, *args):
+    """`step(*args)`, one stage of building a grammar; its failure is a 400 naming `param` in one line."""
+    from akunu.errors import OptionsError
+
+    try:
+        return step(*args)
+    except OptionsError as error:
+        message = str(error) if str(error).startswith(param) else f"{param}: {error}"
+        raise ApiError(400, message, param=param) from None
+    except RecursionError:
+        raise ApiError(400, f"{param}: the schema is nested too deeply", param=param) from None
+
+
 def _forced_grammar(forced, parallel: bool) -> str:
     from akunu.grammar import wrapped_json_grammar
 
@@ -259,16 +343,10 @@ def _forced_grammar(forced, parallel: bool) -> str:
 
 
 def _response_format(response_format) -> str | None:
-    """The grammar `response_format` asks for (akunu.grammar), None for text; a bad one is a 400."""
-    from akunu.errors import OptionsError
+    """The grammar `response_format` asks for (akunu.grammar), None for text."""
     from akunu.grammar import response_format_grammar
 
-    if response_format is None:
-        return None
-    try:
-        return response_format_grammar(response_format)
-    except OptionsError as error:
-        raise ApiError(400, str(error), param="response_format") from None
+    return None if response_format is None else response_format_grammar(response_format)
 
 
 def _field(body: dict, name: str, default, kind: type, *, low=None, high=None, low_open: bool = False):

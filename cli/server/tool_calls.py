@@ -51,12 +51,22 @@ def family_of(chat_template: str | None) -> str:
     return HERMES
 
 
-def parse(family: str, text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a whole answer; content is None when the answer is only calls."""
+def parse(family: str, text: str, *, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole answer; content is None when the answer is only calls.
+    `cut`: max_tokens ended the answer, so a trailing fragment of a call's opening is a call cut short, not content."""
     content, calls = _PARSERS[family](text)
     if not calls:
         return (content if family == HARMONY else text), []  # harmony's channel markup is never content
+    if cut:
+        content = without_cut_opening(family, content)
     return (content.strip() or None), calls
+
+
+def without_cut_opening(family: str, text: str) -> str:
+    """`text` without a trailing proper prefix of the family's call opening (what a cut left of the next call)."""
+    openings = CallStream._OPENINGS.get(family, ())
+    cut = max((k for o in openings for k in range(1, len(o)) if text.endswith(o[:k])), default=0)
+    return text[: len(text) - cut]
 
 
 def forced_call(family: str, functions: list[dict], name: str | None) -> ForcedCall:
@@ -67,7 +77,9 @@ def forced_call(family: str, functions: list[dict], name: str | None) -> ForcedC
         return ForcedCall(f"<|channel|>commentary to=functions.{function['name']} <|constrain|>json<|message|>",
                           _parameters(function), "<|call|>")  # fmt: skip
     arguments = "parameters" if family == LLAMA3 else "arguments"
-    calls = [_call_schema(f["name"], arguments, _parameters(f)) for f in chosen]
+    # where each function's parameters sit in the call schema, for its references to resolve against
+    at = lambda i: f"/properties/{arguments}" if len(chosen) == 1 else f"/anyOf/{i}/properties/{arguments}"
+    calls = [_call_schema(f["name"], arguments, rebased(_parameters(f), at(i))) for i, f in enumerate(chosen)]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if family == MISTRAL:
         return ForcedCall("[TOOL_CALLS][", schema, "]", separator=None)
@@ -79,6 +91,30 @@ def forced_call(family: str, functions: list[dict], name: str | None) -> ForcedC
 def _parameters(function: dict) -> dict:
     parameters = function.get("parameters")
     return parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
+
+
+# Keywords whose values are data, not schemas (a "$ref" in them is no reference), and those whose values map
+# names to schemas (a name such as "const" is no keyword).
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def rebased(schema, pointer: str):
+    """`schema` with its local references ("#", "#/$defs/...") pointing into where it is nested (`pointer`,
+    a JSON pointer), so they resolve against the schema the caller wrote, as Pydantic's `$defs` expect."""
+    if isinstance(schema, list):
+        return [rebased(item, pointer) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            moved[key] = "#" + pointer + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            moved[key] = {name: rebased(item, pointer) for name, item in value.items()}
+        else:
+            moved[key] = value if key in _DATA_KEYWORDS else rebased(value, pointer)
+    return moved
 
 
 def _call_schema(name: str, arguments: str, parameters: dict) -> dict:
@@ -206,6 +242,7 @@ class CallStream:
     def __init__(self, family: str) -> None:
         self.family, self.pending, self.held = family, "", False
         self.started = False  # anything but whitespace was shown (llama 3 calls come only first)
+        self.calls_seen = False
         self.harmony = HarmonyStream(_harmony_call) if family == HARMONY else None
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -230,15 +267,19 @@ class CallStream:
                 shown += self._show(block)
             else:
                 calls.append(call)
+                self.calls_seen = True
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """What is left: the held calls, or the held text when it was not a call after all."""
+    def finish(self, *, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """What is left: the held calls, or the held text when it was not a call after all
+        (`cut`: max_tokens ended the answer; after calls, a fragment of an opening is dropped as in `parse`)."""
         if self.harmony:
             return self.harmony.finish()
         rest, self.pending = self.pending, ""
+        if cut and self.calls_seen:
+            rest = without_cut_opening(self.family, rest)
         if not rest:
             return "", []
-        content, calls = parse(self.family, rest)
+        content, calls = parse(self.family, rest, cut=cut)
         return content or "", calls
 
     def _openings(self) -> tuple[str, ...]:

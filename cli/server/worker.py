@@ -38,6 +38,7 @@ class Finished:
 class Failed:
     message: str
     client_error: bool  # the request was at fault (400); otherwise the server (500)
+    param: str | None = None  # the request field at fault, when known
 
 
 @dataclass
@@ -48,11 +49,22 @@ class Job:
     config: object  # GenerationConfig
     emit: Callable[[object], None]
     label: str = ""  # for the log line, e.g. "chat.completions"
+    constraint: object = None  # config.grammar, compiled before queueing (akunu.grammar.Constraint)
+    grammar_param: str | None = None  # the request field a grammar error is blamed on
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def stop_if_cancelled(self) -> None:
+        """Between prefill chunks: a job whose client left stops there, not after the whole prompt."""
+        if self.cancelled.is_set():
+            raise JobCancelled
+
+
+class JobCancelled(Exception):
+    """The client left while the job ran; raised inside the engine to stop it between chunks."""
 
 
 class QueueFull(Exception):
@@ -172,8 +184,11 @@ class Worker:
                 if job.cancelled.is_set():  # checked per token, so at most the pass in flight is wasted
                     finish = "cancelled"
                     break
+        except JobCancelled:
+            log.info("%s cancelled during prefill", job.label)
+            return
         except AkunuError as error:
-            job.emit(Failed(str(error), client_error=True))
+            job.emit(Failed(str(error), client_error=True, param=_blamed_field(job, error)))
             return
         except Exception:  # noqa: BLE001  (logged here; the client gets a plain 500)
             log.exception("%s failed", job.label)
@@ -183,6 +198,13 @@ class Worker:
         snapshot = dataclasses.replace(stats)  # the worker's copy keeps changing if the slot is reused
         job.emit(Finished(snapshot, finish or "stop"))
         log.info("%s · %s · queued %.2f s", job.label, _summary(snapshot, finish), waited)
+
+
+def _blamed_field(job: Job, error: AkunuError) -> str | None:
+    """The request field an error in generation comes from: a grammar's is the field that asked for it."""
+    from akunu.grammar import GrammarError
+
+    return job.grammar_param if isinstance(error, GrammarError) else None
 
 
 def _summary(stats, finish: str | None) -> str:
