@@ -24,7 +24,7 @@ from tests.stats_tools import PROMPT, SETTINGS, exact_model_probs, fits, resampl
 from tests.tiny import tiny_llama
 
 pytestmark = pytest.mark.slow
-RUNS = 2500
+RUNS = 1000  # the broken rule below still fails at 1,000 (chi2 175 against a critical 71; 80 against 59 at 600)
 
 
 def samples(target, drafter, params, runs=RUNS, length=3, prompt=PROMPT) -> Counter:

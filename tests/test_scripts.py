@@ -79,14 +79,6 @@ def test_profile_step_splits_a_step_by_kind(model_home):
     assert all(record[kind] > 0 for kind in kinds)
 
 
-def test_measure_plain_reports_the_targets(model_home):
-    out = run_script("scripts/measure_plain.py", "--limit", "1", "--long", "1", "--tokens", "4")
-    groups = {record["group"]: record for record in map(json.loads, out.splitlines())}
-    assert list(groups) == ["short", "long"] + ["overall"]
-    assert min(groups["long"]["prompt_tokens"]) > 1000 > max(groups["short"]["prompt_tokens"])
-    assert all(groups["overall"][key] > 0 for key in ("fast_vs_mlx_lm", "unpatched_vs_mlx_lm", "fast_vs_unpatched"))
-
-
 def test_round_time_splits_decode_time_between_passes_and_host(model_home):
     out = run_script("scripts/round_time.py", "--categories", "code-edit", "--limit", "1", "--max-tokens", "24")
     records = [json.loads(line) for line in out.splitlines()]
