@@ -26,21 +26,8 @@ constexpr int PREFETCH = 512;   // bytes ahead along a weight row
 
 // x's rows quantized per group in the order the weights unpack to, padded to whole chunks (and to 16 groups for the
 // biases' sums) with zeros, each group's step, zero point term and dx * sum(qx).
-struct QuantizedRows {
-  int rows, groups, chunks, padded;
-  Aligned<int8_t> q;
-  Aligned<float> steps, sums;
-  Aligned<int32_t> totals;
-
-  QuantizedRows(const float* x, int rows_, int columns, int bits)
-      : rows(rows_),
-        groups(columns / GROUP),
-        chunks((groups + CHUNK - 1) / CHUNK),
-        padded((groups + 15) / 16 * 16 + 16),
-        q(size_t(rows_) * chunks * CHUNK * GROUP),
-        steps(size_t(rows_) * padded),
-        sums(size_t(rows_) * padded),
-        totals(size_t(rows_) * padded) {
+struct QuantizedRows : PaddedRows {
+  QuantizedRows(const float* x, int rows_, int columns, int bits) : PaddedRows(rows_, columns, CHUNK) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int m = 0; m < rows; m++)
       for (int g = 0; g < groups; g++) {
@@ -62,7 +49,7 @@ struct QuantizedRows {
             _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         alignas(32) int8_t natural[GROUP];
         _mm256_store_si256(reinterpret_cast<__m256i*>(natural), packed);
-        int8_t* out = q.get() + (size_t(m) * chunks * CHUNK + g) * GROUP;
+        int8_t* out = group_values(m, g);
         if (bits == 4) {  // pair (A, B) of groups: [A even, B even, A odd, B odd], 16 values each
           int8_t* pair = out - (g % 2) * GROUP;
           for (int i = 0; i < 16; i++) {
@@ -75,16 +62,9 @@ struct QuantizedRows {
         __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
         t = _mm_hadd_epi32(t, t);
         t = _mm_hadd_epi32(t, t);
-        const size_t at = size_t(m) * padded + g;
-        steps.get()[at] = d;
-        totals.get()[at] = _mm_cvtsi128_si32(t);
-        sums.get()[at] = d * float(totals.get()[at]);
+        set_group(m, g, d, _mm_cvtsi128_si32(t));
       }
   }
-  const int8_t* q_row(int m) const { return q.get() + size_t(m) * chunks * CHUNK * GROUP; }
-  const float* steps_row(int m) const { return steps.get() + size_t(m) * padded; }
-  const float* sums_row(int m) const { return sums.get() + size_t(m) * padded; }
-  const int32_t* totals_row(int m) const { return totals.get() + size_t(m) * padded; }
 };
 
 // 8 scales or biases at `from` as float32.

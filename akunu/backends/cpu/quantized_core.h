@@ -121,6 +121,39 @@ inline void quantize_group_scalar(const float* x, int8_t* q, float* step, int32_
   *total = sum;
 }
 
+// x's rows quantized per group for a vector path whose chunks hold `chunk` groups: the int8 values padded to whole
+// chunks, each group's step, sum(qx) and dx * sum(qx) padded past the biases' last 16 groups; zeros past the groups.
+struct PaddedRows {
+  int rows, groups, chunks, padded;
+  size_t row_values;
+  Aligned<int8_t> q;
+  Aligned<float> steps, sums;
+  Aligned<int32_t> totals;
+
+  PaddedRows(int rows_, int columns, int chunk)
+      : rows(rows_),
+        groups(columns / GROUP),
+        chunks((groups + chunk - 1) / chunk),
+        padded((groups + 15) / 16 * 16 + 16),
+        row_values(size_t(chunks) * chunk * GROUP),
+        q(size_t(rows_) * row_values),
+        steps(size_t(rows_) * padded),
+        sums(size_t(rows_) * padded),
+        totals(size_t(rows_) * padded) {}
+
+  int8_t* group_values(int m, int g) { return q.get() + size_t(m) * row_values + size_t(g) * GROUP; }
+  void set_group(int m, int g, float step, int32_t total) {  // dx * sum(qx): one float32 product, as the reference's
+    const size_t at = size_t(m) * padded + g;
+    steps.get()[at] = step;
+    totals.get()[at] = total;
+    sums.get()[at] = step * float(total);
+  }
+  const int8_t* q_row(int m) const { return q.get() + size_t(m) * row_values; }
+  const float* steps_row(int m) const { return steps.get() + size_t(m) * padded; }
+  const float* sums_row(int m) const { return sums.get() + size_t(m) * padded; }
+  const int32_t* totals_row(int m) const { return totals.get() + size_t(m) * padded; }
+};
+
 // The reduction every path ends on, from an output's v[16] (see the top of this file).
 inline float sum_lanes(const float v[16]) {
   float s[4];

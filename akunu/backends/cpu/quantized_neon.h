@@ -32,21 +32,8 @@ inline int order(int bits, int k) {
 
 // x's rows quantized per group in the order the weights unpack to, padded to whole chunks (and to 16 groups for the
 // biases' sums) with zeros, each group's step, sum(qx) and dx * sum(qx).
-struct QuantizedRows {
-  int rows, groups, chunks, padded;
-  Aligned<int8_t> q;
-  Aligned<float> steps, sums;
-  Aligned<int32_t> totals;
-
-  QuantizedRows(const float* x, int rows_, int columns, int bits)
-      : rows(rows_),
-        groups(columns / GROUP),
-        chunks((groups + CHUNK - 1) / CHUNK),
-        padded((groups + 15) / 16 * 16 + 16),
-        q(size_t(rows_) * chunks * CHUNK * GROUP),
-        steps(size_t(rows_) * padded),
-        sums(size_t(rows_) * padded),
-        totals(size_t(rows_) * padded) {
+struct QuantizedRows : PaddedRows {
+  QuantizedRows(const float* x, int rows_, int columns, int bits) : PaddedRows(rows_, columns, CHUNK) {
     alignas(16) uint8_t picks[GROUP];
     for (int k = 0; k < GROUP; k++) picks[k] = uint8_t(order(bits, k));
     const uint8x16_t pick_low = vld1q_u8(picks), pick_high = vld1q_u8(picks + 16);
@@ -67,20 +54,13 @@ struct QuantizedRows {
           const int16x8_t high = vcombine_s16(vqmovn_s32(q32[4 * h + 2]), vqmovn_s32(q32[4 * h + 3]));
           natural[h] = vcombine_s8(vqmovn_s16(low), vqmovn_s16(high));
         }
-        int8_t* out = q.get() + (size_t(m) * chunks * CHUNK + g) * GROUP;
+        int8_t* out = group_values(m, g);
         const int8x16x2_t table = {{natural[0], natural[1]}};
         vst1q_s8(out, vqtbl2q_s8(table, pick_low));
         vst1q_s8(out + 16, vqtbl2q_s8(table, pick_high));
-        const size_t at = size_t(m) * padded + g;
-        steps.get()[at] = d;
-        totals.get()[at] = vaddvq_s32(total);
-        sums.get()[at] = d * float(totals.get()[at]);
+        set_group(m, g, d, vaddvq_s32(total));
       }
   }
-  const int8_t* q_row(int m) const { return q.get() + size_t(m) * chunks * CHUNK * GROUP; }
-  const float* steps_row(int m) const { return steps.get() + size_t(m) * padded; }
-  const float* sums_row(int m) const { return sums.get() + size_t(m) * padded; }
-  const int32_t* totals_row(int m) const { return totals.get() + size_t(m) * padded; }
 };
 
 // 4 scales or biases from `from` on as float32.
