@@ -15,8 +15,8 @@ from tests.fakes import make_loaded
 from tests.grammar_fixtures import json_model, json_tokenizer
 from tests.scripted import CharTokenizer, ScriptedModel
 from tests.serve_fixtures import USER, connect, raw_request
-from tests.test_serve_tools import ASK, QWEN_TEMPLATE, TURN, WEATHER_TOOL, script
 from tests.tiny import tiny_llama
+from tests.tool_script import ASK, QWEN_TEMPLATE, TURN, WEATHER_TOOL, script
 
 
 def error_of(server, path: str, body: dict) -> tuple[int, dict]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 
@@ -16,23 +15,7 @@ from tests.fakes import make_loaded
 from tests.scripted import CharTokenizer, ScriptedModel
 from tests.serve_fixtures import USER
 from tests.tiny import tiny_llama
-
-QWEN_TEMPLATE = (Path(__file__).parent / "fixtures" / "chat_templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
-TURN = "<|im_start|>assistant\n"
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-FINAL = "It is 21 C and sunny in Paris."
-WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
-ASK = [{"role": "user", "content": [{"type": "text", "text": "What is the weather in Paris?"}]}]
-
-
-def script(conversation: str) -> str:
-    """What the scripted assistant writes after this conversation."""
-    if "<tool_response>" in conversation:
-        return FINAL
-    if "# Tools" in conversation and "weather in Paris?" in conversation:
-        return CALL
-    return "Hello there."
+from tests.tool_script import ASK, CALL, FINAL, QWEN_TEMPLATE, TURN, WEATHER_TOOL, script
 
 
 @pytest.fixture
