@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from rich.progress import (
     BarColumn,
@@ -54,12 +54,27 @@ class _AmountColumn(ProgressColumn):
         return column.render(task)
 
 
-def load(model: str | None, dtype) -> object:
-    """The LoadedModel for a catalogue name, path or repo id (None: the default model)."""
+def load(model: str | None, dtype, draft_models: Sequence[str] = ()) -> object:
+    """The LoadedModel for a catalogue name, path or repo id (None: the default model).
+
+    Draft models whose tokenizer differs from the target's are refused first, before any weights load."""
     from akunu.models import catalogue, load_model
 
+    name = model or catalogue.DEFAULT_MODEL
     with progress_reporter() as progress:
-        return load_model(model or catalogue.DEFAULT_MODEL, dtype=getattr(dtype, "value", dtype), progress=progress)
+        _check_draft_tokenizers(name, draft_models, progress)
+        return load_model(name, dtype=getattr(dtype, "value", dtype), progress=progress)
+
+
+def _check_draft_tokenizers(target: str, draft_models: Sequence[str], progress) -> None:
+    if not draft_models:
+        return
+    from akunu.drafters.draft_model import check_same_tokenizer
+    from akunu.models import load_tokenizer
+
+    target_tokenizer = load_tokenizer(target, progress=progress)
+    for name in draft_models:
+        check_same_tokenizer(target_tokenizer, load_tokenizer(name, progress=progress), name)
 
 
 def encode_prompt(

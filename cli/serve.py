@@ -161,7 +161,7 @@ def check_port_free(host: str, port: int) -> None:
 
 def load_for_serving(model, dtype, config, drafting: Drafting):
     """On the worker thread: the model and its cost curve; a first drafter is built to reject bad options now."""
-    loaded = runtime.load(model, dtype)
+    loaded = runtime.load(model, dtype, draft_models=drafting.models())
     drafting.drafter(loaded, config)
     return loaded, runtime.costs_for(loaded, config)
 
@@ -174,6 +174,11 @@ class Drafting:
 
         self.draft, self.draft_model, self.tree = draft, draft_model, tree
         self.load = functools.cache(load_model)
+
+    def models(self) -> list[str]:
+        from akunu.cli.generate import draft_models_of
+
+        return draft_models_of(self.draft, self.draft_model)
 
     def drafter(self, loaded, config):
         from akunu.cli.generate import make_drafter_for

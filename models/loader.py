@@ -64,10 +64,8 @@ def load_model(spec: str, *, dtype: str = "auto", progress: Progress | None = No
     started = time.perf_counter()
     cache_limit = mx.set_cache_limit(0)  # arrays replaced while loading are freed, not cached on top of the rest
     try:
-        if spec in catalogue.KNOWN:
-            loaded = _load_gguf(catalogue.resolve(spec, progress=progress), spec, dtype, progress)
-        else:
-            loaded = _load_local_or_hub(spec, dtype, progress)
+        path = locate(spec, progress)
+        loaded = _load_gguf(path, spec, dtype, progress) if path.is_file() else _load_mlx_folder(path, spec, dtype)
         backends.apply(loaded.model)  # the CPU backend's faster step where it applies; elsewhere mlx-lm's model
     finally:
         mx.set_cache_limit(cache_limit)
@@ -97,18 +95,29 @@ def _glibc_call(name: str, *args: int) -> None:
             pass
 
 
-def _load_local_or_hub(spec: str, dtype: str, progress: Progress | None) -> LoadedModel:
+def load_tokenizer(spec: str, *, progress: Progress | None = None) -> Tokenizer:
+    """The tokenizer of the model `spec` names, without its weights: enough to compare two models' vocabularies."""
+    from akunu.models.tokenizer import Tokenizer
+
+    path = locate(spec, progress)
+    return Tokenizer.from_gguf(path) if path.is_file() else Tokenizer.from_hf_dir(path)
+
+
+def locate(spec: str, progress: Progress | None = None) -> Path:
+    """The GGUF file or MLX model folder `spec` names; a catalogue model or hub repo is fetched first."""
+    if spec in catalogue.KNOWN:
+        return catalogue.resolve(spec, progress=progress)
     path = Path(spec).expanduser()
     if path.is_file():
-        return _load_gguf(path, spec, dtype, progress)
+        return path
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelError(f"{spec} is a folder without config.json (expected an MLX model folder)")
-        return _load_mlx_folder(path, spec, dtype)
+        return path
     if _looks_like_path(spec):
         raise ModelError(f"no such model file: {spec}")
     if HF_REPO_ID.match(spec):
-        return _load_mlx_folder(_download_from_hub(spec), spec, dtype)
+        return _download_from_hub(spec)
     raise catalogue.unknown_model(spec)
 
 

@@ -46,7 +46,7 @@ def isolated_home(tmp_path, monkeypatch) -> Path:
 def fake_engine(monkeypatch, isolated_home):
     """The tiny model behind the CLI, and every engine call the CLI makes, recorded.
 
-    `akunu.models.load_model` returns `calls.loaded` (a test may replace it first); the real
+    `akunu.models.load_model` returns `calls.loaded` (a test may replace it first), `load_tokenizer` its tokenizer; the real
     `stream_generate` still runs; the cost curve is FAKE_COSTS.
     """
     # Imported here, so that a run of tests that need no model never loads MLX.
@@ -61,6 +61,10 @@ def fake_engine(monkeypatch, isolated_home):
     def load_model(spec, *, dtype="auto", progress=None):
         calls.loads.append({"spec": spec, "dtype": dtype, "progress": progress})
         return calls.loaded
+
+    def load_tokenizer(spec, *, progress=None):
+        calls.tokenizer_loads.append(spec)
+        return calls.loaded.tokenizer
 
     def stream_generate(model, tokenizer, prompt, config, **kwargs):
         tokens: list[int] = []
@@ -79,6 +83,7 @@ def fake_engine(monkeypatch, isolated_home):
         return list(FAKE_COSTS)
 
     monkeypatch.setattr(akunu.models, "load_model", load_model)
+    monkeypatch.setattr(akunu.models, "load_tokenizer", load_tokenizer)
     monkeypatch.setattr(akunu.generate, "stream_generate", stream_generate)
     monkeypatch.setitem(
         sys.modules, "llama_cpp", None

@@ -95,6 +95,7 @@ class EngineCalls:
     """What the CLI asked of the engine (recorded by the `fake_engine` fixture)."""
 
     loads: list[dict] = field(default_factory=list)  # keyword arguments of load_model
+    tokenizer_loads: list[str] = field(default_factory=list)  # specs given to load_tokenizer
     streams: list[dict] = field(default_factory=list)  # prompt, config, prompt_cache, context_length, costs, tokens
     finals: list = field(default_factory=list)  # each generation's final response
     cost_curves: list[dict] = field(default_factory=list)
@@ -103,6 +104,21 @@ class EngineCalls:
     @property
     def config(self):
         return self.streams[-1]["config"]
+
+
+class _Vocabulary:
+    """A tokenizer reduced to what the draft-model check compares: its token texts."""
+
+    def __init__(self, texts: list[str]) -> None:
+        self.texts, self.vocab_size = texts, len(texts)
+
+    def token_text(self, i: int) -> str:
+        return self.texts[i]
+
+
+def fake_tokenizer_of(spec: str) -> _Vocabulary:
+    """`tiny-model`'s tokenizer, or for any other name one whose token 1 differs from it."""
+    return _Vocabulary(["a", "b", "c"] if spec == "tiny-model" else ["a", "x", "c"])
 
 
 def invoke(*args: str, input: str | None = None, env: dict | None = None):

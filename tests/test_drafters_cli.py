@@ -9,7 +9,7 @@ from akunu.drafters.hybrid import HybridDrafter
 from akunu.drafters.lookup import LookupDrafter
 from akunu.drafters.ngram_cache import CachedNGramDrafter
 from akunu.drafters.tree import NGramTreeDrafter
-from tests.fakes import invoke
+from tests.fakes import fake_tokenizer_of, invoke
 
 PROMPT = "abcabcabcabc"
 
@@ -69,3 +69,34 @@ def test_conflicting_or_unknown_drafter_options_are_one_line_errors(fake_engine,
     result = invoke("generate", PROMPT, *options)
     assert result.exit_code == 2
     assert message in result.output
+
+
+@pytest.mark.parametrize(
+    "options", [["--draft-model", "other"], ["--draft", "hybrid:model:other"]], ids=["draft-model", "hybrid-spec"]
+)
+def test_a_draft_model_with_another_tokenizer_is_refused_before_any_weights_load(fake_engine, monkeypatch, options):
+    import akunu.models
+
+    monkeypatch.setattr(akunu.models, "load_tokenizer", lambda spec, progress=None: fake_tokenizer_of(spec))
+    result = invoke("generate", "--model", "tiny-model", PROMPT, *options)
+    assert result.exit_code == 2, result.output
+    assert "draft model other uses a different tokenizer (token 1 differs)" in result.stderr
+    assert fake_engine.loads == []  # neither the target's weights nor the draft's
+
+
+def test_a_draft_model_with_the_same_tokenizer_is_checked_then_loaded(fake_engine):
+    result = invoke("generate", "--model", "tiny-model", PROMPT, "--max-tokens", "4", "--draft-model", "tiny-draft")
+    assert result.exit_code == 0, result.output
+    assert fake_engine.tokenizer_loads == ["tiny-model", "tiny-draft"]
+    assert [load["spec"] for load in fake_engine.loads] == ["tiny-model", "tiny-draft"]
+
+
+def test_draft_model_names_are_read_from_a_spec_as_make_drafter_reads_it():
+    from akunu.drafters.specs import draft_model_names
+
+    assert draft_model_names("suffix+ngram") == []
+    assert draft_model_names("model:a") == ["a"]
+    assert draft_model_names("ngram+model:a") == ["a"]
+    assert draft_model_names("hybrid:model:b") == ["b"]
+    assert draft_model_names("model:a+model:b") == ["a", "b"]
+    assert draft_model_names("model:") == []

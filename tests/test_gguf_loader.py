@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 
 import akunu  # noqa: F401  (must precede mlx)
 from akunu.errors import ModelError, OptionsError
-from akunu.models import catalogue, load_model
+from akunu.models import catalogue, load_model, load_tokenizer
 from akunu.models.architectures import llama3_rope_divisors
 from akunu.models.dtype_policy import choose_dtype
 from akunu.models.gguf_file import read_gguf
@@ -246,6 +246,26 @@ def test_mlx_folder_loads_through_mlx_lm(tmp_path, bits, dtype, expected):
     if loaded.dtype == "float32":
         assert q_proj.weight.dtype == mx.float32
     assert loaded.model(mx.array([loaded.tokenizer.encode("hi")])).shape[-1] == VOCAB
+
+
+def test_load_tokenizer_reads_the_tokenizer_a_load_gives_without_the_weights(tmp_path, monkeypatch):
+    import akunu.models.gguf_model
+
+    gguf, folder = tmp_path / "tiny.gguf", tmp_path / "tiny-mlx"
+    write_tiny_gguf(gguf)
+    _write_mlx_folder(folder, quantize_bits=None)
+    loaded = {spec: load_model(spec) for spec in (str(gguf), str(folder))}
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights loaded")
+
+    monkeypatch.setattr(akunu.models.gguf_model, "load_gguf_model", no_weights)
+    monkeypatch.setattr("mlx_lm.utils.load_model", no_weights)
+    for spec, model in loaded.items():
+        tokenizer = load_tokenizer(spec)
+        texts = [tokenizer.token_text(i) for i in range(tokenizer.vocab_size)]
+        assert texts == [model.tokenizer.token_text(i) for i in range(model.tokenizer.vocab_size)]
+        assert tokenizer.encode("hi there") == model.tokenizer.encode("hi there")
 
 
 # Failures a user can cause -------------------------------------------------------------------

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.fakes import invoke
+from tests.fakes import fake_tokenizer_of, invoke
 from tests.serve_fixtures import USER, healthy, raw_request, send_raw
 
 
@@ -92,6 +92,15 @@ def test_a_port_in_use_is_found_before_the_model_loads(fake_engine, no_uvicorn):
 def test_a_bad_max_body_is_one_line(fake_engine, no_uvicorn):
     result = invoke("serve", "--max-body", "lots")
     assert result.exit_code != 0 and "--max-body must be a size" in result.output and fake_engine.loads == []
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused_before_the_model_loads(fake_engine, no_uvicorn, monkeypatch):
+    import akunu.models
+
+    monkeypatch.setattr(akunu.models, "load_tokenizer", lambda spec, progress=None: fake_tokenizer_of(spec))
+    result = invoke("serve", "--port", "0", "--model", "tiny-model", "--draft-model", "other")
+    assert result.exit_code != 0 and "draft model other uses a different tokenizer" in result.output, result.output
+    assert "Traceback" not in result.output and fake_engine.loads == []
 
 
 @pytest.mark.parametrize("sampling", [{"top_p": 0}, {"temperature": 1e-40}, {"temperature": 1.0, "top_p": 0}])

@@ -14,9 +14,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from akunu import backends
-from akunu.decode import prefill
 from akunu.drafters.base import Draft, Drafter
 from akunu.errors import OptionsError
+from akunu.forward import prefill
 from akunu.kv_cache import common_prefix, make_cache, rewind
 from akunu.sampling import SamplingParams, target_logprobs
 
@@ -110,7 +110,12 @@ def check_same_vocabulary(target, draft, draft_name: str) -> None:
             f"draft model {draft_name} has a vocabulary of {draft_size} tokens but the target has {target_size}; "
             "a draft model must use the same tokenizer"
         )
-    target_vocab, draft_vocab = vocabulary_of(target.tokenizer), vocabulary_of(draft.tokenizer)
+    check_same_tokenizer(target.tokenizer, draft.tokenizer, draft_name)
+
+
+def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft_name: str) -> None:
+    """Refuse a draft model whose token texts differ from the target's (a check that needs no weights)."""
+    target_vocab, draft_vocab = vocabulary_of(target_tokenizer), vocabulary_of(draft_tokenizer)
     if target_vocab is not None and draft_vocab is not None and target_vocab != draft_vocab:
         first = (
             next(i for i, (a, b) in enumerate(zip(target_vocab, draft_vocab)) if a != b)
