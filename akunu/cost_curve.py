@@ -21,6 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from akunu import backends
+from akunu.forward import feed
+from akunu.home import home
 from akunu.kv_cache import make_cache, rewind
 
 MAX_WIDTH = 33  # 32 drafts and the last committed token
@@ -50,8 +52,6 @@ def measure(
     slowed by load: a wider pass does all a narrower one does, so the curve is made
     non-decreasing from the widest end.
     """
-    from akunu.decode import feed  # here: decode imports this module through draft_length
-
     cache = make_cache(model)
     feed(model, cache, mx.zeros((context,), mx.uint32))  # the cache filled, no logits for every position
     timed = timed_widths(max_width, widths)
@@ -111,9 +111,7 @@ def curve_key(model_name: str, dtype: str) -> str:
 
 
 def default_dir() -> Path:
-    from akunu.models import catalogue
-
-    return catalogue.home() / "cost_curves"
+    return home() / "cost_curves"
 
 
 def curve_path(key: str, directory: Path) -> Path:

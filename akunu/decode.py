@@ -6,7 +6,7 @@ update `stats` in place and leave the cache holding every token they fed the mod
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -15,8 +15,9 @@ from akunu import backends
 from akunu.draft_length import DraftLength, EntropyDraftLength
 from akunu.drafters.base import Draft, Drafter
 from akunu.drafters.tree import verify_tree_round
+from akunu.forward import run
 from akunu.grammar import Constraint, grammar_draft
-from akunu.kv_cache import Snapshot, has_state, rewind, run
+from akunu.kv_cache import Snapshot, has_state, rewind
 from akunu.sampling import SamplingParams, target_logprobs
 from akunu.stats import GenerationStats
 from akunu.verify import Verdict, verify_greedy, verify_sampled
@@ -24,26 +25,6 @@ from akunu.verify import Verdict, verify_greedy, verify_sampled
 # Rejections on a model with state layers leave accepted tokens owed to the next pass (`verify_round`);
 # past this many, a round drafts nothing, so its pass feeds them and the debt is settled.
 MAX_OWED = 16
-
-
-def feed(
-    model: nn.Module, cache: list, tokens: Sequence[int], step: int = 512, between: Callable[[], None] | None = None
-) -> None:
-    """Feed `tokens` in chunks of `step`, keeping no logits; `between()` runs after each chunk and may raise
-    to stop the feed there (a server's client that left), with the cache whole up to that chunk."""
-    tokens = mx.array(tokens, dtype=mx.uint32)
-    for start in range(0, tokens.size, step):
-        run(model, tokens[start : start + step][None], cache)
-        mx.eval([c.state for c in cache])  # bound the graph, as mlx-lm does per chunk
-        if between is not None:
-            between()
-
-
-def prefill(model: nn.Module, cache: list, tokens: Sequence[int], step: int = 512) -> mx.array:
-    """Feed `tokens` in chunks; return the logits after the last one, shape (V,)."""
-    tokens = mx.array(tokens, dtype=mx.uint32)
-    feed(model, cache, tokens[:-1], step)
-    return run(model, tokens[-1:][None], cache)[0, -1]
 
 
 def pick_token(logits: mx.array, params: SamplingParams) -> mx.array:

@@ -31,8 +31,8 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from akunu.decode import prefill
 from akunu.errors import OptionsError
+from akunu.forward import prefill
 from akunu.kv_cache import Snapshot, has_state, holds_positions, leaves, make_cache
 
 _ATTENTION = "scaled_dot_product_attention"  # the module-global every mlx-lm model's attention calls

@@ -23,8 +23,9 @@ from akunu.drafters.tree import check_tree_support
 from akunu.errors import OptionsError, PromptError
 from akunu.exact import exact_model, flat_costs
 from akunu.grammar import Constraint
-from akunu.kv_cache import PromptCache, has_state
+from akunu.kv_cache import has_state
 from akunu.logprobs import TokenLogprobs, token_logprobs
+from akunu.prompt_cache import PromptCache
 from akunu.sampling import SamplingParams
 from akunu.stats import GenerationStats
 

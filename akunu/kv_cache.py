@@ -1,11 +1,12 @@
-"""Model caches that roll back, and a prompt cache reused across turns.
+"""Model caches that roll back.
 
 A cache layer either holds positions (KV caches: rolled back in O(1) by moving an offset) or
 a state (the convolution and recurrent state of Mamba, gated-delta and other linear layers:
 mlx-lm's ArraysCache), which cannot be cut back. A state is rolled back by a snapshot taken
 before a pass: the snapshot only keeps references to the state's arrays, which models replace
 rather than write into, so taking one costs nothing. The tokens the rolled-back pass fed and
-the caller keeps are then fed again (see `akunu.decode.verify_round`).
+the caller keeps are then fed again (see `akunu.decode.verify_round`). A prompt cache reused across turns
+is in `akunu.prompt_cache`; the passes that fill a cache are in `akunu.forward`.
 
 mlx-lm gives sliding-window layers (Gemma-3) a RotatingKVCache, which cannot be trimmed
 once it wraps. akunu gives every attention layer a plain KVCache instead: the model's own
@@ -84,17 +85,6 @@ class Snapshot:
             cache.fed, cache.lag = self.fed, self.lag
 
 
-def run(model, inputs: mx.array, cache) -> mx.array:
-    """model(inputs) on `cache`, counting the positions fed."""
-    if not isinstance(cache, ModelCache):
-        return model(inputs, cache=cache)
-    cache.torn = True
-    out = model(inputs, cache=cache)
-    cache.fed += inputs.shape[1]
-    cache.torn = False
-    return out
-
-
 def rewind(cache, n: int) -> None:
     """Drop the last `n` positions from every position layer: only offsets move (states need a `Snapshot`)."""
     if n > 0:
@@ -116,71 +106,3 @@ def cache_length(cache) -> int:
     if has_state(cache) and isinstance(cache, ModelCache):
         offsets.append(0 if cache.torn else cache.fed)
     return min(offsets) if offsets else 0
-
-
-class PromptCache:
-    """A model cache plus the tokens it holds, so a new prompt prefills only what is new.
-
-    `tokens` is what generation has produced in order; the cache may hold fewer (the last
-    sampled token is not fed yet) or more (drafts fed past a stop or an interrupt). Only
-    positions covered by both are trusted, which keeps it consistent after Ctrl-C.
-
-    A state cannot be cut back to a shared prefix, so for a model with state layers the cache
-    is reused as far as it holds a prefix of the new prompt, or else from the longest snapshot
-    that does. `prefill` keeps one where a prompt parted from the cache (where the next prompt
-    with the same beginning parts too: a server's shared system prompt) and one before each
-    prompt's last token (a prompt sent again).
-    """
-
-    MAX_SNAPSHOTS = 8
-
-    def __init__(self, model: nn.Module) -> None:
-        self.cache = make_cache(model)
-        self.tokens: list[int] = []
-        self.snapshots: dict[int, Snapshot] = {0: Snapshot(self.cache)}  # positions held -> the state there
-        self.mark: int | None = None  # where `prefill` keeps the next snapshot, in prompt positions
-
-    def reuse(self, prompt: Sequence[int]) -> list[int]:
-        """Roll the cache back to its longest prefix shared with `prompt`; return the tokens left to feed."""
-        shared = common_prefix(self.tokens[: cache_length(self.cache)], prompt[:-1])  # the last token is always fed
-        self.mark = None
-        if has_state(self.cache) and (shared != self.cache.fed or self.cache.torn):
-            self.mark, shared = shared, max(n for n in self.snapshots if n <= shared)
-            self.snapshots[shared].restore(self.cache)
-        for c in leaves(self.cache):  # per layer: an interrupt may have left layers at different offsets
-            if holds_positions(c):
-                c.trim(c.offset - shared)
-        self.cache.fed, self.cache.torn, self.cache.owed = shared, False, []
-        self.snapshots = {n: s for n, s in self.snapshots.items() if n <= shared}
-        self.tokens = list(prompt)
-        return list(prompt[shared:])
-
-    def prefill(self, model, tokens: Sequence[int], step: int = 512, between=None) -> mx.array:
-        """Feed the tokens `reuse` left, keeping snapshots on the way; return the logits after the last one.
-        `between()` runs after each chunk and may raise to stop there (akunu.decode.feed)."""
-        from akunu.decode import feed
-
-        tokens = list(tokens)
-        if self.mark is not None and self.mark > self.cache.fed:
-            cut = self.mark - self.cache.fed
-            feed(model, self.cache, tokens[:cut], step, between)
-            self._keep_snapshot()
-            tokens = tokens[cut:]
-        feed(model, self.cache, tokens[:-1], step, between)
-        self._keep_snapshot()
-        return run(model, mx.array([tokens[-1:]], mx.uint32), self.cache)[0, -1]
-
-    def _keep_snapshot(self) -> None:
-        if has_state(self.cache):
-            self.snapshots[self.cache.fed] = Snapshot(self.cache)
-            while len(self.snapshots) > self.MAX_SNAPSHOTS:
-                del self.snapshots[min(n for n in self.snapshots if n)]  # the empty state stays
-
-    def reset(self) -> None:
-        self.tokens = []
-        self.snapshots = {0: self.snapshots[0]}
-        self.snapshots[0].restore(self.cache)
-        for c in leaves(self.cache):
-            if holds_positions(c):
-                c.trim(c.offset)
-        self.cache.fed, self.cache.torn, self.cache.owed = 0, False, []

@@ -1,4 +1,4 @@
-"""What the numbers were measured on: machine, backend, BLAS, library versions, model and dtype."""
+"""The machine akunu runs on: CPU, backend, BLAS and library versions (for bench records and dtype choices)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def _version(package: str) -> str:
         return "missing"
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     """The CPU model from /proc/cpuinfo on Linux, else what platform knows."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
@@ -28,6 +28,7 @@ def _cpu_name() -> str:
 
 
 def describe_machine(model_name: str = "", dtype: str = "", dtype_reason: str = "") -> dict[str, str | int]:
+    """What a measurement ran on, with the model and dtype measured."""
     import mlx.core as mx
 
     from akunu import backends
@@ -35,7 +36,7 @@ def describe_machine(model_name: str = "", dtype: str = "", dtype_reason: str = 
     return {
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cores": os.cpu_count() or 0,
         "backend": str(mx.default_device()),
         **backends.describe(),  # "blas", "cpu_kernels"

@@ -18,7 +18,7 @@ def table_console() -> Console:
 
 
 def print_header(loaded, config: str, llama_cpp: str = "") -> dict:
-    from akunu.bench.machine import describe_machine
+    from akunu.machine import describe_machine
 
     machine = describe_machine(loaded.name, loaded.dtype, getattr(loaded, "dtype_reason", ""))
     out = table_console()

@@ -101,7 +101,7 @@ class ChatSession:
     """The conversation, the prompt cache that mirrors it, and the slash commands."""
 
     def __init__(self, loaded, config, conversation: Conversation, view: ChatView, *, save_path: Path | None = None):
-        from akunu.kv_cache import PromptCache
+        from akunu.prompt_cache import PromptCache
 
         self.loaded, self.config, self.conversation, self.view = loaded, config, conversation, view
         self.save_path = save_path

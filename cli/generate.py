@@ -126,7 +126,7 @@ def generate(
         draft_tokens=draft_tokens, draft_length=draft_length, exact=exact,
     )  # fmt: skip
     with _interrupt_as_error(json_output):
-        loaded = runtime.load(model, dtype)
+        loaded = runtime.load(model, dtype, draft_models=draft_models_of(draft, draft_model))
         config.sampling.validate(loaded.tokenizer.vocab_size)
         check_fits(loaded, **{source: text, "--system": system})
         prompt_ids = runtime.encode_prompt(loaded.tokenizer, text, system=system, raw=raw, parse_special=parse_special)
@@ -164,11 +164,19 @@ def _save_ngram_cache(drafter, path: Path) -> None:
         print_note(str(error))
 
 
+def draft_models_of(draft: str, draft_model: str | None) -> list[str]:
+    """The draft models --draft-model or a --draft spec name, checked against the target before anything loads."""
+    from akunu.drafters.specs import draft_model_names
+
+    return [draft_model] if draft_model is not None else draft_model_names(draft)
+
+
 def make_drafter_for(
     loaded, config, draft: str, draft_model: str | None, ngram_cache: Path | None, tree: int | None, load=None
 ):
     """The drafter the options ask for; None keeps the engine's default (suffix+ngram). `load` loads a draft model."""
     from akunu.drafters import make_drafter
+    from akunu.models import load_model
 
     if draft_model is not None:
         if draft != DEFAULT_SPEC:
@@ -183,7 +191,7 @@ def make_drafter_for(
         warnings.simplefilter("always")
         drafter = make_drafter(
             draft, loaded, params=config.sampling, ngram_order=spec.ngram_order, window=spec.window,
-            ngram_cache=ngram_cache, tree=tree, load=load,
+            ngram_cache=ngram_cache, tree=tree, load=load or load_model,
         )  # fmt: skip
     for warning in caught:
         print_warning(str(warning.message))

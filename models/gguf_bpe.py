@@ -21,10 +21,10 @@ from tokenizers import AddedToken, decoders, models, normalizers
 
 from akunu.errors import ModelError
 from akunu.models.detokenizer import byte_level_alphabet, byte_level_token_bytes, sentencepiece_token_bytes
+from akunu.models.gguf_vocab import TokenType, optional_id, token_types
 from akunu.models.pretokenizers import GPT2, PRE_TOKENIZERS, PreTokenizer, hf_pre_tokenizer
 from akunu.models.special_tokens import special_token_encoders
 from akunu.models.stop_tokens import gguf_end_of_generation_ids
-from akunu.models.tokenizer import Tokenizer, TokenType, _optional_id, _token_types
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +34,14 @@ _NFC_PRE = ("qwen2", "deepseek-r1-qwen")
 _UNKNOWN_PRE = PreTokenizer((GPT2,))
 
 
-def byte_level_bpe_from_gguf(metadata: Mapping[str, Any], source: str) -> Tokenizer:
+def byte_level_bpe_arguments(metadata: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The `Tokenizer` arguments of a byte-level BPE vocabulary (or a raw one, by its pre-tokenizer)."""
     tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
-    types = _token_types(metadata, len(tokens))
+    types = token_types(metadata, len(tokens))
     pre = str(metadata.get("tokenizer.ggml.pre", "default"))
     spec = _pre_tokenizer(pre)
     if not spec.byte_level:
-        return raw_bpe_from_gguf(metadata, source, pre=pre)
+        return raw_bpe_arguments(metadata, source, pre=pre)
     words, with_specials = _hf_tokenizers(
         tokens, types, _merges(metadata, source), spec, nfc=pre in _NFC_PRE, source=source
     )
@@ -57,10 +58,11 @@ def byte_level_bpe_from_gguf(metadata: Mapping[str, Any], source: str) -> Tokeni
     )
 
 
-def raw_bpe_from_gguf(metadata: Mapping[str, Any], source: str, pre: str = "gemma4") -> Tokenizer:
+def raw_bpe_arguments(metadata: Mapping[str, Any], source: str, pre: str = "gemma4") -> dict[str, Any]:
+    """The `Tokenizer` arguments of a BPE vocabulary over raw UTF-8 (Gemma 4)."""
     """Gemma 4's tokenizer (and Sarvam's): sentencepiece-style pieces, merged by rank like any BPE."""
     tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
-    types = _token_types(metadata, len(tokens))
+    types = token_types(metadata, len(tokens))
     spec = PRE_TOKENIZERS[pre]
     gemma4 = pre != "sarvam-moe"
     words, with_specials = _hf_tokenizers(tokens, types, _merges(metadata, source), spec, nfc=False, source=source)
@@ -127,17 +129,17 @@ def _tokenizer(
     decoding: Any,
     hf_tokenizer: Callable[[], tokenizers.Tokenizer],
     force_bos: bool = False,
-) -> Tokenizer:
+) -> dict[str, Any]:
     encode_plain, encode_text = special_token_encoders(metadata, tokens, types, encode_words)
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)) or force_bos
-    return Tokenizer(
+    return dict(
         encode_plain=encode_plain,
         encode_text=encode_text,
         pieces=tokens,
         token_bytes=token_bytes,
         special_ids=frozenset(i for i, kind in enumerate(types) if kind == TokenType.CONTROL),
-        bos_id=_optional_id(metadata, "tokenizer.ggml.bos_token_id", len(tokens)),
-        eos_id=_optional_id(metadata, "tokenizer.ggml.eos_token_id", len(tokens)),
+        bos_id=optional_id(metadata, "tokenizer.ggml.bos_token_id", len(tokens)),
+        eos_id=optional_id(metadata, "tokenizer.ggml.eos_token_id", len(tokens)),
         eos_ids=gguf_end_of_generation_ids(metadata, tokens),
         add_bos=add_bos,
         chat_template=metadata.get("tokenizer.chat_template"),

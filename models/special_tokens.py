@@ -8,10 +8,11 @@ tokenizer.json marks its tokens `rstrip`); llama.cpp knows them by model name, a
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from akunu.models.tokenizer import TokenType, _special_splitter
+from akunu.models.gguf_vocab import TokenType
 
 Encoder = Callable[[str], list[int]]
 _C_WHITESPACE = " \t\n\v\f\r"  # C's isspace(), which llama.cpp strips with
@@ -29,7 +30,7 @@ def special_token_encoders(
     rstrip = _rstrip_ids(metadata, tokens, every.values())
 
     def encoder(specials: dict[str, int]) -> Encoder:
-        split = _special_splitter(specials)
+        split = special_splitter(specials)
 
         def encode(text: str) -> list[int]:
             ids: list[int] = []
@@ -56,3 +57,44 @@ def _rstrip_ids(metadata: Mapping[str, Any], tokens: Sequence[str], special_ids)
         return frozenset()
     ids = set(special_ids) | {i for i, token in enumerate(tokens) if token == "</s>"}
     return frozenset(i for i in ids if tokens[i] not in ("<unk>", "<s>", "<|endoftext|>"))
+
+
+def special_splitter(specials: Mapping[str, int]) -> Callable[[str], list[tuple[str, int | None]]]:
+    """Cuts text into plain fragments and special tokens, taking the longest special at the leftmost place."""
+    if not specials:
+        return lambda text: [(text, None)] if text else []
+    pattern = re.compile(_trie_regex(sorted(specials)))
+
+    def split(text: str) -> list[tuple[str, int | None]]:
+        parts: list[tuple[str, int | None]] = []
+        start = 0
+        for match in pattern.finditer(text):
+            if match.start() > start:
+                parts.append((text[start : match.start()], None))
+            parts.append((match.group(), specials[match.group()]))
+            start = match.end()
+        if start < len(text):
+            parts.append((text[start:], None))
+        return parts
+
+    return split
+
+
+def _trie_regex(words: Sequence[str]) -> str:
+    """One regex for many literals, shaped as a prefix tree so matching costs O(length), not O(count)."""
+    trie: dict[str, Any] = {}
+    for word in words:
+        node = trie
+        for char in word:
+            node = node.setdefault(char, {})
+        node[""] = {}
+    return _trie_node_regex(trie)
+
+
+def _trie_node_regex(node: dict[str, Any]) -> str:
+    ends_here = "" in node
+    branches = [re.escape(char) + _trie_node_regex(child) for char, child in sorted(node.items()) if char]
+    if not branches:
+        return ""
+    body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+    return f"(?:{body})?" if ends_here else body  # greedy "?" prefers the longer special

@@ -20,10 +20,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from enum import IntEnum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,23 +38,13 @@ from akunu.models.detokenizer import (
     is_byte_piece,
     sentencepiece_token_bytes,
 )
+from akunu.models.gguf_vocab import TokenType, optional_id, scores_of, token_types
 from akunu.models.stop_tokens import end_of_generation_ids, gguf_end_of_generation_ids
 
 log = logging.getLogger(__name__)
 
 # How token ids turn into text: GPT-2 byte symbols, sentencepiece pieces, or anything else.
 Decoding = Literal["byte_level", "sentencepiece", "other"]
-
-
-class TokenType(IntEnum):
-    """GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type); sentencepiece uses the same numbers."""
-
-    NORMAL = 1
-    UNKNOWN = 2
-    CONTROL = 3
-    USER_DEFINED = 4
-    UNUSED = 5
-    BYTE = 6
 
 
 class Tokenizer:
@@ -111,13 +99,13 @@ class Tokenizer:
         if "tokenizer.ggml.tokens" not in metadata:
             raise ModelError(f"{source} has no tokenizer vocabulary (tokenizer.ggml.tokens)")
         if kind == "gpt2":
-            from akunu.models.gguf_bpe import byte_level_bpe_from_gguf
+            from akunu.models.gguf_bpe import byte_level_bpe_arguments
 
-            return byte_level_bpe_from_gguf(metadata, source)
+            return cls(**byte_level_bpe_arguments(metadata, source))
         if kind == "gemma4":
-            from akunu.models.gguf_bpe import raw_bpe_from_gguf
+            from akunu.models.gguf_bpe import raw_bpe_arguments
 
-            return raw_bpe_from_gguf(metadata, source)
+            return cls(**raw_bpe_arguments(metadata, source))
         if kind == "llama":
             return _sentencepiece_from_gguf(metadata, source)
         raise ModelError(
@@ -257,9 +245,9 @@ def _sentencepiece_from_gguf(metadata: Mapping[str, Any], source: str) -> Tokeni
     import sentencepiece
 
     tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
-    types = _token_types(metadata, len(tokens))
-    scores = _scores(metadata, len(tokens))
-    unk_id = _optional_id(metadata, "tokenizer.ggml.unknown_token_id", len(tokens))
+    types = token_types(metadata, len(tokens))
+    scores = scores_of(metadata, len(tokens))
+    unk_id = optional_id(metadata, "tokenizer.ggml.unknown_token_id", len(tokens))
     add_dummy_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
     proto = _sentencepiece_model_proto(tokens, types, scores, unk_id, add_dummy_prefix)
     try:
@@ -286,8 +274,8 @@ def _sentencepiece_from_gguf(metadata: Mapping[str, Any], source: str) -> Tokeni
         pieces=tokens,
         token_bytes=token_bytes,
         special_ids=special_ids,
-        bos_id=_optional_id(metadata, "tokenizer.ggml.bos_token_id", len(tokens)),
-        eos_id=_optional_id(metadata, "tokenizer.ggml.eos_token_id", len(tokens)),
+        bos_id=optional_id(metadata, "tokenizer.ggml.bos_token_id", len(tokens)),
+        eos_id=optional_id(metadata, "tokenizer.ggml.eos_token_id", len(tokens)),
         eos_ids=gguf_end_of_generation_ids(metadata, tokens),
         add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", True)),
         chat_template=metadata.get("tokenizer.chat_template"),
@@ -369,77 +357,6 @@ def _sentencepiece_as_hf(
         ]
     )
     return hf
-
-
-def _special_splitter(specials: Mapping[str, int]) -> Callable[[str], list[tuple[str, int | None]]]:
-    """Cuts text into plain fragments and special tokens, taking the longest special at the leftmost place."""
-    if not specials:
-        return lambda text: [(text, None)] if text else []
-    pattern = re.compile(_trie_regex(sorted(specials)))
-
-    def split(text: str) -> list[tuple[str, int | None]]:
-        parts: list[tuple[str, int | None]] = []
-        start = 0
-        for match in pattern.finditer(text):
-            if match.start() > start:
-                parts.append((text[start : match.start()], None))
-            parts.append((match.group(), specials[match.group()]))
-            start = match.end()
-        if start < len(text):
-            parts.append((text[start:], None))
-        return parts
-
-    return split
-
-
-def _trie_regex(words: Sequence[str]) -> str:
-    """One regex for many literals, shaped as a prefix tree so matching costs O(length), not O(count)."""
-    trie: dict[str, Any] = {}
-    for word in words:
-        node = trie
-        for char in word:
-            node = node.setdefault(char, {})
-        node[""] = {}
-    return _trie_node_regex(trie)
-
-
-def _trie_node_regex(node: dict[str, Any]) -> str:
-    ends_here = "" in node
-    branches = [re.escape(char) + _trie_node_regex(child) for char, child in sorted(node.items()) if char]
-    if not branches:
-        return ""
-    body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
-    return f"(?:{body})?" if ends_here else body  # greedy "?" prefers the longer special
-
-
-# GGUF: shared -----------------------------------------------------------------------------
-
-
-def _token_types(metadata: Mapping[str, Any], count: int) -> list[int]:
-    types = metadata.get("tokenizer.ggml.token_type")
-    if types is None:
-        return [int(TokenType.NORMAL)] * count
-    types = [int(kind) for kind in types]
-    if len(types) != count:
-        raise ModelError(f"tokenizer metadata is inconsistent: {count} tokens but {len(types)} token types")
-    return types
-
-
-def _scores(metadata: Mapping[str, Any], count: int) -> list[float]:
-    scores = metadata.get("tokenizer.ggml.scores")
-    if scores is None:
-        return [0.0] * count
-    scores = [float(score) for score in scores]
-    if len(scores) != count:
-        raise ModelError(f"tokenizer metadata is inconsistent: {count} tokens but {len(scores)} scores")
-    return scores
-
-
-def _optional_id(metadata: Mapping[str, Any], key: str, vocab_size: int) -> int | None:
-    value = metadata.get(key)
-    if value is None or not 0 <= int(value) < vocab_size:
-        return None
-    return int(value)
 
 
 # Hugging Face directories -----------------------------------------------------------------

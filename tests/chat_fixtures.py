@@ -2,7 +2,9 @@
 
 import numpy as np
 
-from akunu.models.tokenizer import Tokenizer, TokenType, byte_level_alphabet
+from akunu.models.detokenizer import byte_level_alphabet
+from akunu.models.gguf_vocab import TokenType
+from akunu.models.tokenizer import Tokenizer
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

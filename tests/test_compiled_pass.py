@@ -180,7 +180,7 @@ def test_caches_a_compiled_pass_cannot_take():
 def test_a_pass_whose_output_is_dropped_still_fills_the_cache(each_model, eager):
     """Prefill feeds its chunks and reads only the cache (a chat's later turn: short chunks, compiled passes);
     the keys and values written in place must not depend on anyone reading the pass's output."""
-    from akunu.decode import prefill
+    from akunu.forward import prefill
 
     def turns():
         cache = make_cache(each_model)

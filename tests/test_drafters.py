@@ -7,7 +7,6 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_map
 
-from akunu.decode import prefill
 from akunu.drafters import DEFAULT_SPEC, make_drafter
 from akunu.drafters.base import Draft, Drafter, NGramDrafter
 from akunu.drafters.draft_model import check_same_vocabulary, model_drafter
@@ -16,6 +15,7 @@ from akunu.drafters.layer_skip import layer_skip_drafter
 from akunu.drafters.lookup import LookupDrafter
 from akunu.drafters.suffix import SuffixDrafter
 from akunu.errors import OptionsError
+from akunu.forward import prefill
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import make_cache
 from tests.fakes import FakeTokenizer
@@ -111,7 +111,7 @@ def test_layer_skip_cache_matches_the_targets_first_layers(model_fn):
     target = model_fn(seed=2)
     drafter = layer_skip_drafter(target, 1)
     config = GenerationConfig(max_tokens=40, spec=SpecConfig(draft_tokens=5, draft_length="fixed"))
-    from akunu.kv_cache import PromptCache
+    from akunu.prompt_cache import PromptCache
 
     prompt_cache = PromptCache(target)
     generate(target, TOKENIZER, [7, 8, 9, 10] * 3, config, drafter=drafter, prompt_cache=prompt_cache)

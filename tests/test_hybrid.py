@@ -11,8 +11,10 @@ import pytest
 
 from akunu.drafters.specs import DraftLengthPolicy
 from akunu.exact import FixedWidthModel
+from akunu.forward import run
 from akunu.generate import GenerationConfig, SpecConfig, generate
-from akunu.kv_cache import PromptCache, cache_length, has_state, make_cache, run
+from akunu.kv_cache import cache_length, has_state, make_cache
+from akunu.prompt_cache import PromptCache
 from akunu.sampling import SamplingParams
 from tests.fakes import FakeTokenizer
 from tests.greedy_checks import OracleDrafter, assert_same_or_near_tie

@@ -7,7 +7,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from akunu.generate import GenerationConfig, SpecConfig, generate
-from akunu.kv_cache import PromptCache, cache_length, make_cache
+from akunu.kv_cache import cache_length, make_cache
+from akunu.prompt_cache import PromptCache
 from tests.fakes import FakeTokenizer
 from tests.greedy_checks import assert_same_or_near_tie
 from tests.tiny import tiny_gemma3, tiny_llama

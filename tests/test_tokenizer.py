@@ -12,7 +12,9 @@ import pytest
 
 from akunu.errors import ModelError
 from akunu.models.detokenizer import StreamingDetokenizer, byte_level_alphabet
-from akunu.models.tokenizer import Tokenizer, TokenType, _special_splitter
+from akunu.models.gguf_vocab import TokenType
+from akunu.models.special_tokens import special_splitter
+from akunu.models.tokenizer import Tokenizer
 
 ROUND_TRIP_TEXTS = [
     "Hello world",
@@ -150,7 +152,7 @@ def test_synthetic_sentencepiece_round_trips_any_text():
 
 
 def test_special_splitter_takes_longest_special_at_leftmost_place():
-    split = _special_splitter({"<a>": 1, "<a>b": 2, "<ab>": 3, "b": 4})
+    split = special_splitter({"<a>": 1, "<a>b": 2, "<ab>": 3, "b": 4})
     assert split("x<a>by<a>c<ab>") == [("x", None), ("<a>b", 2), ("y", None), ("<a>", 1), ("c", None), ("<ab>", 3)]
     assert split("") == [] and split("plain") == [("plain", None)]
 

@@ -6,9 +6,10 @@ import mlx.core as mx
 import pytest
 
 import akunu.drafters.tree
-from akunu.decode import plain_decode, prefill, speculative_decode
+from akunu.decode import plain_decode, speculative_decode
 from akunu.draft_length import DraftLength
 from akunu.drafters.tree import NGramTreeDrafter, TokenTree, keep_path, tree_forward
+from akunu.forward import prefill
 from akunu.kv_cache import make_cache
 from akunu.sampling import SamplingParams
 from akunu.stats import GenerationStats

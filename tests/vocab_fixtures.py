@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from akunu.models.tokenizer import TokenType
+from akunu.models.gguf_vocab import TokenType
 
 VOCAB_FIXTURES = Path(__file__).parent / "fixtures" / "vocab"
 

@@ -87,10 +87,11 @@ class ModelEngine:
     def _drafter(self, spec: str):
         """One drafter per spec for the whole benchmark (a draft model loads once; `start` resets it)."""
         from akunu.drafters import make_drafter
+        from akunu.models import load_model
         from akunu.sampling import SamplingParams
 
         if spec not in self._drafters:
-            self._drafters[spec] = make_drafter(spec, self, params=SamplingParams(temp=self.temp))
+            self._drafters[spec] = make_drafter(spec, self, params=SamplingParams(temp=self.temp), load=load_model)
         return self._drafters[spec]
 
     def _run_akunu(

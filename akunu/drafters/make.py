@@ -29,7 +29,7 @@ def make_drafter(
 ) -> Drafter:
     """The drafter a spec names. `target` is the loaded target model (`.model`, `.tokenizer`);
     `tree` (nodes per tree) verifies n-gram drafts as token trees; `load(name)` loads a draft
-    model (default: akunu.models.load_model)."""
+    model (`akunu.models.load_model`, given by the caller: the engine does not load models)."""
     if tree is not None:
         if spec not in (DEFAULT_SPEC, "ngram") or ngram_cache is not None:
             raise OptionsError("--tree works with the plain n-gram drafter only (no --draft, no --ngram-cache)")
@@ -80,7 +80,7 @@ def _ngram(order: int, window: int, cache_file: Path | None) -> Drafter:
 
 def _draft_model(name: str, target, params: SamplingParams, load: Callable | None) -> ModelDrafter:
     if load is None:
-        from akunu.models import load_model as load
+        raise ValueError("make_drafter needs `load` to build a draft model")
     draft = load(name)
     check_same_vocabulary(target, draft, name)
     return model_drafter(draft.model, params, target=target.model)

@@ -85,7 +85,8 @@ class PromptCachePool:
         self.caches: list = []  # least recently used first
 
     def checkout(self, prompt_ids: list[int]):
-        from akunu.kv_cache import PromptCache, common_prefix
+        from akunu.kv_cache import common_prefix
+        from akunu.prompt_cache import PromptCache
 
         shared = [(common_prefix(c.tokens, prompt_ids), c) for c in self.caches]
         similar = [(n, c) for n, c in shared if n and n >= self.similarity * len(c.tokens)]
