@@ -49,7 +49,7 @@ def best_length(
 
 
 # The prior acceptance of a draft backed by e tokens of evidence is (e + 1) / (e + PRIOR_SLACK);
-# 2.5 replayed best of 1.4, 1.8 and 2.5 on shipped answers (BENCHMARKS.md, drafting yield).
+# 2.5 replayed best of 1.4, 1.8 and 2.5 on the shipped workloads' answers.
 PRIOR_SLACK = 2.5
 
 

@@ -1,5 +1,6 @@
 """`akunu bench`: speculative against plain decoding and against mlx-lm, on real text, in one run;
-`akunu bench cost-curve`: what a forward pass of 1..33 tokens costs on this backend.
+`akunu bench cost-curve`: what a forward pass of 1..33 tokens costs on this backend; the other
+subcommands (llama.cpp agreement, the kernel table, memory, a server load test) are in `bench_tools`.
 
 The measuring lives in `akunu.bench`; this module parses options and draws the progress bar,
 `bench_tables` draws the tables.
@@ -14,7 +15,7 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from akunu.cli import options, runtime
+from akunu.cli import bench_tools, options, runtime
 from akunu.cli.bench_tables import (
     cost_table,
     describe_mismatch,
@@ -35,7 +36,9 @@ EXAMPLES = """[bold]Examples[/]
   akunu bench --json bench.json --plot bench.png   the full run, every measurement kept
   akunu bench --categories code-edit,chat --repeats 3
   akunu bench --workload my-prompts.jsonl          your own prompts: {"category": ..., "prompt": ...} per line
-  akunu bench cost-curve                           forward-pass time for 1..33 tokens on this backend"""
+  akunu bench cost-curve                           forward-pass time for 1..33 tokens on this backend
+  akunu bench llama-cpp --model M                  next-token agreement and perplexity against llama.cpp
+  akunu bench kernel | memory | serve-load         the product kernels, peak memory, a server under load"""
 COST_CURVE_EXAMPLES = """[bold]Examples[/]
   akunu bench cost-curve                  measured after 64, 512 and 2048 tokens, and stored
   akunu bench cost-curve --context 4096   after 4k tokens of context only (shown, not stored)"""
@@ -179,7 +182,6 @@ def bench(
     At temperature 0 the speculative tokens must equal the plain tokens: a mismatch is printed and makes the command exit with status 1.
     """
     from akunu import bench as lib
-    from akunu.bench.engine import ModelEngine
 
     if ctx.invoked_subcommand is not None:
         return
@@ -194,12 +196,8 @@ def bench(
     config = f"{sampling} · {max_tokens} new tokens · {repeats} repeat(s) after a warm-up · drafts ≤ {draft_tokens} ({draft_length.value})"
     llama_version, llama_line = _llama_cpp_status(loaded, llama_cpp, temp)
     machine = print_header(loaded, config, llama_line)
-    engine = ModelEngine(
-        loaded.model, loaded.tokenizer, max_tokens=max_tokens, temp=temp, draft_tokens=draft_tokens, draft_length=draft_length,
-        costs=runtime.cost_curve(loaded, draft_tokens), context_length=loaded.context_length, seed=seed,
-    )  # fmt: skip
-    if llama_version:
-        engine.llama_cpp = _open_llama_cpp(loaded, engine, prompts, max_tokens, seed)
+    engine = _engine(loaded, prompts, max_tokens=max_tokens, temp=temp, seed=seed, draft_tokens=draft_tokens,
+                     draft_length=draft_length, llama_version=llama_version)  # fmt: skip
     methods = _methods(loaded, fixed=fixed, mlx_lm=mlx_lm, drafters=drafters, exact=exact)
     methods += [lib.LLAMA_CPP] if engine.llama_cpp is not None else []
     result = _run_with_progress(prompts, engine, methods, repeats, check_tokens=temp == 0)
@@ -230,6 +228,22 @@ def cost_curve(
         )
     print_header(loaded, "")
     show_cost_curve(loaded, draft_tokens, context)
+
+
+bench_tools.register(app)
+
+
+def _engine(loaded, prompts, *, max_tokens, temp, seed, draft_tokens, draft_length, llama_version):
+    """akunu's engine for the run, with llama.cpp opened on the model's GGUF where it runs."""
+    from akunu.bench.engine import ModelEngine
+
+    engine = ModelEngine(
+        loaded.model, loaded.tokenizer, max_tokens=max_tokens, temp=temp, draft_tokens=draft_tokens, draft_length=draft_length,
+        costs=runtime.cost_curve(loaded, draft_tokens), context_length=loaded.context_length, seed=seed,
+    )  # fmt: skip
+    if llama_version:
+        engine.llama_cpp = _open_llama_cpp(loaded, engine, prompts, max_tokens, seed)
+    return engine
 
 
 def _methods(loaded, *, fixed: bool, mlx_lm: bool, drafters: list[str] | None, exact: bool) -> list[str]:

@@ -1,6 +1,6 @@
 """Choose how weights are held in memory: MLX-quantized, or dequantized to float32.
 
-Policy for dtype="auto" (scripts/measure_dtype.py measures the choices; BENCHMARKS.md has the figures):
+Policy for dtype="auto" (`akunu bench --dtype quantized|float32` measures the choices; BENCHMARKS.md has the figures):
 
 * Metal GPU available: quantized (MLX's quantized kernels are its fast path there).
 * CPU with akunu's quantized kernel (the CPU backend): whichever form's decode-step products run

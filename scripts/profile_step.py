@@ -39,7 +39,8 @@ import mlx.nn as nn
 
 from akunu.backends.cpu import compiled_pass, fast_step, fused_layers
 from akunu.backends.cpu import kernels as cpu_kernels
-from akunu.decode import plain_decode, prefill
+from akunu.decode import plain_decode
+from akunu.forward import prefill
 from akunu.kv_cache import cache_length, make_cache, rewind
 from akunu.models import load_model
 from akunu.sampling import SamplingParams

@@ -15,7 +15,10 @@ With --llama-python (an interpreter that has llama-cpp-python), the ids llama.cp
 (`llama_vocab_is_eog`) are recorded too, and the ids it gives texts holding special tokens, encoded as a
 prompt is (BOS as the model asks, special-token strings parsed).
 
-    python scripts/record_tokenizer_vectors.py [--models DIR] [--llama-python PATH [--real-model GGUF]]
+    .venv/bin/python scripts/record_tokenizer_vectors.py --models LLAMA_CPP/models \\
+        [--llama-python .venv/bin/python [--real-model GGUF]]
+
+LLAMA_CPP/models is llama.cpp's `models/` folder (in the llama-cpp-python sdist: vendor/llama.cpp/models).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from akunu.models.chat_template import ChatTemplate
 from akunu.models.detokenizer import byte_level_alphabet
 from akunu.models.gguf_file import read_gguf
-from akunu.models.tokenizer import Tokenizer, TokenType
+from akunu.models.gguf_vocab import TokenType
+from akunu.models.tokenizer import Tokenizer
 from tests.vocab_fixtures import metadata_from_fixture
 
 SDIST_MODELS = Path("/work/llamacpp/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp/models")

@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -107,35 +106,6 @@ def test_a_rows_result_does_not_depend_on_where_its_array_starts():
         fresh = mx.array(np.array(rows))
         for width in (1, 2, 5, 17):
             assert mx.array_equal(rows[:width] @ matrix, fresh[:width] @ matrix).item(), f"shift {shift}, {width} rows"
-
-
-def test_kernel_rows_script_times_the_kernel_by_row_count():
-    if blas.matvec_path is None:
-        pytest.skip("the router is not built here")
-    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "kernel_rows.py")
-    done = subprocess.run(
-        [sys.executable, script, "--layers", "1", "--rows", "1", "3", "--reps", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = [line.split() for line in done.stdout.splitlines()[1:]]
-    assert [row[0] for row in rows] == ["1", "3"] and rows[0][2] == "1.00"
-    assert all(float(row[1]) > 0 and float(row[3]) > 0 for row in rows)
-
-
-def test_fma_peak_program_builds_and_reports_both_thread_counts(tmp_path):
-    """BENCHMARKS.md judges kernel_rows.py's GFLOP/s against scripts/fma_peak.c: its command must work."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not shutil.which("gcc") or " avx512f" not in (cpuinfo.read_text() if cpuinfo.exists() else ""):
-        pytest.skip("needs gcc and an x86 CPU with AVX-512")
-    source = os.path.join(os.path.dirname(__file__), "..", "scripts", "fma_peak.c")
-    program = tmp_path / "fma_peak"
-    subprocess.run(["gcc", "-O3", "-mavx512f", "-pthread", source, "-o", str(program)], check=True, timeout=120)
-    lines = subprocess.run([str(program)], capture_output=True, text=True, check=True, timeout=120).stdout.splitlines()
-    assert [line.split(":")[0] for line in lines] == ["1 thread", "2 threads"]
-    assert all(line.endswith(" GFLOP/s") and float(line.split()[-2]) > 0 for line in lines)
 
 
 @linux_with_openblas

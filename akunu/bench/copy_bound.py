@@ -15,14 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from akunu.decode import propose
-from akunu.draft_length import DraftLength
 from akunu.drafters.suffix import SuffixAutomaton
-from akunu.kv_cache import common_prefix
 
 BOUND_DRAFT_TOKENS = 16
 ANCHOR = 1  # tokens of the sequence's end the anchored bound's runs continue
-RUN = 8  # a copied stretch: at least this many tokens found earlier
 
 
 def bound_tokens_per_pass(
@@ -54,55 +50,3 @@ def copier_widths(
         i += accepted + 1
         widths.append(accepted)
     return widths
-
-
-def copied_share(context: Sequence[int], answer: Sequence[int], run: int = RUN) -> float:
-    """Share of answer tokens inside a run of >= `run` tokens that occurred earlier."""
-    covered = [False] * len(answer)
-    seen = SuffixAutomaton()
-    for token in context:
-        seen.extend(token)
-    for i in range(len(answer)):
-        state = 0
-        for token in answer[i : i + run]:
-            state = seen.next[state].get(token, -1)
-            if state < 0:
-                break
-        if state >= 0 and i + run <= len(answer):
-            covered[i : i + run] = [True] * run
-        seen.extend(answer[i])
-    return sum(covered) / len(answer) if answer else 0.0
-
-
-def drafter_tokens_per_pass(drafter, context: Sequence[int], answer: Sequence[int], draft_tokens: int) -> float:
-    """Tokens per pass of `drafter` drafting `draft_tokens` every round on this answer."""
-    widths = replay(drafter, context, answer, DraftLength(draft_tokens, adaptive=False))
-    return len(answer) / len(widths) if widths else 0.0
-
-
-def foreseen_widths(drafter, context: Sequence[int], answer: Sequence[int], draft_tokens: int) -> list[int]:
-    """The drafts' lengths, one per pass, of `drafter` with a length policy that foresees every
-    rejection: each draft (up to `draft_tokens`) cut to exactly what the target accepts.
-    What is left between this and the adaptive policy is the cost of not knowing where a copy breaks;
-    between this and the anchored copier, the cost of the drafter's choices."""
-    return [accepted for _, accepted in rounds(drafter, context, answer, DraftLength(draft_tokens, adaptive=False))]
-
-
-def replay(drafter, context: Sequence[int], answer: Sequence[int], draft_length) -> list[int]:
-    """The drafts' lengths, one per pass, that a chain `drafter` sized by `draft_length` makes on
-    this answer: the speculative loop's rounds without the model, exact for greedy answers."""
-    return [drafted for drafted, _ in rounds(drafter, context, answer, draft_length)]
-
-
-def rounds(drafter, context: Sequence[int], answer: Sequence[int], draft_length) -> list[tuple[int, int]]:
-    """(drafted, accepted) for each pass of the speculative loop over this answer, without the model."""
-    drafter.start(context)
-    i, passes = 0, []
-    while i < len(answer):
-        draft = propose(drafter, draft_length, len(answer) - i - 1)
-        accepted = common_prefix(draft.tokens, answer[i:])
-        draft_length.observe(draft.depth, accepted)
-        drafter.update(answer[i : i + accepted + 1])
-        i += accepted + 1
-        passes.append((len(draft), accepted))
-    return passes

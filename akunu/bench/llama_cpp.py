@@ -1,4 +1,5 @@
-"""llama.cpp's plain greedy decoding (through `llama-cpp-python`) as a benchmark method, when it is installed.
+"""llama.cpp (through `llama-cpp-python`), when it is installed: its plain greedy decoding as a benchmark method,
+and its teacher-forced predictions on a text (`akunu bench llama-cpp`).
 
 It reads the same GGUF file as akunu and gets the same prompt ids, so both decode the same prompt;
 its tokens are timed by the same code as akunu's (`timed_tokens`). llama.cpp is never a dependency.
@@ -6,6 +7,7 @@ its tokens are timed by the same code as akunu's (`timed_tokens`). llama.cpp is 
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -13,6 +15,9 @@ from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
+
+from akunu.bench.agreement import CHUNK, Predictions
 from akunu.bench.runner import Run
 
 T = TypeVar("T")
@@ -102,3 +107,55 @@ class LlamaCppEngine:
                 n_threads_batch=self.threads, logits_all=False, seed=self.seed, verbose=False,
             )  # fmt: skip
         return self._llm
+
+
+def tokenize(path: Path, text: str) -> list[int]:
+    """llama.cpp's ids for `text` (special-token strings parsed, no BOS), from the file's vocabulary alone."""
+    return in_own_thread(lambda: _tokenize(path, text))
+
+
+def _tokenize(path: Path, text: str) -> list[int]:
+    import llama_cpp
+
+    logging.getLogger("llama-cpp-python").setLevel(logging.CRITICAL)  # llama.cpp's log of the load: our error says it
+    llama_cpp.llama_backend_init()
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True  # no weights and no context: nothing for llama.cpp to warn about
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise ValueError("its loader refused the file")
+    try:
+        data = text.encode()
+        buffer = (llama_cpp.llama_token * (len(data) + 8))()
+        count = llama_cpp.llama_tokenize(llama_cpp.llama_model_get_vocab(model), data, len(data), buffer, len(buffer),
+                                         False, True)  # fmt: skip
+        if count < 0:
+            raise ValueError(f"its tokenizer wants {-count} tokens' room for a text of {len(data)} bytes")
+        return list(buffer[:count])
+    finally:
+        llama_cpp.llama_model_free(model)
+
+
+def teacher_forced(path: Path, ids: list[int], threads: int | None = None) -> Predictions:
+    """llama.cpp's top token and the log-probability of the actual next token at every position of `ids` but the last."""
+    return in_own_thread(lambda: _teacher_forced(path, ids, threads or machine_threads()))
+
+
+def _teacher_forced(path: Path, ids: list[int], threads: int) -> Predictions:
+    from llama_cpp import Llama
+
+    # logits_all keeps a (context x vocabulary) float32 array: the context is sized to the text, no more
+    context = -(-len(ids) // CHUNK) * CHUNK
+    llm = Llama(model_path=str(path), n_ctx=context, n_batch=min(context, 512), logits_all=True, n_threads=threads,
+                n_threads_batch=threads, seed=0, verbose=False)  # fmt: skip
+    llm.eval(ids)
+    top, logprob = [], []
+    for start in range(0, len(ids) - 1, CHUNK):
+        stop = min(start + CHUNK, len(ids) - 1)
+        logits = np.asarray(llm.scores[start:stop], dtype=np.float64)
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        log_norm = np.log(np.exp(shifted).sum(axis=1))
+        next_ids = np.asarray(ids[start + 1 : stop + 1])
+        top.append(logits.argmax(axis=1))
+        logprob.append(shifted[np.arange(len(next_ids)), next_ids] - log_norm)
+    return Predictions(np.concatenate(top), np.concatenate(logprob))

@@ -90,7 +90,7 @@ static inline __attribute__((always_inline)) v16 lane_sums(const v16 v[16]) {
    of its k steps, from line `first` on. Line i is row i / steps of the tile, columns (i % steps) * 16
    on. Without this a tile's rows arrive only when its first row block asks for them, so a tile takes
    its memory time plus its compute time, not the larger of the two: 5 rows took 1.9x a 1-row
-   product, and 1.3x with it (scripts/kernel_rows.py, 2-core x86 with AVX-512; 9 rows 2.3x -> 1.7x). */
+   product, and 1.3x with it (akunu bench kernel --float32, 2-core x86 with AVX-512; 9 rows 2.3x -> 1.7x). */
 typedef struct {
   const float *W;
   int ldw, steps, lines, per_step, first;

@@ -1,0 +1,328 @@
+"""`akunu bench llama-cpp`, `kernel`, `memory` and `serve-load`: agreement with llama.cpp, the product kernels by
+rows, peak memory, and a concurrent load on `akunu serve`.
+
+The measuring lives in `akunu.bench` (agreement, llama_cpp, kernel_rows, memory, serve_load); this module
+parses options and prints. `register` adds the commands to `akunu bench`.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from akunu.cli import options, runtime
+from akunu.cli.bench_tables import print_header, table_console
+from akunu.cli.console import print_note, stderr_console
+from akunu.errors import AkunuError, ModelError, OptionsError
+
+LLAMA_CPP_EXAMPLES = """[bold]Examples[/]
+  akunu bench llama-cpp --model qwen2.5-coder-0.5b --dtype quantized   the shipped text, 1,640 tokens
+  akunu bench llama-cpp --model my-model.gguf --text notes.txt --tokens 512"""
+KERNEL_EXAMPLES = """[bold]Examples[/]
+  akunu bench kernel                              4, 5 and 8 bits by 1, 4, 16 and 33 rows
+  akunu bench kernel --bits 5,8 --centered --mlx   zero points at mid-range (Q5_0, Q8_0), beside MLX's product
+  akunu bench kernel --float32 --rows 1,2,5,9     the float32 decode kernel too"""
+MEMORY_EXAMPLES = """[bold]Examples[/]
+  akunu bench memory                               the default model
+  akunu bench memory --model qwen2.5-coder-0.5b --dtype float32"""
+SERVE_LOAD_EXAMPLES = """[bold]Examples[/]
+  akunu bench serve-load                                   starts akunu serve on loopback, 16 clients x 4 requests
+  akunu bench serve-load --base-url http://127.0.0.1:8080/v1 --clients 4"""
+
+
+def register(app: typer.Typer) -> None:
+    app.command("llama-cpp", epilog=LLAMA_CPP_EXAMPLES)(llama_cpp)
+    app.command("kernel", epilog=KERNEL_EXAMPLES)(kernel)
+    app.command("memory", epilog=MEMORY_EXAMPLES)(memory)
+    app.command("serve-load", epilog=SERVE_LOAD_EXAMPLES)(serve_load)
+
+
+# akunu bench llama-cpp -------------------------------------------------------------------------
+
+
+TextFile = Annotated[
+    Path | None, typer.Option(help="A UTF-8 text file to score. Default: the Declaration of Independence (shipped).")
+]
+Tokens = Annotated[
+    int, typer.Option(min=2, help="Score at most the text's first N tokens (and at most the model's context).")
+]
+
+
+def llama_cpp(
+    model: options.Model = None,
+    dtype: options.Dtype = options.WeightsDtype.auto,
+    text: TextFile = None,
+    tokens: Tokens = 2048,
+) -> None:
+    """Compare akunu with llama.cpp on one GGUF: next-token agreement and perplexity, teacher-forced over a text.
+
+    Both read llama.cpp's token ids for the text; at every position, is akunu's top token llama.cpp's, and what is each one's perplexity. Needs llama-cpp-python.
+    """
+    from akunu.bench import agreement
+    from akunu.bench import llama_cpp as llama
+
+    if llama.llama_cpp_version() is None:
+        raise AkunuError("akunu bench llama-cpp needs llama-cpp-python: pip install llama-cpp-python")
+    content, name = agreement.read_text(text)
+    loaded = runtime.load(model, dtype)
+    if loaded.path.suffix.lower() != ".gguf" or not loaded.path.is_file():
+        raise OptionsError(f"llama.cpp reads GGUF files; {loaded.name} is not one ({loaded.path})")
+    print_header(loaded, f"llama-cpp-python {llama.llama_cpp_version()} on {loaded.path.name}")
+    ids, theirs = _llama_cpp_predictions(loaded, content, name, tokens)
+    with stderr_console().status(f"akunu scoring {len(ids) - 1} positions…"):
+        result = agreement.compare(agreement.akunu_predictions(loaded.model, ids), theirs)
+    same = loaded.tokenizer.encode(content, add_bos=False)[: len(ids)] == ids
+    out = table_console()
+    out.print(f"text: {escape(name)}, {len(ids):,} tokens ({result.positions:,} positions); akunu's tokenizer "
+              + ("gives llama.cpp's ids" if same else "gives other ids"))  # fmt: skip
+    out.print(f"next-token agreement with llama.cpp: {result.share:.2%} ({result.agreed:,}/{result.positions:,})")
+    change = result.akunu_perplexity / result.llama_cpp_perplexity - 1
+    out.print(f"perplexity: akunu {result.akunu_perplexity:.4f}, llama.cpp {result.llama_cpp_perplexity:.4f}"
+              f" (akunu {change:+.2%})")  # fmt: skip
+
+
+def _llama_cpp_predictions(loaded, content: str, name: str, tokens: int):
+    """llama.cpp's ids for the text (at most `tokens`, and the context) and its predictions at each of them."""
+    from akunu.bench import agreement
+    from akunu.bench import llama_cpp as llama
+
+    try:
+        ids = llama.tokenize(loaded.path, content)[: min(tokens, loaded.context_length or tokens)]
+        if len(ids) < 2:
+            raise agreement.TextError(f"{name} is {len(ids)} token(s) long: scoring needs at least 2")
+        with stderr_console().status(f"llama.cpp scoring {len(ids) - 1} positions…"):
+            return ids, llama.teacher_forced(loaded.path, ids)
+    except AkunuError:
+        raise
+    except Exception as error:  # llama.cpp's loader raises ValueError, among others
+        raise ModelError(f"llama.cpp cannot read {loaded.path.name}: {error}") from None
+
+
+# akunu bench kernel ----------------------------------------------------------------------------
+
+
+def _counts(value: str) -> list[int]:
+    """A comma-separated list of positive integers."""
+    try:
+        counts = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{value!r} is not a comma-separated list of whole numbers") from None
+    if any(count < 1 for count in counts):
+        raise typer.BadParameter(f"{value!r}: every number must be at least 1")
+    return counts
+
+
+class ScaleType(str, Enum):
+    float32 = "float32"
+    float16 = "float16"
+
+
+# --bits and --rows arrive as text and leave their callback as lists of ints.
+Bits = Annotated[str, typer.Option(callback=_counts, help="Bit widths of quantized weights, comma-separated.")]
+Rows = Annotated[str, typer.Option(callback=_counts, help="Rows of x, comma-separated.")]
+Layers = Annotated[int, typer.Option(min=1, max=64, help="Sets of Qwen2.5-0.5B's layer products.")]
+Reps = Annotated[int, typer.Option(min=1, help="Repetitions; the best one counts.")]
+Scales = Annotated[ScaleType, typer.Option(help="The quantized weights' scales and biases.")]
+Centered = Annotated[
+    bool, typer.Option("--centered", help="Zero points at mid-range (GGUF's Q4_0, Q5_0, Q8_0): read without biases.")
+]
+Float32 = Annotated[bool, typer.Option("--float32", help="Also float32 weights (the float32 decode kernel).")]
+Mlx = Annotated[bool, typer.Option("--mlx", help="Also time MLX's own quantized_matmul on the same weights.")]
+CpuTime = Annotated[
+    bool, typer.Option("--cpu-time", help="Time the process's CPU seconds, not the wall clock (steadier when shared).")
+]
+
+
+def kernel(
+    bits: Bits = "4,5,8",
+    rows: Rows = "1,4,16,33",
+    layers: Layers = 4,
+    reps: Reps = 5,
+    scales: Scales = ScaleType.float32,
+    centered: Centered = False,
+    float32: Float32 = False,
+    mlx: Mlx = False,
+    cpu_time: CpuTime = False,
+) -> None:
+    """Time akunu's quantized x @ Wᵀ kernel by rows of x: milliseconds, and GB/s of weights read, against the copy bandwidth.
+
+    The weights are random, in Qwen2.5-0.5B's layer shapes, enough layers of them to stream from memory as in a decode step. Row counts above the kernel's limit time what a prefill does: dequantize, then one float32 product.
+    """
+    import time
+
+    from akunu.backends.cpu import quantized
+    from akunu.bench import kernel_rows as lib
+
+    if not bits and not float32:
+        raise OptionsError("nothing to time: give --bits or --float32")
+    lib.check_quantized(bits)  # before any weights are made
+    clock = time.process_time if cpu_time else time.perf_counter
+    layouts = [lambda b=b: lib.quantized_weights(b, layers, _mlx_dtype(scales), centered) for b in bits]
+    layouts += [lambda: lib.float32_weights(layers)] if float32 else []
+    timings = []
+    with stderr_console().status("timing the products…"):
+        bandwidth = lib.copy_bandwidth(clock)
+        for make in layouts:
+            weights = make()
+            timings += lib.time_rows(weights, rows, reps, mlx=mlx, clock=clock)
+            del weights  # one layout in memory at a time
+    out = table_console()
+    float32_kernel = (
+        "akunu's" if lib.float32_kernel_built() else "MLX's BLAS (akunu's float32 kernel is not built here)"
+    )
+    out.print(f"[bold]akunu bench kernel[/] · quantized products: {escape(quantized.describe())}"
+              + (f" · float32 products: {float32_kernel}" if float32 else ""))  # fmt: skip
+    out.print(f"[dim]{layers} layer(s) of Qwen2.5-0.5B's products · best of {reps} · "
+              f"{'CPU' if cpu_time else 'wall-clock'} time · copy bandwidth {bandwidth:.1f} GB/s (read + write)[/]")  # fmt: skip
+    out.print(_kernel_table(timings, mlx=mlx))
+
+
+def _mlx_dtype(scales: ScaleType):
+    import mlx.core as mx
+
+    return getattr(mx, scales.value)
+
+
+def _kernel_table(timings, *, mlx: bool) -> Table:
+    table = Table(title="x @ Wᵀ by rows of x")
+    for column in ("weights", "rows", "ms", "GB/s", "÷ 1 row", *(["MLX ms"] if mlx else [])):
+        table.add_column(column, justify="left" if column == "weights" else "right")
+    for t in timings:
+        ratio = "–" if t.per_one_row is None else f"{t.per_one_row:.2f}"
+        theirs = ["–" if t.mlx_seconds is None else f"{t.mlx_seconds * 1e3:.1f}"] if mlx else []
+        table.add_row(t.weights, str(t.rows), f"{t.seconds * 1e3:.2f}", f"{t.gigabytes_per_second:.1f}", ratio, *theirs)
+    return table
+
+
+# akunu bench memory ----------------------------------------------------------------------------
+
+
+GenerateTokens = Annotated[int, typer.Option("--max-tokens", min=1, help="New tokens of the greedy generate.")]
+
+
+def memory(
+    model: options.Model = None,
+    dtype: options.Dtype = options.WeightsDtype.auto,
+    max_tokens: GenerateTokens = 64,
+) -> None:
+    """Peak resident memory of loading a model and a short greedy generate, stage by stage, against the model's file size.
+
+    The peak is this process's; run one model per command.
+    """
+    import mlx.core as mx
+
+    from akunu.bench import memory as lib
+
+    mx.eval(mx.zeros(1))
+    stages = [lib.stage("imports")]
+    loaded = runtime.load(model, dtype)
+    stages.append(lib.stage("load"))
+    stats = lib.plain_generate(loaded, max_tokens)
+    stages.append(lib.stage("generate"))
+    out = table_console()
+    out.print(f"[bold]akunu bench memory[/] · model [bold]{escape(loaded.name)}[/] · dtype {loaded.dtype}"
+              f" [dim]({escape(str(loaded.dtype_reason))})[/]")  # fmt: skip
+    out.print(_stage_table(stages))
+    size, peak = lib.file_mib(loaded.path), stages[-1].peak_mib
+    on_disk = f"on disk {size:.0f} MiB, peak {peak / size:.2f}× that · " if size else ""
+    out.print(f"{on_disk}weights in memory {lib.weights_mib(loaded.model):.0f} MiB · "
+              f"decode {stats.decode_tps:.1f} tok/s ({stats.generated_tokens} tokens, plain greedy)")  # fmt: skip
+
+
+def _stage_table(stages) -> Table:
+    table = Table()
+    for column in ("after", "resident MiB", "peak MiB"):
+        table.add_column(column, justify="right")
+    for stage in stages:
+        resident = "–" if stage.resident_mib is None else f"{stage.resident_mib:.0f}"
+        table.add_row(stage.name, resident, f"{stage.peak_mib:.0f}")
+    return table
+
+
+# akunu bench serve-load ------------------------------------------------------------------------
+
+
+def _http_url(value: str | None) -> str | None:
+    if value is not None and not value.startswith(("http://", "https://")):
+        raise typer.BadParameter(f"{value!r} is not an http:// or https:// URL")
+    return value
+
+
+BaseUrl = Annotated[
+    str | None,
+    typer.Option(
+        callback=_http_url,
+        show_default=False,
+        help="A running server's API root, e.g. http://127.0.0.1:8080/v1. Default: start akunu serve on loopback.",
+    ),
+]
+# Not options.Model: AKUNU_MODEL already reaches a started server, and must not clash with --base-url.
+ServerModel = Annotated[
+    str | None,
+    typer.Option(
+        "--model", "-m", show_default=False, help="The model a started server loads (default: akunu serve's own)."
+    ),
+]
+Clients = Annotated[int, typer.Option(min=1, max=256, help="Clients sending at once.")]
+Requests = Annotated[int, typer.Option(min=1, help="Requests per client, one after another.")]
+AnswerTokens = Annotated[int, typer.Option("--max-tokens", min=1, help="New tokens per answer.")]
+ApiKey = Annotated[
+    str | None,
+    typer.Option(envvar="AKUNU_API_KEY", show_default=False, help="The server's API key, if it needs one."),
+]
+
+
+def serve_load(
+    base_url: BaseUrl = None,
+    model: ServerModel = None,
+    clients: Clients = 16,
+    requests: Requests = 4,
+    max_tokens: AnswerTokens = 32,
+    api_key: ApiKey = None,
+) -> None:
+    """Load-test akunu serve: clients send greedy chat requests all at once; each answer must equal the same request sent alone.
+
+    Prints latency percentiles and throughput; exits with status 1 if a request went unanswered or got another answer.
+    """
+    from akunu.bench import serve_load as lib
+
+    if base_url is not None and model is not None:
+        raise OptionsError("--model picks the model of a server this command starts; a --base-url server has its own")
+    process, log = None, None
+    try:
+        if base_url is None:
+            log = lib.server_log()
+            with stderr_console().status("starting akunu serve on loopback…"):
+                process, base_url = lib.start_server(model, queue_depth=clients, log=log)
+        with stderr_console().status(f"{clients} clients × {requests} requests, then each request alone…"):
+            result = lib.run(lib.Client(base_url, api_key), clients=clients, requests=requests, max_tokens=max_tokens)
+    finally:
+        if process is not None:
+            lib.stop_server(process)
+        if log is not None:
+            log.close()
+    _print_load(result, base_url, max_tokens)
+    if not result.passed:
+        raise typer.Exit(1)
+
+
+def _print_load(result, base_url: str, max_tokens: int) -> None:
+    out = table_console()
+    out.print(f"[bold]akunu bench serve-load[/] · {escape(base_url)} · {result.clients} clients · "
+              f"{result.requests} requests of ≤ {max_tokens} tokens")  # fmt: skip
+    if result.latencies:
+        passes = "" if result.forward_passes is None else f" · {result.forward_passes} forward passes"
+        out.print(f"latency p50 {result.percentile(0.5):.2f} s, p95 {result.percentile(0.95):.2f} s, max "
+                  f"{max(result.latencies):.2f} s · {len(result.latencies) / result.wall_seconds:.2f} answers/s"
+                  f" over {result.wall_seconds:.1f} s{passes}")  # fmt: skip
+    answered = len(result.latencies) - len(result.mismatched)
+    out.print(f"{answered}/{result.requests} answered as when sent alone")
+    for line in result.failures[:5]:
+        print_note(f"no answer: {line}")
+    for c, r in result.mismatched[:5]:
+        print_note(f"client {c}, request {r}: its answer under load differs from the same request sent alone")
