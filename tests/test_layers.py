@@ -101,7 +101,11 @@ def _engine(name: str) -> bool:
 
 # (which modules, the imports they must not have, why)
 RULES = [
-    (_engine, ("akunu.cli", "akunu.models", "akunu.bench", "typer", "rich"), "the engine loads no model and has no face"),
+    (
+        _engine,
+        ("akunu.cli", "akunu.models", "akunu.bench", "typer", "rich"),
+        "the engine loads no model and has no face",
+    ),
     (lambda name: name.startswith("akunu.bench"), ("akunu.cli", "typer", "rich"), "bench is a library under the CLI"),
     (
         lambda name: name.startswith("akunu.models"),
