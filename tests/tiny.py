@@ -36,8 +36,8 @@ def tiny_llama(
     return model
 
 
-def tiny_gemma3(vocab: int = 64, layers: int = 4, window: int = 8, seed: int = 0, hidden: int = 32):
-    """A random Gemma-3 with a short sliding window, so tests cross it quickly."""
+def tiny_gemma3(vocab: int = 64, layers: int = 2, window: int = 8, seed: int = 0, hidden: int = 32):
+    """A random Gemma-3 with a short sliding window, so tests cross it quickly; with 2 layers one slides (pattern 2)."""
     mx.random.seed(seed)
     args = gemma3_text.ModelArgs(
         model_type="gemma3_text",
