@@ -116,16 +116,18 @@ def check_same_vocabulary(target, draft, draft_name: str) -> None:
 def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft_name: str) -> None:
     """Refuse a draft model whose token texts differ from the target's (a check that needs no weights)."""
     target_vocab, draft_vocab = vocabulary_of(target_tokenizer), vocabulary_of(draft_tokenizer)
-    if target_vocab is not None and draft_vocab is not None and target_vocab != draft_vocab:
-        first = (
-            next(i for i, (a, b) in enumerate(zip(target_vocab, draft_vocab)) if a != b)
-            if len(target_vocab) == len(draft_vocab)
-            else min(len(target_vocab), len(draft_vocab))
-        )
+    if target_vocab is None or draft_vocab is None or target_vocab == draft_vocab:
+        return
+    if len(target_vocab) != len(draft_vocab):
         raise OptionsError(
-            f"draft model {draft_name} uses a different tokenizer (token {first} differs); "
-            "a draft model must use the same tokenizer as the target"
+            f"draft model {draft_name} has a vocabulary of {len(draft_vocab)} tokens but the target has "
+            f"{len(target_vocab)}; a draft model must use the same tokenizer"
         )
+    first = next(i for i, (a, b) in enumerate(zip(target_vocab, draft_vocab)) if a != b)
+    raise OptionsError(
+        f"draft model {draft_name} uses a different tokenizer (token {first} differs); "
+        "a draft model must use the same tokenizer as the target"
+    )
 
 
 def weight_bytes(module: nn.Module) -> int:
