@@ -17,7 +17,6 @@ from akunu.drafters.layer_skip import layer_skip_drafter
 from akunu.drafters.lookup import LookupDrafter
 from akunu.drafters.ngram_cache import CachedNGramDrafter, NGramCache
 from akunu.drafters.suffix import SuffixDrafter
-from akunu.drafters.tree import NGramTreeDrafter
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from tests.fakes import FakeTokenizer
 from tests.stats_tools import PROMPT, SETTINGS, exact_model_probs, fits, resample_from_p_on_rejection
@@ -42,17 +41,16 @@ def drafters(target, params):
         "lookup": LookupDrafter(min_match=1),  # one-token matches, so it drafts on this short prompt
         "ngram": NGramDrafter(),  # the tables alone
         "suffix": SuffixDrafter(min_match=1),  # one-token matches, so it drafts on this short prompt
-        "suffix+ngram": HybridDrafter(SuffixDrafter(min_match=2), NGramDrafter()),
-        "tree": NGramTreeDrafter(max_nodes=6),  # through the one decode loop (test_tree_sampling checks it too)
     }
 
 
 # Drafters that sample (and hand over q) at both settings; table drafters propose one-hot drafts, which both
-# settings verify alike, so the filtered one (top-k, top-p and min-p over a temperature) covers them. Trees at
-# temp 1 are test_tree_sampling.py's, on a prompt where they branch (the same generate, drafter and loop).
+# settings verify alike, so the filtered one (top-k, top-p and min-p over a temperature) covers them. The default
+# suffix+ngram is test_speculative_sampling.py's engine test, and trees are test_tree_sampling.py's, on a prompt
+# where they branch (the same generate and loop).
 CASES = [
     pytest.param(kind, params, id=f"{kind}-{name}")
-    for kind in ["model", "layer-skip", "hybrid-model", "lookup", "ngram", "suffix", "suffix+ngram", "tree"]
+    for kind in ["model", "layer-skip", "hybrid-model", "lookup", "ngram", "suffix"]
     for name, params in zip(["temp1", "temp0.7-topk-topp-minp"], SETTINGS)
     if kind in ("model", "layer-skip", "hybrid-model") or name != "temp1"
 ]
