@@ -70,12 +70,14 @@ class _StopStrings:
         self.stops = [s for s in stops if s]
         self.pending = ""
 
-    def feed(self, text: str) -> tuple[str, bool]:
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """The text decided so far, and the stop string it ended on (None while none is found)."""
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(at, stop) for stop in self.stops if (at := self.pending.find(stop)) >= 0]
         if hits:
-            out, self.pending = self.pending[: min(hits)], ""
-            return out, True
+            at, stop = min(hits)
+            out, self.pending = self.pending[:at], ""
+            return out, stop
         hold = max(
             (
                 k
@@ -87,7 +89,7 @@ class _StopStrings:
         )
         out = self.pending[: len(self.pending) - hold]
         self.pending = self.pending[len(out) :]
-        return out, False
+        return out, None
 
     def flush(self) -> str:
         out, self.pending = self.pending, ""
@@ -156,7 +158,7 @@ def stream_generate(
     )  # fmt: skip
 
     detokenizer, stops = tokenizer.detokenizer(), _StopStrings(config.stop)
-    decode_start, hit_stop_string = None, False
+    decode_start = None
     for token, from_draft in tokens:
         now = time.perf_counter()
         if decode_start is None:
@@ -167,9 +169,9 @@ def stream_generate(
         if token in tokenizer.eos_ids:
             stats.finish_reason, stats.ended_on_eos = "stop", True
             break
-        text, stopped = stops.feed(detokenizer.add(token))
-        if stopped:
-            stats.finish_reason, hit_stop_string = "stop", True
+        text, stats.stop_string = stops.feed(detokenizer.add(token))
+        if stats.stop_string is not None:
+            stats.finish_reason = "stop"
         elif stats.generated_tokens + 1 >= budget:
             stats.finish_reason = "length"
         stats.generated_tokens += 1  # counted as it is handed over, so an interrupt never over-counts
@@ -178,7 +180,7 @@ def stream_generate(
         if stats.finish_reason:
             break
     tail = ""
-    if not hit_stop_string:  # text after a stop string is dropped; anything else still pending is emitted
+    if stats.stop_string is None:  # text after a stop string is dropped; anything else still pending is emitted
         tail = stops.feed(detokenizer.flush())[0] + stops.flush()
     yield GenerationResponse(tail, None, False, stats.snapshot(), stats.finish_reason)
 

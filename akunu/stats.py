@@ -24,6 +24,7 @@ class GenerationStats:
     peak_memory_mb: float = 0.0
     finish_reason: str | None = None
     ended_on_eos: bool = False  # the model's end token was produced (and not counted as generated)
+    stop_string: str | None = None  # the stop string that ended the answer, if one did
 
     def snapshot(self) -> GenerationStats:
         """A copy that later rounds leave alone (each streamed response carries its own)."""

@@ -45,7 +45,7 @@ def serve(
             envvar="AKUNU_API_KEY",
             show_default=False,
             rich_help_panel=SERVER_PANEL,
-            help="Require 'Authorization: Bearer KEY' on every request.",
+            help="Require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY') on every request.",
         ),
     ] = None,
     queue_depth: Annotated[
@@ -53,7 +53,7 @@ def serve(
         typer.Option(
             min=0,
             rich_help_panel=SERVER_PANEL,
-            help="Requests that may wait behind the running one; more get 429 with Retry-After.",
+            help="Requests that may wait behind the running one; more get 429 (529 on /v1/messages) with Retry-After.",
         ),
     ] = 32,
     max_body: Annotated[
@@ -85,7 +85,8 @@ def serve(
     draft_model: options.DraftModel = None,
     tree: options.Tree = None,
 ) -> None:
-    """Serve a model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions, /v1/models, /health.
+    """Serve a model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics (Prometheus);
+    and Anthropic's: /v1/messages, /v1/messages/count_tokens.
 
     Requests run one at a time in arrival order; each response carries `usage` and an `akunu` object with the speculative statistics.
     """

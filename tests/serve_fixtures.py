@@ -22,6 +22,21 @@ from akunu.cli.server import Worker
 USER = [{"role": "user", "content": "write the alphabet"}]
 
 
+class SlowModel:
+    """The tiny model, `delay` seconds slower per forward pass, counting its passes."""
+
+    def __init__(self, model, delay: float) -> None:
+        self.model, self.delay, self.calls = model, delay, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        time.sleep(self.delay)
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
 @dataclass
 class Running:
     base_url: str  # http://127.0.0.1:PORT
@@ -30,6 +45,12 @@ class Running:
 
     def client(self, api_key: str = "none", **kwargs) -> OpenAI:
         return OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, timeout=60, **kwargs)
+
+    def anthropic(self, api_key: str = "none", **kwargs):
+        """The official `anthropic` client on this server (it sends the key as `Authorization: Bearer`)."""
+        from anthropic import Anthropic  # only the Anthropic tests pay for its import
+
+        return Anthropic(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=60, **kwargs)
 
     def wait_idle(self, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout

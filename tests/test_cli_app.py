@@ -41,9 +41,10 @@ def test_every_command_has_help_with_examples(command):
 # (akunu.backends, akunu.backends.cpu, akunu.backends.cpu.blas) and the drafters' spec strings (akunu.drafters.specs).
 NOT_AT_START = (
     *("mlx", "mlx_lm", "numpy", "transformers", "tokenizers", "gguf", "jinja2", "llguidance", "huggingface_hub"),
-    *("uvicorn", "starlette", "openai"),
+    *("uvicorn", "starlette", "openai", "prometheus_client", "anthropic"),
     *("akunu.models", "akunu.generate", "akunu.decode", "akunu.kv_cache", "akunu.sampling", "akunu.verify"),
     *("akunu.cost_curve", "akunu.logprobs", "akunu.grammar", "akunu.exact", "akunu.bench"),
+    *("akunu.forward", "akunu.prompt_cache"),
     *("akunu.cli.bench", "akunu.cli.server"),
 )
 AT_START = {"akunu.backends", "akunu.backends.cpu", "akunu.backends.cpu.blas", "akunu.drafters", "akunu.drafters.specs"}

@@ -14,27 +14,12 @@ from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import common_prefix
 from akunu.sampling import SamplingParams
 from tests.fakes import make_loaded
-from tests.serve_fixtures import USER, raw_request
+from tests.serve_fixtures import USER, SlowModel, raw_request
 from tests.tiny import tiny_llama
 
 
 def chat_ids(loaded, messages) -> list[int]:
     return loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template(messages))
-
-
-class SlowModel:
-    """The tiny model, `delay` seconds slower per forward pass, counting its passes."""
-
-    def __init__(self, model, delay: float) -> None:
-        self.model, self.delay, self.calls = model, delay, 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        time.sleep(self.delay)
-        return self.model(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
 
 
 def test_chat_answers_as_the_engine_does_with_usage_and_speculative_stats(fake_engine, serve):

@@ -11,21 +11,14 @@ import math
 
 import pytest
 
-from tests.fakes import make_loaded
-from tests.scripted import CharTokenizer, ScriptedModel
+from tests.scripted import ScriptedModel
 from tests.serve_fixtures import USER
-from tests.tiny import tiny_llama
-from tests.tool_script import ASK, CALL, FINAL, QWEN_TEMPLATE, TURN, WEATHER_TOOL, script
+from tests.tool_script import ASK, CALL, FINAL, TURN, WEATHER_TOOL, scripted_qwen
 
 
 @pytest.fixture
 def scripted(fake_engine):
-    tokenizer = CharTokenizer(QWEN_TEMPLATE)
-    fake_engine.loaded = make_loaded(
-        model=ScriptedModel(tiny_llama(vocab=tokenizer.vocab_size, seed=4), tokenizer, TURN, script),
-        context_length=4096,
-    )
-    fake_engine.loaded.tokenizer = tokenizer
+    fake_engine.loaded = scripted_qwen()
     return fake_engine
 
 

@@ -1,5 +1,6 @@
 """A scripted weather-tool conversation behind Qwen 2.5's real chat template: what the scripted assistant
-writes, and the request pieces the server tests send (tests/test_serve_tools.py, tests/test_serve_probe.py)."""
+writes, and the request pieces the server tests send (tests/test_serve_tools.py, tests/test_serve_probe.py,
+tests/test_serve_anthropic.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ FINAL = "It is 21 C and sunny in Paris."
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
 ASK = [{"role": "user", "content": [{"type": "text", "text": "What is the weather in Paris?"}]}]
+ANTHROPIC_TOOL = {"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER_TOOL["function"]["parameters"]}  # fmt: skip
 
 
 def script(conversation: str) -> str:
@@ -21,3 +23,17 @@ def script(conversation: str) -> str:
     if "# Tools" in conversation and "weather in Paris?" in conversation:
         return CALL
     return "Hello there."
+
+
+def scripted_qwen():
+    """A loaded model for `fake_engine.loaded`: the tiny llama with its answers scripted by `script`, behind a
+    character tokenizer and Qwen 2.5's template, so the server sees exactly what Qwen would write."""
+    from tests.fakes import make_loaded
+    from tests.scripted import CharTokenizer, ScriptedModel
+    from tests.tiny import tiny_llama
+
+    tokenizer = CharTokenizer(QWEN_TEMPLATE)
+    model = ScriptedModel(tiny_llama(vocab=tokenizer.vocab_size, seed=4), tokenizer, TURN, script)
+    loaded = make_loaded(model=model, context_length=4096)
+    loaded.tokenizer = tokenizer
+    return loaded

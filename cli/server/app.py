@@ -1,4 +1,4 @@
-"""The Starlette app: OpenAI routes over the worker, server-sent events, errors as OpenAI error objects."""
+"""The Starlette app: OpenAI and Anthropic routes over the worker, server-sent events, errors in each API's shape."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import time
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from akunu.cli.server import tool_calls
+from akunu.cli.server import anthropic_api, tool_calls
+from akunu.cli.server.metrics import RequestCounter, note_failure
 from akunu.cli.server.openai_api import (
     ApiError,
     chunk_body,
@@ -48,6 +49,7 @@ class EventChannel:
                 return
 
 
+PROBES = ("/health", "/metrics")  # read by load balancers and Prometheus: no API key, not counted as requests
 DEFAULT_MAX_BODY = 4 * 1024 * 1024  # bytes: far beyond any context's worth of JSON
 
 
@@ -70,41 +72,16 @@ def create_app(
 
     async def generate(request: Request, parse):
         body = await _json_body(request, max_body)
-        if body.get("model") not in (None, model_name):
-            raise ApiError(404, f"the model '{body['model']}' is not served here; this server has '{model_name}'",
-                           param="model", code="model_not_found")  # fmt: skip
+        _check_model(body, model_name)
         # Tokenizing and compiling a grammar take long enough to stall every other request: off the loop.
         parsed = await asyncio.to_thread(parse, body, worker.loaded, base_config)
-        channel, request_id = EventChannel(), new_id(parsed.kind)
-        job = Job(parsed.prompt_ids, parsed.config, channel.emit, label=f"{request_id} {request.url.path}",
-                  constraint=parsed.constraint, grammar_param=parsed.grammar_param)  # fmt: skip
-        try:
-            worker.submit(job)
-        except QueueFull as full:
-            raise ApiError(429, str(full), kind="rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": str(full.retry_after)}) from None  # fmt: skip
+        request_id = new_id(parsed.kind)
+        events = _submitted(request, worker, parsed, request_id)
         if parsed.stream:
             answer = Answer(parsed, worker.loaded.tokenizer)
-            events = _server_sent_events(
-                parsed, answer, request_id, model_name, _until_disconnect(request, job, channel)
-            )
-            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        pieces, final = [], None
-        async for event in _until_disconnect(request, job, channel):
-            if isinstance(event, Piece):
-                pieces.append(event)
-            else:
-                final = event
-        if isinstance(final, Failed):
-            raise (
-                ApiError(400, final.message, param=final.param)
-                if final.client_error
-                else ApiError(500, final.message, kind="server_error")
-            )
-        text = "".join(piece.text for piece in pieces)
-        cut = final.finish_reason == "length"
-        content, calls = tool_calls.parse(parsed.family, text, cut=cut) if _reads_calls(parsed) else (text, [])
-        calls = calls if parsed.tools is None or parsed.tools.parallel else calls[:1]
+            return _event_stream(_server_sent_events(parsed, answer, request_id, model_name, events))
+        pieces, final = await _gathered(events)
+        content, calls = _read_answer(parsed, pieces, final)
         logprobs = logprobs_body(parsed.kind, [e for piece in pieces for e in piece.logprobs], worker.loaded.tokenizer)
         finish = finish_reason(final.finish_reason, bool(calls))
         return JSONResponse(
@@ -112,6 +89,26 @@ def create_app(
                 parsed.kind, request_id, model_name, content, finish, final.stats, tool_calls=calls, logprobs=logprobs
             )
         )
+
+    async def messages(request: Request):
+        """Anthropic's Messages API, run as the chat request it translates to (anthropic_api.py)."""
+        body = await _json_body(request, max_body)
+        _check_model(body, model_name)
+        parsed = await asyncio.to_thread(anthropic_api.parse_messages, body, worker.loaded, base_config)
+        message_id = anthropic_api.new_message_id()
+        events = _submitted(request, worker, parsed.chat, message_id)
+        if parsed.chat.stream:
+            answer = Answer(parsed.chat, worker.loaded.tokenizer)
+            return _event_stream(anthropic_api.message_events(parsed, answer, message_id, model_name, events))
+        pieces, final = await _gathered(events)
+        content, calls = _read_answer(parsed.chat, pieces, final)
+        return JSONResponse(anthropic_api.message_body(parsed, message_id, model_name, content, calls, final))
+
+    async def count_tokens(request: Request):
+        body = await _json_body(request, max_body)
+        _check_model(body, model_name)
+        count = await asyncio.to_thread(anthropic_api.count_tokens, body, worker.loaded)
+        return JSONResponse({"input_tokens": count})
 
     async def models(request: Request):
         return JSONResponse(
@@ -125,18 +122,28 @@ def create_app(
             "prompt_cache": {"slots": worker.cache_slots, "used": len(worker.pool.caches)},
         })  # fmt: skip
 
+    async def prometheus_metrics(request: Request):
+        body, content_type = worker.metrics.exposition()
+        return Response(body, media_type=content_type)
+
     started = int(time.time())
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", prometheus_metrics, methods=["GET"]),
     ]
     handlers = {ApiError: _api_error, HTTPException: _http_error, ClientLeft: _client_left, Exception: _internal_error}
     app = Starlette(routes=routes, exception_handlers=handlers)
     app.state.worker = worker
     if api_key:
-        app.add_middleware(_BearerAuth, api_key=api_key)
+        app.add_middleware(_KeyAuth, api_key=api_key)
+    counted = [route.path for route in routes if route.path not in PROBES]
+    worker.metrics.expect_endpoints(counted)
+    app.add_middleware(RequestCounter, metrics=worker.metrics, endpoints=counted)  # outermost: 401s count too
     return app
 
 
@@ -181,10 +188,60 @@ async def _until_disconnect(request: Request, job: Job, channel: EventChannel):
     watcher = asyncio.create_task(watch())
     try:
         async for event in channel:
+            if isinstance(event, Failed):
+                note_failure(request.scope, event.client_error)
             yield event
     finally:
         watcher.cancel()
         job.cancel()  # a no-op once the job is done; stops it if this stream was abandoned
+
+
+def _check_model(body: dict, model_name: str) -> None:
+    if body.get("model") not in (None, model_name):
+        raise ApiError(404, f"the model '{body['model']}' is not served here; this server has '{model_name}'",
+                       param="model", code="model_not_found")  # fmt: skip
+
+
+def _submitted(request: Request, worker: Worker, parsed, request_id: str):
+    """Queue the job for a parsed request (a full queue is a 429); its events, until the client leaves."""
+    channel = EventChannel()
+    job = Job(parsed.prompt_ids, parsed.config, channel.emit, label=f"{request_id} {request.url.path}",
+              constraint=parsed.constraint, grammar_param=parsed.grammar_param)  # fmt: skip
+    try:
+        worker.submit(job)
+    except QueueFull as full:
+        raise ApiError(429, str(full), kind="rate_limit_error", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(full.retry_after)}) from None  # fmt: skip
+    return _until_disconnect(request, job, channel)
+
+
+async def _gathered(events) -> tuple[list[Piece], Finished]:
+    """A whole answer's pieces and how it finished; a failure is raised as the error it is."""
+    pieces, final = [], None
+    async for event in events:
+        if isinstance(event, Piece):
+            pieces.append(event)
+        else:
+            final = event
+    if isinstance(final, Failed):
+        raise (
+            ApiError(400, final.message, param=final.param)
+            if final.client_error
+            else ApiError(500, final.message, kind="server_error")
+        )
+    return pieces, final
+
+
+def _read_answer(parsed, pieces: list[Piece], final: Finished) -> tuple[str | None, list]:
+    """A whole answer's content and tool calls."""
+    text = "".join(piece.text for piece in pieces)
+    cut = final.finish_reason == "length"
+    content, calls = tool_calls.parse(parsed.family, text, cut=cut) if _reads_calls(parsed) else (text, [])
+    return content, calls if parsed.tools is None or parsed.tools.parallel else calls[:1]
+
+
+def _event_stream(events) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def finish_reason(engine_reason: str, made_calls: bool) -> str:
@@ -258,24 +315,33 @@ async def _server_sent_events(parsed, answer: Answer, request_id: str, model: st
     yield "data: [DONE]\n\n"
 
 
-class _BearerAuth:
-    """Every request but /health needs `Authorization: Bearer KEY` (compared in constant time)."""
+class _KeyAuth:
+    """Every request but the PROBES needs the key, as `Authorization: Bearer KEY` or as Anthropic's
+    `x-api-key: KEY` (compared in constant time)."""
 
     def __init__(self, app, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.bearer, self.key = app, f"Bearer {api_key}".encode(), api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":  # load balancers probe without a key
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = ApiError(401, "a valid API key is needed: send 'Authorization: Bearer KEY'",
+        if scope["type"] == "http" and scope["path"] not in PROBES:  # probed without a key; they hold no text
+            headers = dict(scope["headers"])
+            bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.bearer)
+            if not (hmac.compare_digest(headers.get(b"x-api-key", b""), self.key) or bearer):
+                error = ApiError(401, "a valid API key is needed: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
                                  kind="invalid_request_error", code="invalid_api_key")  # fmt: skip
-                return await (await _api_error(None, error))(scope, receive, send)
+                return await _error_response(scope["path"], error)(scope, receive, send)
         await self.app(scope, receive, send)
 
 
 async def _api_error(request, error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+    return _error_response(request.url.path, error)
+
+
+def _error_response(path: str, error: ApiError) -> JSONResponse:
+    """The error in the shape of the API the path belongs to."""
+    is_anthropic = anthropic_api.is_anthropic(path)
+    status, body = anthropic_api.error_answer(error) if is_anthropic else (error.status, error.body())
+    return JSONResponse(body, status_code=status, headers=error.headers)
 
 
 async def _http_error(request, error: HTTPException) -> JSONResponse:

@@ -64,33 +64,26 @@ GREEDY_BELOW = 1e-5  # a temperature this small is greedy: dividing logits by it
 
 
 def parse_chat(body: dict, loaded, base_config) -> ParsedRequest:
-    from akunu.cli.conversation import PLAIN_USER_PREFIX, Conversation
-
     check_text(body)
     messages = _messages(body.get("messages"))
-    _check_fits([m["content"] for m in messages], loaded.context_length, "messages")
     try:
         tools = tool_request(body)
     except ToolRequestError as error:
         raise ApiError(400, str(error), param=error.param) from None
+    return chat_request(body, messages, tools, loaded, base_config)
+
+
+def chat_request(body: dict, messages: list[dict], tools: ToolRequest | None, loaded, base_config, *,
+                 stops: tuple[str, ...] = ()) -> ParsedRequest:  # fmt: skip
+    """A chat whose messages (as `_message` reads them) and tools are read already; `body` holds the
+    generation options under OpenAI's names; `stops` are more stop strings (another API's)."""
+    from akunu.cli.conversation import PLAIN_USER_PREFIX
+
     tokenizer = loaded.tokenizer
-    if tools and not tokenizer.has_chat_template:
-        raise ApiError(400, "this model has no chat template to offer tools through", param="tools")
-    system = "\n\n".join(m["content"] for m in messages if m["role"] == "system") or None
-    conversation = Conversation(system=system, turns=[m for m in messages if m["role"] != "system"])
-    try:
-        if tools:
-            _check_template_takes_tools(tokenizer, conversation.messages(), tools)
-            prompt_ids = tokenizer.encode_chat(conversation.messages(), tools=tools.template_tools())
-        else:
-            prompt_ids = conversation.prompt_ids(tokenizer)
-    except ApiError:
-        raise
-    except Exception as error:  # noqa: BLE001  (a chat template may reject a message order)
-        raise ApiError(400, f"the chat template cannot render these messages: {error}", param="messages") from None
+    prompt_ids = chat_prompt_ids(messages, tools, loaded)
     # Without a chat template the conversation is a transcript: stop where the user's next line would begin.
     extra_stop = () if tokenizer.has_chat_template else (PLAIN_USER_PREFIX,)
-    parsed = _parsed(CHAT, body, loaded, base_config, prompt_ids, extra_stop)
+    parsed = _parsed(CHAT, body, loaded, base_config, prompt_ids, (*stops, *extra_stop))
     family = family_of(getattr(tokenizer, "chat_template", None))
     forced = _grammar("tools", tools.forced, family) if tools else None
     if forced is not None:
@@ -105,6 +98,27 @@ def parse_chat(body: dict, loaded, base_config) -> ParsedRequest:
             parsed, config=dataclasses.replace(parsed.config, grammar=grammar), grammar_param="tools"
         )
     return compiled(dataclasses.replace(parsed, tools=tools, family=family), tokenizer)
+
+
+def chat_prompt_ids(messages: list[dict], tools: ToolRequest | None, loaded) -> list[int]:
+    """The prompt the model's chat template makes of these messages and tools; a 400 when it cannot."""
+    from akunu.cli.conversation import Conversation
+
+    _check_fits([m["content"] for m in messages], loaded.context_length, "messages")
+    tokenizer = loaded.tokenizer
+    if tools and not tokenizer.has_chat_template:
+        raise ApiError(400, "this model has no chat template to offer tools through", param="tools")
+    system = "\n\n".join(m["content"] for m in messages if m["role"] == "system") or None
+    conversation = Conversation(system=system, turns=[m for m in messages if m["role"] != "system"])
+    try:
+        if tools:
+            _check_template_takes_tools(tokenizer, conversation.messages(), tools)
+            return tokenizer.encode_chat(conversation.messages(), tools=tools.template_tools())
+        return conversation.prompt_ids(tokenizer)
+    except ApiError:
+        raise
+    except Exception as error:  # noqa: BLE001  (a chat template may reject a message order)
+        raise ApiError(400, f"the chat template cannot render these messages: {error}", param="messages") from None
 
 
 def _check_template_takes_tools(tokenizer, messages: list[dict], tools: ToolRequest) -> None:

@@ -313,6 +313,9 @@ class CallStream:
 # --- the request's side -------------------------------------------------------------------------
 
 
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # the names tools may have, in either API
+
+
 class ToolRequestError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
@@ -368,7 +371,7 @@ def tool_request(body: dict) -> ToolRequest | None:
 def _function(tool, i: int) -> dict:
     function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
     name = function.get("name") if isinstance(function, dict) else None
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
         raise ToolRequestError(f"tools[{i}] must be {{type: function, function: {{name, parameters}}}} with a name of "
                                "at most 64 letters, digits, '_', '.' or '-'", f"tools[{i}]")  # fmt: skip
     if not isinstance(function.get("parameters", {}), dict) or not isinstance(function.get("description", ""), str):

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from akunu.cli.server.metrics import ServerMetrics
 from akunu.errors import AkunuError
 
 log = logging.getLogger("akunu.serve")
@@ -117,6 +118,7 @@ class Worker:
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._recent_seconds: list[float] = []
+        self.metrics = ServerMetrics(waiting=lambda: self.waiting, running=lambda: self.running)
         self._thread = threading.Thread(target=self._loop, name="akunu-mlx", daemon=True)
 
     def start(self):
@@ -176,10 +178,11 @@ class Worker:
             log.info("%s cancelled while queued", job.label)
             return
         cache = self.pool.checkout(job.prompt_ids)
-        stats, finish = None, None
+        stats, finish, first_response = None, None, None
         try:
             for response in self._run_job(self.loaded, job, cache, self.costs):
                 stats, finish = response.stats, response.finish_reason or finish
+                first_response = first_response or time.perf_counter()  # after the first token (an end token too)
                 if response.text or response.logprobs:
                     job.emit(Piece(response.text, (response.logprobs,) if response.logprobs else ()))
                 if job.cancelled.is_set():  # checked per token, so at most the pass in flight is wasted
@@ -197,6 +200,7 @@ class Worker:
             job.emit(Failed("the generation failed; see the server log", client_error=False))
             return
         snapshot = dataclasses.replace(stats)  # the worker's copy keeps changing if the slot is reused
+        self.metrics.generation_finished(snapshot, first_response - job.submitted)  # before the client hears it is done
         job.emit(Finished(snapshot, finish or "stop"))
         log.info("%s · %s · queued %.2f s", job.label, _summary(snapshot, finish), waited)
 
