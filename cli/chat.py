@@ -92,19 +92,31 @@ def chat(
         text_input.check_length(system, text_input.text_limit(loaded.context_length), "--system")
     if load:
         conversation.check_continues(loaded.tokenizer, load)
-    session = ChatSession(loaded, config, conversation, ChatView(), save_path=save)
+    disk = None
+    if save or load:  # a conversation kept on disk keeps its KV cache there too (akunu.disk_cache)
+        from akunu.disk_cache import open_store
+
+        disk = open_store(loaded.model, loaded.name, loaded.path, loaded.dtype)
+    session = ChatSession(loaded, config, conversation, ChatView(), save_path=save, disk=disk)
     session.greet(loaded_from=load)
-    session.run()
+    try:
+        session.run()
+    finally:
+        if disk is not None:
+            disk.close()
 
 
 class ChatSession:
     """The conversation, the prompt cache that mirrors it, and the slash commands."""
 
-    def __init__(self, loaded, config, conversation: Conversation, view: ChatView, *, save_path: Path | None = None):
+    def __init__(
+        self, loaded, config, conversation: Conversation, view: ChatView, *, save_path: Path | None = None, disk=None
+    ):
+        """`disk`: the prompt caches on disk (akunu.disk_cache.DiskPromptCache) a resumed conversation starts from."""
         from akunu.prompt_cache import PromptCache
 
         self.loaded, self.config, self.conversation, self.view = loaded, config, conversation, view
-        self.save_path = save_path
+        self.save_path, self.disk = save_path, disk
         self.prompt_cache = PromptCache(loaded.model)
         self.last_stats, self.last_finish = None, None
         self.totals = {"answers": 0, "generated": 0, "prefilled": 0}
@@ -173,6 +185,8 @@ class ChatSession:
         self.conversation.add("user", text)
         try:
             prompt_ids = self._prompt_ids()
+            if self.disk is not None:
+                self.disk.restore(self.prompt_cache, prompt_ids)
             responses = runtime.stream(
                 self.loaded, prompt_ids, self.config, prompt_cache=self.prompt_cache, costs=self._costs_now()
             )
@@ -194,6 +208,8 @@ class ChatSession:
         self.totals["answers"] += 1
         self.totals["generated"] += answer.stats.generated_tokens
         self.totals["prefilled"] += answer.stats.prefilled_tokens
+        if self.disk is not None:
+            self.disk.save(self.prompt_cache, prompt_ids)
         if self.save_path:
             self._autosave()
 

@@ -71,6 +71,14 @@ def serve(
             help="KV caches kept for recent conversations (LRU), each at most the context long.",
         ),
     ] = 4,
+    disk_cache_size: Annotated[
+        str,
+        typer.Option(
+            rich_help_panel=SERVER_PANEL,
+            help="Disk space for prompt KV caches kept across restarts (in AKUNU_HOME/prompt_cache, LRU), "
+            "e.g. 2G or 500M; 0 turns the disk cache off.",
+        ),
+    ] = "2G",
     max_tokens: Annotated[
         int,
         typer.Option(
@@ -85,7 +93,7 @@ def serve(
     draft_model: options.DraftModel = None,
     tree: options.Tree = None,
 ) -> None:
-    """Serve a model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics (Prometheus);
+    """Serve a model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health, /metrics (Prometheus);
     and Anthropic's: /v1/messages, /v1/messages/count_tokens.
 
     Requests run one at a time in arrival order; each response carries `usage` and an `akunu` object with the speculative statistics.
@@ -101,6 +109,7 @@ def serve(
             "--api-key is empty; give a key, or leave the option (and AKUNU_API_KEY) out to serve without one"
         )
     body_limit = parse_size(max_body)
+    disk_limit = parse_size(disk_cache_size, "--disk-cache-size", least=0)
     check_port_free(host, port)  # before the model loads, which may take minutes
     if host not in LOOPBACK:
         print_note(
@@ -117,6 +126,7 @@ def serve(
         drafting.stream,
         max_waiting=queue_depth,
         cache_slots=cache_slots,
+        disk_cache=functools.partial(open_disk_cache, disk_limit) if disk_limit else None,
     )
     loaded = worker.start()
     configure_logging()
@@ -132,14 +142,14 @@ def serve(
         worker.stop()
 
 
-def parse_size(text: str) -> int:
-    """'4M', '512K' or a number of bytes."""
+def parse_size(text: str, option: str = "--max-body", least: int = 1) -> int:
+    """'4M', '512K', '2G' or a number of bytes, at least `least`."""
     units = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
     number, unit = text.strip().upper().removesuffix("B"), ""
     if number[-1:] in units:
         number, unit = number[:-1], number[-1]
-    if not number.isdigit() or int(number) * units[unit] < 1:
-        raise OptionsError(f"--max-body must be a size such as 4M, 512K or 100000 (got {text!r})")
+    if not number.isdigit() or int(number) * units[unit] < least:
+        raise OptionsError(f"{option} must be a size such as 4M, 512K or 100000 (got {text!r})")
     return int(number) * units[unit]
 
 
@@ -165,6 +175,13 @@ def load_for_serving(model, dtype, config, drafting: Drafting):
     loaded = runtime.load(model, dtype, draft_models=drafting.models())
     drafting.drafter(loaded, config)
     return loaded, runtime.costs_for(loaded, config)
+
+
+def open_disk_cache(limit: int, loaded):
+    """On the worker thread: the model's prompt caches on disk, or None for a model with state layers."""
+    from akunu.disk_cache import open_store
+
+    return open_store(loaded.model, loaded.name, loaded.path, loaded.dtype, limit)
 
 
 class Drafting:
@@ -197,12 +214,12 @@ class Drafting:
 
 def configure_logging() -> None:
     """One line per request on stderr (the `akunu.serve` logger)."""
-    logger = logging.getLogger("akunu.serve")
-    if not logger.handlers:
-        handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-        logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    for logger in map(logging.getLogger, ("akunu.serve", "akunu.disk_cache")):
+        if not logger.handlers:
+            handler = _StderrHandler()
+            handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+            logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 class _StderrHandler(logging.StreamHandler):

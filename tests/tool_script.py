@@ -1,6 +1,6 @@
 """A scripted weather-tool conversation behind Qwen 2.5's real chat template: what the scripted assistant
 writes, and the request pieces the server tests send (tests/test_serve_tools.py, tests/test_serve_probe.py,
-tests/test_serve_anthropic.py)."""
+tests/test_serve_anthropic.py, tests/test_serve_responses.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "descrip
                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
 ASK = [{"role": "user", "content": [{"type": "text", "text": "What is the weather in Paris?"}]}]
 ANTHROPIC_TOOL = {"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER_TOOL["function"]["parameters"]}  # fmt: skip
+RESPONSES_TOOL = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses API's flat function tool
 
 
 def script(conversation: str) -> str:

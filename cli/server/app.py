@@ -15,7 +15,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from akunu.cli.server import anthropic_api, tool_calls
+from akunu.cli.server import anthropic_api, responses_api, tool_calls
 from akunu.cli.server.metrics import RequestCounter, note_failure
 from akunu.cli.server.openai_api import (
     ApiError,
@@ -63,6 +63,7 @@ def create_app(
     """The app for a started worker; `base_config` holds the server's speculation settings and default max_tokens;
     request bodies over `max_body` bytes get a 413 before they are read whole."""
     model_name = worker.loaded.name
+    stored = responses_api.ResponseStore()  # for previous_response_id
 
     async def chat_completions(request: Request):
         return await generate(request, parse_chat)
@@ -104,6 +105,20 @@ def create_app(
         content, calls = _read_answer(parsed.chat, pieces, final)
         return JSONResponse(anthropic_api.message_body(parsed, message_id, model_name, content, calls, final))
 
+    async def responses(request: Request):
+        """OpenAI's Responses API, run as the chat request it translates to (responses_api.py)."""
+        body = await _json_body(request, max_body)
+        _check_model(body, model_name)
+        parsed = await asyncio.to_thread(responses_api.parse_responses, body, worker.loaded, base_config, stored)
+        response_id = responses_api.new_response_id()
+        events = _submitted(request, worker, parsed.chat, response_id)
+        if parsed.chat.stream:
+            answer = Answer(parsed.chat, worker.loaded.tokenizer)
+            return _event_stream(responses_api.response_events(parsed, answer, response_id, model_name, events, stored))
+        pieces, final = await _gathered(events)
+        content, calls = _read_answer(parsed.chat, pieces, final)
+        return JSONResponse(responses_api.response_body(parsed, response_id, model_name, content, calls, final, stored))
+
     async def count_tokens(request: Request):
         body = await _json_body(request, max_body)
         _check_model(body, model_name)
@@ -132,6 +147,7 @@ def create_app(
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus_metrics, methods=["GET"]),

@@ -11,7 +11,8 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_late
 from starlette.requests import ClientDisconnect
 
 OUTCOMES = ("ok", "client_error", "server_error", "cancelled")
-MEMORY_CACHE = "memory"  # the in-memory prompt caches (worker.PromptCachePool); a disk cache would be another label
+MEMORY_CACHE = "memory"  # the in-memory prompt caches (worker.PromptCachePool)
+DISK_CACHE = "disk"  # prompt caches loaded from disk (akunu.disk_cache)
 FIRST_TOKEN_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 DECODE_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 EXCHANGE = "akunu.exchange"  # the scope key RequestCounter keeps a request's Exchange under
@@ -43,7 +44,8 @@ class ServerMetrics:
                                      buckets=FIRST_TOKEN_BUCKETS, registry=registry)  # fmt: skip
         self.decode = Histogram("akunu_request_decode_seconds", "Seconds a request spent decoding, from its first token to its last",
                                 buckets=DECODE_BUCKETS, registry=registry)  # fmt: skip
-        self.prefill_saved.labels(cache=MEMORY_CACHE)  # shown as 0 from the start, so rate() has a first point
+        for cache in (MEMORY_CACHE, DISK_CACHE):  # shown as 0 from the start, so rate() has a first point
+            self.prefill_saved.labels(cache=cache)
 
     def expect_endpoints(self, endpoints: Iterable[str]) -> None:
         """Every endpoint's outcomes shown as 0 before its first request."""
@@ -51,11 +53,14 @@ class ServerMetrics:
             for outcome in OUTCOMES:
                 self.requests.labels(endpoint=endpoint, outcome=outcome)
 
-    def generation_finished(self, stats, first_token_seconds: float) -> None:
-        """One generation's GenerationStats (also a cancelled one's: its tokens were computed all the same)."""
+    def generation_finished(self, stats, first_token_seconds: float, from_disk: int = 0) -> None:
+        """One generation's GenerationStats (also a cancelled one's: its tokens were computed all the same);
+        `from_disk` of the prompt tokens not prefilled came from a prompt cache on disk."""
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generated_tokens.inc(stats.generated_tokens)
-        self.prefill_saved.labels(cache=MEMORY_CACHE).inc(stats.prompt_tokens - stats.prefilled_tokens)
+        saved = stats.prompt_tokens - stats.prefilled_tokens
+        self.prefill_saved.labels(cache=MEMORY_CACHE).inc(max(saved - from_disk, 0))
+        self.prefill_saved.labels(cache=DISK_CACHE).inc(min(from_disk, saved))
         self.drafted.inc(stats.drafted)
         self.accepted.inc(stats.accepted)
         self.passes.inc(stats.forward_passes)

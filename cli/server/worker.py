@@ -106,12 +106,16 @@ class PromptCachePool:
 class Worker:
     """A fair FIFO of jobs run by one thread; beyond `max_waiting` queued jobs, `submit` says QueueFull."""
 
-    def __init__(self, startup: Callable[[], tuple], run: Callable, *, max_waiting: int = 32, cache_slots: int = 4):
+    def __init__(
+        self, startup: Callable[[], tuple], run: Callable, *, max_waiting: int = 32, cache_slots: int = 4,
+        disk_cache: Callable | None = None,
+    ):  # fmt: skip
         """`startup()` -> (loaded model, pass-cost curve or None) runs first on the thread;
-        `run(loaded, job, prompt_cache, costs)` -> the engine's response stream for one job."""
-        self._startup, self._run_job = startup, run
+        `run(loaded, job, prompt_cache, costs)` -> the engine's response stream for one job;
+        `disk_cache(loaded)` -> the prompt caches on disk (akunu.disk_cache.DiskPromptCache) or None."""
+        self._startup, self._run_job, self._open_disk_cache = startup, run, disk_cache
         self.max_waiting, self.cache_slots = max_waiting, cache_slots
-        self.loaded, self.costs, self.pool = None, None, None
+        self.loaded, self.costs, self.pool, self.disk = None, None, None, None
         self.waiting, self.running = 0, False
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -132,6 +136,8 @@ class Worker:
     def stop(self, timeout: float = 10.0) -> None:
         self._jobs.put(None)
         self._thread.join(timeout)
+        if self.disk is not None:
+            self.disk.close(timeout)
 
     def submit(self, job: Job) -> None:
         with self._lock:
@@ -149,6 +155,7 @@ class Worker:
         try:
             self.loaded, self.costs = self._startup()
             self.pool = PromptCachePool(self.loaded.model, self.cache_slots)
+            self.disk = self._open_disk_cache(self.loaded) if self._open_disk_cache else None
         except BaseException as error:  # noqa: BLE001  (handed to start(), in the caller's thread)
             self._startup_error = error
             _free_mlx_streams()
@@ -178,8 +185,10 @@ class Worker:
             log.info("%s cancelled while queued", job.label)
             return
         cache = self.pool.checkout(job.prompt_ids)
-        stats, finish, first_response = None, None, None
+        stats, finish, first_response, from_disk = None, None, None, 0
         try:
+            if self.disk is not None:
+                from_disk = self.disk.restore(cache, job.prompt_ids)
             for response in self._run_job(self.loaded, job, cache, self.costs):
                 stats, finish = response.stats, response.finish_reason or finish
                 first_response = first_response or time.perf_counter()  # after the first token (an end token too)
@@ -200,9 +209,15 @@ class Worker:
             job.emit(Failed("the generation failed; see the server log", client_error=False))
             return
         snapshot = dataclasses.replace(stats)  # the worker's copy keeps changing if the slot is reused
-        self.metrics.generation_finished(snapshot, first_response - job.submitted)  # before the client hears it is done
+        # before the client hears it is done
+        self.metrics.generation_finished(snapshot, first_response - job.submitted, from_disk)
         job.emit(Finished(snapshot, finish or "stop"))
-        log.info("%s · %s · queued %.2f s", job.label, _summary(snapshot, finish), waited)
+        log.info("%s · %s · queued %.2f s", job.label, _summary(snapshot, finish, from_disk), waited)
+        if self.disk is not None:  # after the answer: the arrays are copied here, written by the cache's thread
+            try:
+                self.disk.save(cache, job.prompt_ids)
+            except Exception:  # noqa: BLE001  (the answer is out; the next request must still run)
+                log.exception("saving the prompt cache to disk failed")
 
 
 def _blamed_field(job: Job, error: AkunuError) -> str | None:
@@ -212,10 +227,10 @@ def _blamed_field(job: Job, error: AkunuError) -> str | None:
     return job.grammar_param if isinstance(error, GrammarError) else None
 
 
-def _summary(stats, finish: str | None) -> str:
+def _summary(stats, finish: str | None, from_disk: int = 0) -> str:
     from akunu.cli.display import summary_line
 
-    return summary_line(stats, finish)
+    return summary_line(stats, finish) + (f" · {from_disk} prompt tokens from disk" if from_disk else "")
 
 
 def _free_mlx_streams() -> None:
