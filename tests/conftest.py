@@ -102,3 +102,12 @@ def serve(monkeypatch):
 
     with contextlib.ExitStack() as stack:
         yield functools.partial(start, stack, monkeypatch)
+
+
+@pytest.fixture
+def scripted(fake_engine):
+    """The fake engine on a tiny model scripted to call the weather tool as Qwen does (tests/tool_script.py)."""
+    from tests.tool_script import scripted_qwen
+
+    fake_engine.loaded = scripted_qwen()
+    return fake_engine

@@ -152,3 +152,8 @@ def healthy(base_url: str) -> bool:
     """/health answers 200 (within raw_request's timeout: a stalled server fails, it does not hang the test)."""
     status, _, _ = raw_request(base_url, "GET", "/health")
     return status == 200
+
+
+def prompt_text(engine) -> str:
+    """The text of the last prompt the fake engine was given."""
+    return engine.loaded.tokenizer.decode(engine.streams[-1]["prompt"])

@@ -11,21 +11,11 @@ import pytest
 from akunu.cli.server.anthropic_api import error_answer
 from akunu.cli.server.openai_api import ApiError
 from tests.fakes import make_loaded
-from tests.serve_fixtures import USER, raw_request
-from tests.tool_script import ANTHROPIC_TOOL, CALL, FINAL, WEATHER_TOOL, scripted_qwen
+from tests.serve_fixtures import USER, prompt_text, raw_request
+from tests.tool_script import ANTHROPIC_TOOL, CALL, FINAL, WEATHER_TOOL
 
 ALPHABET = [{"role": "user", "content": USER[0]["content"]}]
 PARIS = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture
-def scripted(fake_engine):
-    fake_engine.loaded = scripted_qwen()
-    return fake_engine
-
-
-def prompt_text(engine) -> str:
-    return engine.loaded.tokenizer.decode(engine.streams[-1]["prompt"])
 
 
 def test_a_message_is_the_chat_completion_of_the_same_conversation(fake_engine, serve):

@@ -20,22 +20,12 @@ from akunu.cli.server import responses_api
 from akunu.cli.server.openai_api import ApiError
 from tests.fakes import FakeTokenizer
 from tests.grammar_fixtures import json_model, json_tokenizer
-from tests.serve_fixtures import USER, raw_request
-from tests.tool_script import CALL, FINAL, RESPONSES_TOOL, WEATHER_TOOL, scripted_qwen
+from tests.serve_fixtures import USER, prompt_text, raw_request
+from tests.tool_script import CALL, FINAL, RESPONSES_TOOL, WEATHER_TOOL
 
 ALPHABET = USER[0]["content"]
 LOADED = SimpleNamespace(tokenizer=FakeTokenizer(), context_length=512)  # all that parsing reads of a model
 PARIS = [{"role": "user", "content": [{"type": "input_text", "text": "What is the weather in Paris?"}]}]
-
-
-@pytest.fixture
-def scripted(fake_engine):
-    fake_engine.loaded = scripted_qwen()
-    return fake_engine
-
-
-def prompt_text(engine) -> str:
-    return engine.loaded.tokenizer.decode(engine.streams[-1]["prompt"])
 
 
 def test_a_response_is_the_chat_completion_of_the_same_conversation_cut_by_max_output_tokens(fake_engine, serve):

@@ -13,13 +13,7 @@ import pytest
 
 from tests.scripted import ScriptedModel
 from tests.serve_fixtures import USER
-from tests.tool_script import ASK, CALL, FINAL, TURN, WEATHER_TOOL, scripted_qwen
-
-
-@pytest.fixture
-def scripted(fake_engine):
-    fake_engine.loaded = scripted_qwen()
-    return fake_engine
+from tests.tool_script import ASK, CALL, FINAL, TURN, WEATHER_TOOL
 
 
 def test_a_tool_call_is_answered_as_tool_calls_with_the_tools_in_the_models_template(scripted, serve):
