@@ -215,7 +215,7 @@ def flat_costs(width: int) -> list[float]:
 NEAR_TIE_GAP = 1e-3
 
 
-def top2_gap(model, prompt: Sequence[int], tokens: Sequence[int], index: int, prefill_step: int = 512) -> float:
+def top2_gap(model, prompt: Sequence[int], tokens: Sequence[int], index: int, prefill_step: int | None = None) -> float:
     """The gap between the two largest logits plain decoding of `prompt` saw when it chose tokens[index].
 
     Replays plain decoding (the same prefill, then 1-token steps), so the logits are the ones it used.

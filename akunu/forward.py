@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from akunu import backends
 from akunu.kv_cache import ModelCache
 
 
@@ -25,11 +26,15 @@ def run(model, inputs: mx.array, cache) -> mx.array:
 
 
 def feed(
-    model: nn.Module, cache: list, tokens: Sequence[int], step: int = 512, between: Callable[[], None] | None = None
+    model: nn.Module,
+    cache: list,
+    tokens: Sequence[int],
+    step: int | None = None,
+    between: Callable[[], None] | None = None,
 ) -> None:
-    """Feed `tokens` in chunks of `step`, keeping no logits; `between()` runs after each chunk and may raise
+    """Feed `tokens` in chunks of `step` (None: `backends.prefill_step()`), keeping no logits; `between()` runs after each chunk and may raise
     to stop the feed there (a server's client that left), with the cache whole up to that chunk."""
-    tokens = mx.array(tokens, dtype=mx.uint32)
+    tokens, step = mx.array(tokens, dtype=mx.uint32), step or backends.prefill_step()
     for start in range(0, tokens.size, step):
         run(model, tokens[start : start + step][None], cache)
         mx.eval([c.state for c in cache])  # bound the graph, as mlx-lm does per chunk
@@ -37,7 +42,7 @@ def feed(
             between()
 
 
-def prefill(model: nn.Module, cache: list, tokens: Sequence[int], step: int = 512) -> mx.array:
+def prefill(model: nn.Module, cache: list, tokens: Sequence[int], step: int | None = None) -> mx.array:
     """Feed `tokens` in chunks; return the logits after the last one, shape (V,)."""
     tokens = mx.array(tokens, dtype=mx.uint32)
     feed(model, cache, tokens[:-1], step)

@@ -48,7 +48,7 @@ class GenerationConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     spec: SpecConfig = field(default_factory=SpecConfig)
     stop: tuple[str, ...] = ()
-    prefill_step: int = 512
+    prefill_step: int | None = None  # prompt tokens per prefill pass (None: the backend's, akunu.backends.prefill_step)
     logprobs: int | None = None  # per-token log-probabilities with this many alternatives (None: off)
     grammar: str | None = None  # an llguidance grammar the output must follow (akunu.grammar: JSON schemas, tool calls)
 

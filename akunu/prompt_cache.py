@@ -48,7 +48,7 @@ class PromptCache:
         self.tokens = list(prompt)
         return list(prompt[shared:])
 
-    def prefill(self, model, tokens: Sequence[int], step: int = 512, between=None) -> mx.array:
+    def prefill(self, model, tokens: Sequence[int], step: int | None = None, between=None) -> mx.array:
         """Feed the tokens `reuse` left, keeping snapshots on the way; return the logits after the last one.
         `between()` runs after each chunk and may raise to stop there (`akunu.forward.feed`)."""
         tokens = list(tokens)
