@@ -53,7 +53,7 @@ def serve(
         typer.Option(
             min=0,
             rich_help_panel=SERVER_PANEL,
-            help="Requests that may wait behind the running one; more get 429 (529 on /v1/messages) with Retry-After.",
+            help="Requests that may wait while --parallel others run; more get 429 (529 on /v1/messages) with Retry-After.",
         ),
     ] = 32,
     max_body: Annotated[
@@ -63,12 +63,20 @@ def serve(
             help="Largest request body, in bytes or with a K/M suffix; larger ones get 413.",
         ),
     ] = "4M",
+    parallel: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            rich_help_panel=SERVER_PANEL,
+            help="Requests generating at once, a step of each in turn; more wait in the queue.",
+        ),
+    ] = 4,
     cache_slots: Annotated[
         int,
         typer.Option(
             min=1,
             rich_help_panel=SERVER_PANEL,
-            help="KV caches kept for recent conversations (LRU), each at most the context long.",
+            help="KV caches kept for recent conversations (LRU), each at most the context long; at least --parallel.",
         ),
     ] = 4,
     disk_cache_size: Annotated[
@@ -96,7 +104,7 @@ def serve(
     """Serve a model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health, /metrics (Prometheus);
     and Anthropic's: /v1/messages, /v1/messages/count_tokens.
 
-    Requests run one at a time in arrival order; each response carries `usage` and an `akunu` object with the speculative statistics.
+    Up to --parallel requests generate at once, each with its own drafts and cache; each response carries `usage` and an `akunu` object with the speculative statistics.
     """
     import uvicorn
 
@@ -126,6 +134,7 @@ def serve(
         drafting.stream,
         max_waiting=queue_depth,
         cache_slots=cache_slots,
+        parallel=parallel,
         disk_cache=functools.partial(open_disk_cache, disk_limit) if disk_limit else None,
     )
     loaded = worker.start()
@@ -208,7 +217,7 @@ class Drafting:
         drafter = self.drafter(loaded, job.config)
         return runtime.stream(
             loaded, job.prompt_ids, job.config, prompt_cache=prompt_cache, costs=costs, drafter=drafter,
-            constraint=job.constraint, between_chunks=job.stop_if_cancelled,
+            constraint=job.constraint, between_chunks=job.between_chunks,
         )  # fmt: skip
 
 

@@ -171,7 +171,7 @@ def test_an_api_key_is_required_on_every_request(fake_engine, serve):
 
 def test_a_full_queue_answers_429_with_retry_after(fake_engine, serve):
     fake_engine.loaded = make_loaded(model=SlowModel(tiny_llama(vocab=64, seed=4), delay=0.02))
-    server = serve("--queue-depth", "1", "--no-spec")
+    server = serve("--queue-depth", "1", "--parallel", "1", "--no-spec")
     client = server.client()
     running = client.chat.completions.create(model="tiny", messages=USER, max_tokens=60, stream=True)
     next(iter(running))  # the first request is generating
@@ -249,7 +249,7 @@ def test_a_second_turn_prefills_only_its_new_tokens(fake_engine, serve):
 
 
 def test_the_prompt_cache_is_a_bounded_lru(fake_engine, serve):
-    server = serve("--max-tokens", "4", "--cache-slots", "2")
+    server = serve("--max-tokens", "4", "--cache-slots", "2", "--parallel", "2")
     client = server.client()
     for text in ("first talk", "second talk", "third talk", "first talk"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}])

@@ -119,7 +119,7 @@ def test_an_error_after_the_stream_began_counts_as_a_server_error(fake_engine, s
 
 def test_the_queue_gauges_follow_the_worker_back_to_zero(fake_engine, serve):
     fake_engine.loaded = make_loaded(model=SlowModel(tiny_llama(vocab=64, seed=4), delay=0.01))
-    server = serve("--no-spec")
+    server = serve("--parallel", "1", "--no-spec")
     client = server.client()
     running = client.chat.completions.create(model="tiny", messages=USER, max_tokens=60, stream=True)
     next(iter(running))  # the first request is generating

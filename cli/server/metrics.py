@@ -21,7 +21,7 @@ EXCHANGE = "akunu.exchange"  # the scope key RequestCounter keeps a request's Ex
 class ServerMetrics:
     """The figures `/metrics` exposes; `waiting()` and `running()` are read from the worker at each scrape."""
 
-    def __init__(self, waiting: Callable[[], int], running: Callable[[], bool]) -> None:
+    def __init__(self, waiting: Callable[[], int], running: Callable[[], int]) -> None:
         self.registry = registry = CollectorRegistry()
 
         def counter(name: str, documentation: str, labels: tuple[str, ...] = ()) -> Counter:
@@ -37,9 +37,13 @@ class ServerMetrics:
         self.accepted = counter("akunu_draft_tokens_accepted_total", "Draft tokens the model accepted")
         self.passes = counter("akunu_forward_passes_total", "Decode forward passes (single steps and draft "
                               "verifications); generated tokens / passes is tokens per pass")  # fmt: skip
-        waiting_gauge = Gauge("akunu_requests_waiting", "Requests queued behind the running one", registry=registry)
+        waiting_gauge = Gauge(
+            "akunu_requests_waiting", "Requests queued until one of the running ones ends", registry=registry
+        )
         waiting_gauge.set_function(waiting)
-        Gauge("akunu_requests_running", "Requests generating now (0 or 1)", registry=registry).set_function(running)
+        Gauge("akunu_requests_running", "Requests generating now (at most --parallel)", registry=registry).set_function(
+            running
+        )
         self.first_token = Histogram("akunu_time_to_first_token_seconds", "Seconds from queueing a request to its first token",
                                      buckets=FIRST_TOKEN_BUCKETS, registry=registry)  # fmt: skip
         self.decode = Histogram("akunu_request_decode_seconds", "Seconds a request spent decoding, from its first token to its last",

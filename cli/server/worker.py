@@ -1,4 +1,4 @@
-"""The one thread that touches MLX: it loads the model, then runs queued generations one at a time.
+"""The one thread that touches MLX: it loads the model, then runs queued generations, several at a time.
 
 MLX arrays and streams belong to the thread that made them, so loading, the cost curve and
 every forward pass happen here; the web server only tokenizes, queues jobs and reads events.
@@ -6,13 +6,14 @@ every forward pass happen here; the web server only tokenizes, queues jobs and r
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from akunu.cli.server.metrics import ServerMetrics
@@ -27,6 +28,7 @@ class Piece:
 
     text: str
     logprobs: tuple = ()  # akunu.logprobs.TokenLogprobs
+    from_draft: bool = False  # the token was an accepted draft (the chat page highlights it)
 
 
 @dataclass(frozen=True)
@@ -54,14 +56,18 @@ class Job:
     grammar_param: str | None = None  # the request field a grammar error is blamed on
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
+    others_step: Callable[[], None] | None = None  # set by the worker: a step of each other running job
 
     def cancel(self) -> None:
         self.cancelled.set()
 
-    def stop_if_cancelled(self) -> None:
-        """Between prefill chunks: a job whose client left stops there, not after the whole prompt."""
+    def between_chunks(self) -> None:
+        """Between prefill chunks: a job whose client left stops there, not after the whole prompt; else the
+        other running jobs each take a step."""
         if self.cancelled.is_set():
             raise JobCancelled
+        if self.others_step is not None:
+            self.others_step()
 
 
 class JobCancelled(Exception):
@@ -85,18 +91,20 @@ class PromptCachePool:
         self.model, self.slots, self.similarity = model, max(1, slots), similarity
         self.caches: list = []  # least recently used first
 
-    def checkout(self, prompt_ids: list[int]):
+    def checkout(self, prompt_ids: list[int], busy=()):
+        """The cache for a prompt, never one of `busy` (those of the jobs running); the pool has a slot per job."""
         from akunu.kv_cache import common_prefix
         from akunu.prompt_cache import PromptCache
 
-        shared = [(common_prefix(c.tokens, prompt_ids), c) for c in self.caches]
+        free = [c for c in self.caches if all(c is not b for b in busy)]
+        shared = [(common_prefix(c.tokens, prompt_ids), c) for c in free]
         similar = [(n, c) for n, c in shared if n and n >= self.similarity * len(c.tokens)]
         if similar:
             cache = max(similar, key=lambda pair: pair[0])[1]
         elif len(self.caches) < self.slots:
             cache = PromptCache(self.model)
         else:
-            cache = self.caches[0]  # evict the least recently used; its matching prefix is still reused
+            cache = free[0]  # evict the least recently used; its matching prefix is still reused
         if cache in self.caches:
             self.caches.remove(cache)
         self.caches.append(cache)
@@ -104,20 +112,29 @@ class PromptCachePool:
 
 
 class Worker:
-    """A fair FIFO of jobs run by one thread; beyond `max_waiting` queued jobs, `submit` says QueueFull."""
+    """Runs up to `parallel` jobs at once on one thread, a step of each in turn; beyond them, a FIFO of at most
+    `max_waiting` jobs, and `submit` says QueueFull past that.
+
+    A step is one token of a job's stream (a forward pass when its drafts run out). A job's prefill runs in chunks,
+    and between chunks the other jobs each take a step, so a long prompt never stalls the answers streaming.
+    Each job has a prompt cache of its own, so its output is the output it would have alone.
+    """
 
     def __init__(
         self, startup: Callable[[], tuple], run: Callable, *, max_waiting: int = 32, cache_slots: int = 4,
-        disk_cache: Callable | None = None,
+        parallel: int = 4, disk_cache: Callable | None = None,
     ):  # fmt: skip
         """`startup()` -> (loaded model, pass-cost curve or None) runs first on the thread;
         `run(loaded, job, prompt_cache, costs)` -> the engine's response stream for one job;
         `disk_cache(loaded)` -> the prompt caches on disk (akunu.disk_cache.DiskPromptCache) or None."""
         self._startup, self._run_job, self._open_disk_cache = startup, run, disk_cache
-        self.max_waiting, self.cache_slots = max_waiting, cache_slots
+        self.max_waiting, self.parallel = max_waiting, max(1, parallel)
+        self.cache_slots = max(cache_slots, self.parallel)  # every running job holds a cache of its own
         self.loaded, self.costs, self.pool, self.disk = None, None, None, None
-        self.waiting, self.running = 0, False
+        self.waiting, self.running = 0, 0
         self._jobs: queue.Queue = queue.Queue()
+        self._queued: collections.deque[Job] = collections.deque()  # taken off `_jobs`, not running yet
+        self._active: list[_Running] = []
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
@@ -147,9 +164,9 @@ class Worker:
         self._jobs.put(job)
 
     def _retry_after(self) -> int:
-        """Seconds until a place in the queue frees up: about one request's time (the recent mean)."""
+        """Seconds until a place in the queue frees up: about one request's time (the recent mean) per running job."""
         mean = sum(self._recent_seconds) / len(self._recent_seconds) if self._recent_seconds else 1.0
-        return max(1, math.ceil(mean))
+        return max(1, math.ceil(mean / self.parallel))
 
     def _loop(self) -> None:
         try:
@@ -168,56 +185,133 @@ class Worker:
             _free_mlx_streams()
 
     def _serve_jobs(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            with self._lock:
-                self.waiting -= 1
-                self.running = True
-            started = time.perf_counter()
-            try:
-                self._generate(job, waited=started - job.submitted)
-            finally:
-                with self._lock:
-                    self.running = False
-                    self._recent_seconds = [*self._recent_seconds[-15:], time.perf_counter() - started]
+        while self._take_jobs(block=not self._active and not self._queued):
+            self._drop_cancelled_waiting()
+            while self._queued and len(self._active) < self.parallel:
+                self._admit(self._queued.popleft())
+            for job in list(self._active):
+                self._step(job)
+        for running in list(self._active):  # stopping: the running jobs end as cancelled
+            running.job.cancel()
+            running.finish = "cancelled"
+            self._end(running)
 
-    def _generate(self, job: Job, waited: float) -> None:
-        if job.cancelled.is_set():  # the client left while queued
+    def _take_jobs(self, block: bool) -> bool:
+        """Move submitted jobs to `_queued` (waiting for one when `block`); False once `stop()` was called."""
+        try:
+            job = self._jobs.get(block=block)
+            while job is not None:
+                self._queued.append(job)
+                job = self._jobs.get_nowait()
+            return False
+        except queue.Empty:
+            return True
+
+    def _drop_cancelled_waiting(self) -> None:
+        for job in [job for job in self._queued if job.cancelled.is_set()]:  # its client left while it waited
+            self._queued.remove(job)
+            self._left_queue()
             log.info("%s cancelled while queued", job.label)
-            return
-        cache = self.pool.checkout(job.prompt_ids)
-        stats, finish, first_response, from_disk = None, None, None, 0
+
+    def _left_queue(self) -> None:
+        with self._lock:
+            self.waiting -= 1
+            self.running = len(self._active)
+
+    def _admit(self, job: Job) -> None:
+        busy = [running.cache for running in self._active]
+        running = _Running(job, self.pool.checkout(job.prompt_ids, busy), waited=time.perf_counter() - job.submitted)
+        job.others_step = lambda: self._step_others(running)
+        self._active.append(running)
+        self._left_queue()
         try:
             if self.disk is not None:
-                from_disk = self.disk.restore(cache, job.prompt_ids)
-            for response in self._run_job(self.loaded, job, cache, self.costs):
-                stats, finish = response.stats, response.finish_reason or finish
-                first_response = first_response or time.perf_counter()  # after the first token (an end token too)
-                if response.text or response.logprobs:
-                    job.emit(Piece(response.text, (response.logprobs,) if response.logprobs else ()))
-                if job.cancelled.is_set():  # checked per token, so at most the pass in flight is wasted
-                    finish = "cancelled"
-                    break
-        except JobCancelled:
+                running.from_disk = self.disk.restore(running.cache, job.prompt_ids)
+            running.responses = iter(self._run_job(self.loaded, job, running.cache, self.costs))
+        except Exception as error:  # noqa: BLE001  (reported to its client by _end)
+            self._end(running, error)
+
+    def _step_others(self, current: _Running) -> None:
+        """Between `current`'s prefill chunks: a step of each job already decoding (none is inside a step now)."""
+        for running in list(self._active):
+            if running is not current and running.first_response is not None and not running.stepping:
+                self._step(running)
+
+    def _step(self, running: _Running) -> None:
+        """One response of the job's stream; the job leaves the batch when its stream ends, fails or is cancelled."""
+        if running not in self._active:  # it ended during another job's step
+            return
+        job = running.job
+        running.stepping = True
+        try:
+            response = next(running.responses, None)
+        except Exception as error:  # noqa: BLE001  (JobCancelled, a bad request, or a fault: see _end)
+            self._end(running, error)
+            return
+        finally:
+            running.stepping = False
+        if response is None:
+            self._end(running)
+            return
+        running.stats, running.finish = response.stats, response.finish_reason or running.finish
+        running.first_response = running.first_response or time.perf_counter()  # after the first token (an end one too)
+        if response.text or response.logprobs:
+            job.emit(Piece(response.text, (response.logprobs,) if response.logprobs else (), response.from_draft))
+        if job.cancelled.is_set():  # checked per token, so at most the pass in flight is wasted
+            running.finish = "cancelled"
+            self._end(running)
+
+    def _end(self, running: _Running, error: Exception | None = None) -> None:
+        if running not in self._active:
+            return
+        self._active.remove(running)
+        with self._lock:
+            self.running = len(self._active)
+            self._recent_seconds = [*self._recent_seconds[-15:], time.perf_counter() - running.admitted]
+        if running.responses is not None:
+            running.responses.close()  # a cancelled job stops here; its generator's `finally`s run now
+        job = running.job
+        if isinstance(error, JobCancelled) or (error is None and running.stats is None):
             log.info("%s cancelled during prefill", job.label)
-            return
-        except AkunuError as error:
+        elif isinstance(error, AkunuError):
             job.emit(Failed(str(error), client_error=True, param=_blamed_field(job, error)))
-            return
-        except Exception:  # noqa: BLE001  (logged here; the client gets a plain 500)
-            log.exception("%s failed", job.label)
-            cache.reset()
+        elif error is not None:
+            log.error("%s failed", job.label, exc_info=error)
+            running.cache.reset()
             job.emit(Failed("the generation failed; see the server log", client_error=False))
-            return
-        snapshot = dataclasses.replace(stats)  # the worker's copy keeps changing if the slot is reused
+        else:
+            self._finished(running)
+
+    def _finished(self, running: _Running) -> None:
+        job = running.job
+        snapshot = dataclasses.replace(running.stats)  # the worker's copy keeps changing if the slot is reused
         # before the client hears it is done
-        self.metrics.generation_finished(snapshot, first_response - job.submitted, from_disk)
-        job.emit(Finished(snapshot, finish or "stop"))
-        log.info("%s · %s · queued %.2f s", job.label, _summary(snapshot, finish, from_disk), waited)
+        self.metrics.generation_finished(snapshot, running.first_response - job.submitted, running.from_disk)
+        job.emit(Finished(snapshot, running.finish or "stop"))
+        log.info(
+            "%s · %s · queued %.2f s", job.label, _summary(snapshot, running.finish, running.from_disk), running.waited
+        )
         if self.disk is not None:  # after the answer: the arrays are copied here, written by the cache's thread
             try:
-                self.disk.save(cache, job.prompt_ids)
+                self.disk.save(running.cache, job.prompt_ids)
             except Exception:  # noqa: BLE001  (the answer is out; the next request must still run)
                 log.exception("saving the prompt cache to disk failed")
+
+
+@dataclass(eq=False)
+class _Running:
+    """A job in the batch: its prompt cache, its response stream, and what its log line and metrics need."""
+
+    job: Job
+    cache: object  # akunu.prompt_cache.PromptCache
+    waited: float  # seconds in the queue
+    admitted: float = field(default_factory=time.perf_counter)
+    responses: Iterator | None = None
+    from_disk: int = 0  # prompt tokens restored from the disk cache
+    stats: object = None  # the stream's latest GenerationStats
+    finish: str | None = None
+    first_response: float | None = None
+    stepping: bool = False  # inside its own step (whose prefill steps the others)
 
 
 def _blamed_field(job: Job, error: AkunuError) -> str | None:
