@@ -33,6 +33,9 @@ MEMORY_EXAMPLES = """[bold]Examples[/]
 SERVE_LOAD_EXAMPLES = """[bold]Examples[/]
   akunu bench serve-load                                   starts akunu serve on loopback, 16 clients x 4 requests
   akunu bench serve-load --base-url http://127.0.0.1:8080/v1 --clients 4"""
+SERVE_EXAMPLES = """[bold]Examples[/]
+  akunu bench serve                                        1, 2, 4 and 8 clients, side by side and one at a time
+  akunu bench serve --model qwen2.5-coder-0.5b --clients 4 --categories code-edit"""
 
 
 def register(app: typer.Typer) -> None:
@@ -40,6 +43,7 @@ def register(app: typer.Typer) -> None:
     app.command("kernel", epilog=KERNEL_EXAMPLES)(kernel)
     app.command("memory", epilog=MEMORY_EXAMPLES)(memory)
     app.command("serve-load", epilog=SERVE_LOAD_EXAMPLES)(serve_load)
+    app.command("serve", epilog=SERVE_EXAMPLES)(serve)
 
 
 # akunu bench llama-cpp -------------------------------------------------------------------------
@@ -326,3 +330,63 @@ def _print_load(result, base_url: str, max_tokens: int) -> None:
         print_note(f"no answer: {line}")
     for c, r in result.mismatched[:5]:
         print_note(f"client {c}, request {r}: its answer under load differs from the same request sent alone")
+
+
+# akunu bench serve -----------------------------------------------------------------------------
+
+
+def _counts(value: str) -> list[int]:
+    try:
+        counts = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1 or max(counts) > 64:
+        raise typer.BadParameter(f"{value!r} is not a comma-separated list of client counts from 1 to 64")
+    return counts
+
+
+def serve(
+    model: ServerModel = None,
+    clients: Annotated[str, typer.Option(help="Client counts to measure, comma-separated.")] = "1,2,4,8",
+    requests: Annotated[int, typer.Option(min=1, help="Requests per client, one after another.")] = 2,
+    max_tokens: AnswerTokens = 64,
+    categories: Annotated[
+        str | None, typer.Option(help="Only prompts of these shipped categories, comma-separated (default: all).")
+    ] = None,
+) -> None:
+    """Concurrent streaming clients against akunu serve, side by side (--parallel) and one at a time (--parallel 1).
+
+    Per client count: aggregate tok/s, per-request tok/s, time to first token (p50, p95) and tokens per pass; exits
+    with status 1 if a greedy answer side by side differs from the same request one at a time.
+    """
+    from akunu.bench import serve_clients, serve_load
+    from akunu.bench.workloads import select, shipped_workload
+
+    counts = _counts(clients)
+    workload = select(shipped_workload(), categories.split(",") if categories else None)
+    log = serve_load.server_log()
+    try:
+        with stderr_console().status(f"two akunu serve on loopback, then {', '.join(map(str, counts))} clients…"):
+            rounds, mismatched = serve_clients.run(model, workload, counts, requests, max_tokens, log)
+    finally:
+        log.close()
+    _print_serve(rounds, model, requests, max_tokens)
+    for clients_at, request in mismatched[:5]:
+        print_note(f"{clients_at} clients, request {request}: the answer side by side differs from one at a time")
+    if mismatched:
+        raise typer.Exit(1)
+
+
+def _print_serve(rounds, model: str | None, requests: int, max_tokens: int) -> None:
+    out = table_console()
+    out.print(f"[bold]akunu bench serve[/] · {escape(model or 'the default model')} · {requests} requests per client "
+              f"of ≤ {max_tokens} tokens · greedy")  # fmt: skip
+    table = Table(box=None, header_style="bold")
+    for column in ("clients", "requests run", "aggregate tok/s", "per request tok/s", "first token p50",
+                   "p95", "tokens/pass"):  # fmt: skip
+        table.add_column(column, justify="left" if column == "requests run" else "right")
+    for r in rounds:
+        per_pass = "–" if r.tokens_per_pass is None else f"{r.tokens_per_pass:.2f}"
+        table.add_row(str(r.clients), r.mode, f"{r.aggregate_tps:.1f}", f"{r.request_tps:.1f}",
+                      f"{r.first_token(0.5):.2f} s", f"{r.first_token(0.95):.2f} s", per_pass)  # fmt: skip
+    out.print(table)

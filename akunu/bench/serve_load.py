@@ -15,7 +15,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -96,14 +96,14 @@ class Client:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as error:
-            raise ServeLoadError(f"HTTP {error.code} from {path}: {_error_message(error)}") from None
+            raise ServeLoadError(f"HTTP {error.code} from {path}: {error_message(error)}") from None
         except (urllib.error.URLError, OSError) as error:
             raise ServeLoadError(f"cannot reach {self.base_url}: {getattr(error, 'reason', error)}") from None
         except ValueError:
             raise ServeLoadError(f"{path} answered with something other than JSON") from None
 
 
-def _error_message(error: urllib.error.HTTPError) -> str:
+def error_message(error: urllib.error.HTTPError) -> str:
     try:
         return str(json.loads(error.read())["error"]["message"])[:200]
     except (ValueError, KeyError, TypeError, OSError):
@@ -145,13 +145,14 @@ def _attempt(ask: Callable[..., tuple], *args) -> tuple | ServeLoadError:
         return error
 
 
-def start_server(model: str | None, queue_depth: int, log) -> tuple[subprocess.Popen, str]:
-    """`akunu serve` on a free loopback port, its output into `log`; (the process, its /v1 URL) once /health answers."""
+def start_server(model: str | None, queue_depth: int, log, extra: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
+    """`akunu serve` (with `extra` options) on a free loopback port, its output into `log`; (the process, its /v1 URL)
+    once /health answers."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "akunu", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--queue-depth", str(queue_depth), *(["--model", model] if model else [])]  # fmt: skip
+               "--queue-depth", str(queue_depth), *(["--model", model] if model else []), *extra]  # fmt: skip
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + START_SECONDS
     while time.monotonic() < deadline:
