@@ -17,7 +17,7 @@ from akunu.drafters.specs import DEFAULT_SPEC
 from akunu.errors import OptionsError
 
 EXAMPLES = """[bold]Examples[/]
-  akunu serve                                   the default model on http://127.0.0.1:8080/v1
+  akunu serve                                   the default model on http://127.0.0.1:8080/v1, a chat page at /
   akunu serve --model gemma3-270m --port 9000 --no-spec
   akunu serve --api-key sk-local                requests need 'Authorization: Bearer sk-local'
   curl -s localhost:8080/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'"""
@@ -87,6 +87,10 @@ def serve(
             "e.g. 2G or 500M; 0 turns the disk cache off.",
         ),
     ] = "2G",
+    ui: Annotated[
+        bool,
+        typer.Option("--ui/--no-ui", rich_help_panel=SERVER_PANEL, help="The chat page at / (--no-ui: the API only)."),
+    ] = True,
     max_tokens: Annotated[
         int,
         typer.Option(
@@ -102,7 +106,7 @@ def serve(
     tree: options.Tree = None,
 ) -> None:
     """Serve a model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health, /metrics (Prometheus);
-    and Anthropic's: /v1/messages, /v1/messages/count_tokens.
+    and Anthropic's: /v1/messages, /v1/messages/count_tokens; and a chat page at / for a browser.
 
     Up to --parallel requests generate at once, each with its own drafts and cache; each response carries `usage` and an `akunu` object with the speculative statistics.
     """
@@ -139,10 +143,11 @@ def serve(
     )
     loaded = worker.start()
     configure_logging()
-    stderr_console().print(f"[bold]akunu serve[/] · {loaded.describe()} · http://{host}:{port}/v1 · Ctrl-C stops")
+    page = f" · chat page http://{host}:{port}/" if ui else ""
+    stderr_console().print(f"[bold]akunu serve[/] · {loaded.describe()} · http://{host}:{port}/v1{page} · Ctrl-C stops")
     try:
         uvicorn.run(
-            create_app(worker, base_config, api_key=api_key, max_body=body_limit),
+            create_app(worker, base_config, api_key=api_key, max_body=body_limit, ui=ui),
             host=host,
             port=port,
             log_level="warning",
@@ -213,8 +218,8 @@ class Drafting:
         return make_drafter_for(loaded, config, self.draft, self.draft_model, None, self.tree, load=self.load)
 
     def stream(self, loaded, job, prompt_cache, costs):
-        """The engine's response stream for one request (the worker's `run`)."""
-        drafter = self.drafter(loaded, job.config)
+        """The engine's response stream for one request (the worker's `run`); a request may turn drafting off."""
+        drafter = self.drafter(loaded, job.config) if job.config.spec.enabled else None
         return runtime.stream(
             loaded, job.prompt_ids, job.config, prompt_cache=prompt_cache, costs=costs, drafter=drafter,
             constraint=job.constraint, between_chunks=job.between_chunks,

@@ -1,4 +1,5 @@
-"""The Starlette app: OpenAI and Anthropic routes over the worker, server-sent events, errors in each API's shape."""
+"""The Starlette app: OpenAI and Anthropic routes over the worker, server-sent events, errors in each API's shape;
+the chat page (ui_route.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from akunu.cli.server import anthropic_api, responses_api, tool_calls
+from akunu.cli.server import anthropic_api, responses_api, tool_calls, ui_route
 from akunu.cli.server.metrics import RequestCounter, note_failure
 from akunu.cli.server.openai_api import (
     ApiError,
@@ -58,10 +59,10 @@ class ClientLeft(Exception):
 
 
 def create_app(
-    worker: Worker, base_config, *, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY
+    worker: Worker, base_config, *, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY, ui: bool = True
 ) -> Starlette:
     """The app for a started worker; `base_config` holds the server's speculation settings and default max_tokens;
-    request bodies over `max_body` bytes get a 413 before they are read whole."""
+    request bodies over `max_body` bytes get a 413 before they are read whole; `ui`: the chat page at `/`."""
     model_name = worker.loaded.name
     stored = responses_api.ResponseStore()  # for previous_response_id
 
@@ -153,10 +154,11 @@ def create_app(
         Route("/metrics", prometheus_metrics, methods=["GET"]),
     ]
     handlers = {ApiError: _api_error, HTTPException: _http_error, ClientLeft: _client_left, Exception: _internal_error}
-    app = Starlette(routes=routes, exception_handlers=handlers)
+    page = ui_route.page_routes() if ui else []
+    app = Starlette(routes=routes + page, exception_handlers=handlers)
     app.state.worker = worker
-    if api_key:
-        app.add_middleware(_KeyAuth, api_key=api_key)
+    if api_key:  # the page's files hold no answers: the page loads without the key, then asks for it
+        app.add_middleware(_KeyAuth, api_key=api_key, open_paths={*PROBES, *(route.path for route in page)})
     counted = [route.path for route in routes if route.path not in PROBES]
     worker.metrics.expect_endpoints(counted)
     app.add_middleware(RequestCounter, metrics=worker.metrics, endpoints=counted)  # outermost: 401s count too
@@ -314,9 +316,9 @@ async def _server_sent_events(parsed, answer: Answer, request_id: str, model: st
         if isinstance(event, Piece):
             text, calls, logprobs = answer.add(event)
             if text or calls:
-                yield data(
-                    chunk_body(parsed.kind, request_id, model, text, first=first, tool_calls=calls, logprobs=logprobs)
-                )
+                drafted = event.from_draft and text == event.text  # text the answer held back is not marked
+                yield data(chunk_body(parsed.kind, request_id, model, text, first=first, tool_calls=calls,
+                                      logprobs=logprobs, drafted=drafted))  # fmt: skip
                 first = False
         elif isinstance(event, Finished):
             text, calls, logprobs = answer.finish(cut=event.finish_reason == "length")
@@ -332,14 +334,15 @@ async def _server_sent_events(parsed, answer: Answer, request_id: str, model: st
 
 
 class _KeyAuth:
-    """Every request but the PROBES needs the key, as `Authorization: Bearer KEY` or as Anthropic's
-    `x-api-key: KEY` (compared in constant time)."""
+    """Every request but to `open_paths` (the PROBES, the chat page's files) needs the key, as
+    `Authorization: Bearer KEY` or as Anthropic's `x-api-key: KEY` (compared in constant time)."""
 
-    def __init__(self, app, api_key: str) -> None:
+    def __init__(self, app, api_key: str, open_paths=PROBES) -> None:
         self.app, self.bearer, self.key = app, f"Bearer {api_key}".encode(), api_key.encode()
+        self.open_paths = frozenset(open_paths)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in PROBES:  # probed without a key; they hold no text
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:  # probes and the page hold no text
             headers = dict(scope["headers"])
             bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.bearer)
             if not (hmac.compare_digest(headers.get(b"x-api-key", b""), self.key) or bearer):

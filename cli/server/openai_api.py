@@ -288,8 +288,10 @@ def _parsed(
     stream = _field(body, "stream", False, bool)
     options = body.get("stream_options") or {}
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
+    drafting = _field(body, "speculative", True, bool)  # akunu's extension: false decodes without drafts
+    spec = base_config.spec if drafting else dataclasses.replace(base_config.spec, enabled=False)
     config = dataclasses.replace(
-        base_config, max_tokens=max_tokens, sampling=_sampling(body, loaded), stop=(*_stops(body.get("stop")), *extra_stop),
+        base_config, max_tokens=max_tokens, sampling=_sampling(body, loaded), stop=(*_stops(body.get("stop")), *extra_stop), spec=spec,
         grammar=_grammar("response_format", _response_format, body.get("response_format")), logprobs=_logprobs(kind, body),
     )  # fmt: skip
     return ParsedRequest(kind, prompt_ids, config, stream, include_usage, grammar_param="response_format")
@@ -440,9 +442,11 @@ def completion_body(kind: str, request_id: str, model: str, text: str | None, fi
 
 
 def chunk_body(kind: str, request_id: str, model: str, text: str | None, *, first: bool = False,
-               finish_reason: str | None = None, stats=None, tool_calls=(), logprobs: dict | None = None) -> dict:  # fmt: skip
+               finish_reason: str | None = None, stats=None, tool_calls=(), logprobs: dict | None = None,
+               drafted: bool = False) -> dict:  # fmt: skip
     """One server-sent event: new text or tool calls (`tool_calls`: (index, ToolCall) pairs), or the last one with
-    the finish reason (and the usage); `text=None` with `stats` alone is the usage-only chunk `include_usage` asks for."""
+    the finish reason (and the usage); `text=None` with `stats` alone is the usage-only chunk `include_usage` asks for.
+    `drafted`: the text came from accepted draft tokens, sent as `"akunu": {"drafted": true}` (clients ignore it)."""
     body = _envelope(kind, request_id, model, chunk=True)
     body["choices"] = []
     if text is not None or finish_reason is not None or tool_calls or logprobs:
@@ -459,6 +463,8 @@ def chunk_body(kind: str, request_id: str, model: str, text: str | None, *, firs
         body["choices"] = [choice]
     if stats is not None:
         body["usage"], body["akunu"] = usage(stats), akunu_stats(stats)
+    elif drafted:
+        body["akunu"] = {"drafted": True}
     return body
 
 
