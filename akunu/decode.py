@@ -1,7 +1,9 @@
-"""The decode loops: prefill, plain decoding, and speculative decoding.
+"""The decode loops: plain decoding, constrained decoding and speculative decoding.
 
 Each generator yields (token, from_draft) forever; the caller decides when to stop. They
 update `stats` in place and leave the cache holding every token they fed the model.
+With `share=True` a loop also yields each forward pass it needs as a `Pass`, for its caller to run
+(beside other requests' passes: akunu.shared_pass) before resuming it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,25 @@ from akunu.verify import Verdict, verify_greedy, verify_sampled
 MAX_OWED = 16
 
 
+class Pass:
+    """A forward pass of `inputs` (1, n) on `cache` that a decode loop hands to its caller: the caller sets
+    `logits` (n, V), then resumes the loop."""
+
+    __slots__ = ("model", "inputs", "cache", "logits")
+
+    def __init__(self, model: nn.Module, inputs: mx.array, cache) -> None:
+        self.model, self.inputs, self.cache, self.logits = model, inputs, cache, None
+
+
+def forward(model: nn.Module, inputs: mx.array, cache, share: bool):
+    """The pass's logits (n, V), run here; or with `share`, yielded as a Pass for the caller to run (`yield from`)."""
+    if not share:
+        return run(model, inputs, cache)[0]
+    shared = Pass(model, inputs, cache)
+    yield shared
+    return shared.logits
+
+
 def pick_token(logits: mx.array, params: SamplingParams) -> mx.array:
     """The next token from logits (..., V): argmax when greedy, else a sample of the target."""
     if params.greedy:
@@ -42,6 +63,7 @@ def plain_decode(
     params: SamplingParams,
     stats: GenerationStats,
     rows: list | None = None,
+    share: bool = False,
 ) -> Iterator[tuple[int, bool]]:
     """One token per forward pass; the next pass is queued before this token is read.
 
@@ -51,7 +73,7 @@ def plain_decode(
     mx.async_eval(y)
     first = True
     while True:
-        next_logits = run(model, y.reshape(1, 1), cache)[0, -1]
+        next_logits = (yield from forward(model, y.reshape(1, 1), cache, share))[-1]
         next_y = pick_token(next_logits, params)
         mx.async_eval(next_y)
         if not first:
@@ -72,6 +94,7 @@ def constrained_decode(
     stats: GenerationStats,
     constraint: Constraint,
     rows: list | None = None,
+    share: bool = False,
 ) -> Iterator[tuple[int, bool]]:
     """`plain_decode` under a grammar: each token is chosen from its logits masked by the grammar
     after the tokens before it; the grammar computes that mask while the token's pass runs."""  # fmt: skip
@@ -79,7 +102,7 @@ def constrained_decode(
     while True:
         y = pick_token(constraint.constrain(logits), params).item()
         constraint.commit([y])
-        next_logits = run(model, mx.array([[y]], mx.uint32), cache)[0, -1]
+        next_logits = (yield from forward(model, mx.array([[y]], mx.uint32), cache, share))[-1]
         mx.async_eval(next_logits)
         if not first:
             stats.record_round(0, 0)
@@ -102,6 +125,7 @@ def speculative_decode(
     budget: int,
     rows: list | None = None,
     constraint: Constraint | None = None,
+    share: bool = False,
 ) -> Iterator[tuple[int, bool]]:
     """Draft, verify in one pass, accept the agreeing prefix plus one token, rewind the rest.
 
@@ -129,7 +153,7 @@ def speculative_decode(
             own = draft.depth
             if constraint is not None:
                 draft, own = grammar_draft(constraint, draft, min(draft_length.max_draft, room))
-        accepted, token, round_rows = verify_round(model, cache, token, draft, params, constraint)
+        accepted, token, round_rows = yield from verify_round(model, cache, token, draft, params, constraint, share)
         stats.record_round(len(draft), len(accepted))
         draft_length.observe(own, min(len(accepted), own), round_rows[-1])
         if constraint is not None:
@@ -157,8 +181,10 @@ def verify_round(
     draft: Draft,
     params: SamplingParams,
     constraint: Constraint | None = None,
+    share: bool = False,
 ):
-    """One forward pass over `token` and the draft; the cache keeps only what was accepted.
+    """One forward pass over `token` and the draft; the cache keeps only what was accepted (a generator: `yield from`
+    it; it yields the pass when `share`, see `forward`; a token tree's pass is always run here).
 
     Position layers drop the rejected drafts. State layers cannot: the pass's state is kept
     only if every draft was accepted; otherwise it goes back to its snapshot from before the
@@ -173,7 +199,7 @@ def verify_round(
     owed = getattr(cache, "owed", [])
     inputs = [*owed, token, *draft.tokens]
     snapshot = Snapshot(cache) if draft and has_state(cache) else None
-    logits = run(model, mx.array([inputs], mx.uint32), cache)[0, len(owed) :]  # (n+1, V)
+    logits = (yield from forward(model, mx.array([inputs], mx.uint32), cache, share))[len(owed) :]  # (n+1, V)
     scored = logits
     if constraint is not None:
         mx.async_eval(logits)

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from akunu.cost_curve import CostCurves, costs_at
-from akunu.decode import constrained_decode, plain_decode, speculative_decode
+from akunu.decode import Pass, constrained_decode, plain_decode, speculative_decode
 from akunu.draft_length import make_draft_length
 from akunu.drafters.base import Drafter
 from akunu.drafters.specs import DraftLengthPolicy
@@ -119,7 +119,8 @@ def stream_generate(
     costs: CostCurves | Sequence[float] | None = None,
     constraint: Constraint | None = None,
     between_chunks: Callable[[], None] | None = None,
-) -> Iterator[GenerationResponse]:
+    share_passes: bool = False,
+) -> Iterator[GenerationResponse | Pass]:
     """Generate from token ids, yielding a response per token (and a final flush).
 
     `tokenizer` needs `eos_ids` and `detokenizer()`. `prompt_cache` carries the KV cache
@@ -127,6 +128,8 @@ def stream_generate(
     read at this generation's context, or one relative curve). A `constraint` (akunu.grammar)
     keeps the output inside its grammar, e.g. a JSON schema; without one, `config.grammar` makes one.
     `between_chunks()` runs between the prompt's prefill chunks and may raise to stop the prefill there.
+    With `share_passes`, each decode pass is yielded as a `Pass` for the caller to run, maybe beside other
+    generations' (akunu.shared_pass), before it asks for the next response.
     """
     _check_prompt(prompt, config, context_length)
     params = config.sampling
@@ -154,12 +157,16 @@ def stream_generate(
     rows = [] if config.logprobs is not None else None  # each token's logits row, appended as it is yielded
     tokens = _decode_loop(
         model, prompt_cache.cache, logits, prompt, config, stats=stats, drafter=drafter, costs=costs, budget=budget,
-        rows=rows, constraint=constraint,
+        rows=rows, constraint=constraint, share=share_passes,
     )  # fmt: skip
 
     detokenizer, stops = tokenizer.detokenizer(), _StopStrings(config.stop)
     decode_start = None
-    for token, from_draft in tokens:
+    for item in tokens:
+        if isinstance(item, Pass):
+            yield item
+            continue
+        token, from_draft = item
         now = time.perf_counter()
         if decode_start is None:
             stats.prefill_seconds, decode_start = now - start, now
@@ -187,13 +194,15 @@ def stream_generate(
 
 def _decode_loop(
     model, cache, logits, prompt, config: GenerationConfig, *, stats, drafter: Drafter | None, costs, budget: int,
-    rows: list | None = None, constraint: Constraint | None = None,
+    rows: list | None = None, constraint: Constraint | None = None, share: bool = False,
 ):  # fmt: skip
     speculation, params = config.spec, config.sampling
     if not speculation.enabled and constraint is not None:
-        return constrained_decode(model, cache, logits, params=params, stats=stats, constraint=constraint, rows=rows)
+        return constrained_decode(
+            model, cache, logits, params=params, stats=stats, constraint=constraint, rows=rows, share=share
+        )
     if not speculation.enabled:
-        return plain_decode(model, cache, logits, params=params, stats=stats, rows=rows)
+        return plain_decode(model, cache, logits, params=params, stats=stats, rows=rows, share=share)
     if drafter is None:
         from akunu.drafters import DEFAULT_SPEC, make_drafter
 
@@ -212,7 +221,7 @@ def _decode_loop(
     )  # fmt: skip
     return speculative_decode(
         model, cache, logits, params=params, stats=stats, drafter=drafter, draft_length=draft_length, budget=budget,
-        rows=rows, constraint=constraint,
+        rows=rows, constraint=constraint, share=share,
     )  # fmt: skip
 
 

@@ -163,9 +163,10 @@ def costs_for(loaded, config):
 
 
 def stream(loaded, prompt_ids: list[int], config, *, prompt_cache=None, costs=None, drafter=None, constraint=None,
-           between_chunks=None):  # fmt: skip
+           between_chunks=None, share_passes=False):  # fmt: skip
     """The engine's response stream for one generation (`drafter`: None for the default drafter;
-    `constraint`: the grammar the output follows, akunu.grammar; `between_chunks`: see stream_generate)."""
+    `constraint`: the grammar the output follows, akunu.grammar; `between_chunks`, `share_passes`: see
+    stream_generate)."""
     from akunu.generate import stream_generate
 
     return stream_generate(
@@ -179,6 +180,7 @@ def stream(loaded, prompt_ids: list[int], config, *, prompt_cache=None, costs=No
         drafter=drafter,
         constraint=constraint,
         between_chunks=between_chunks,
+        share_passes=share_passes,
     )
 
 

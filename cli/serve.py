@@ -222,7 +222,7 @@ class Drafting:
         drafter = self.drafter(loaded, job.config) if job.config.spec.enabled else None
         return runtime.stream(
             loaded, job.prompt_ids, job.config, prompt_cache=prompt_cache, costs=costs, drafter=drafter,
-            constraint=job.constraint, between_chunks=job.between_chunks,
+            constraint=job.constraint, between_chunks=job.between_chunks, share_passes=True,
         )  # fmt: skip
 
 

@@ -53,6 +53,7 @@ def fake_engine(monkeypatch, isolated_home):
     import akunu.cost_curve
     import akunu.generate
     import akunu.models
+    from akunu.decode import Pass
     from tests.fakes import FAKE_COSTS, EngineCalls, make_loaded
 
     calls = EngineCalls(loaded=make_loaded())
@@ -70,6 +71,9 @@ def fake_engine(monkeypatch, isolated_home):
         tokens: list[int] = []
         calls.streams.append({"model": model, "prompt": list(prompt), "config": config, "tokens": tokens, **kwargs})
         for response in real_stream_generate(model, tokenizer, prompt, config, **kwargs):
+            if isinstance(response, Pass):  # a pass the server runs (share_passes)
+                yield response
+                continue
             if response.token is None:
                 calls.finals.append(response)
             else:

@@ -105,7 +105,8 @@ def test_a_long_prompt_joining_never_stalls_the_streams_running(fake_engine, ser
     assert first.choices[0].delta is not None
     during = [t for t in arrivals if asked <= t <= answered]
     assert len(during) >= 10  # a step of the running stream between each two chunks of the prompt
-    assert max(b - a for a, b in zip([asked, *during], [*during, answered])) < 0.5  # never stalled for the prefill
+    longest_gap = max(b - a for a, b in zip([asked, *during], [*during, answered]))
+    assert longest_gap < (answered - asked) / 4  # never stalled for the prefill (~30 chunks)
 
 
 def test_a_client_that_leaves_frees_its_place_and_the_others_go_on(fake_engine, serve):

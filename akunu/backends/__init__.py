@@ -75,6 +75,13 @@ def prefill_step() -> int:
     return 512  # mlx-lm's prefill step
 
 
+def takes_several_rows(model: Any) -> bool:
+    """Whether a pass of the model may carry several requests' rows (batch > 1): mlx-lm's models do; a model whose
+    step the CPU backend patched takes one (its RoPE tables and attention kernel are per sequence)."""
+    cpu = sys.modules.get(_CPU_PACKAGE)
+    return cpu is None or not cpu.takes_one_row(model)
+
+
 def unpatched(model: Any) -> AbstractContextManager[None]:
     """A context running `model` as mlx-lm ships it (mlx-lm's column of a benchmark)."""
     cpu = sys.modules.get(_CPU_PACKAGE)

@@ -115,9 +115,10 @@ class Worker:
     """Runs up to `parallel` jobs at once on one thread, a step of each in turn; beyond them, a FIFO of at most
     `max_waiting` jobs, and `submit` says QueueFull past that.
 
-    A step is one token of a job's stream (a forward pass when its drafts run out). A job's prefill runs in chunks,
-    and between chunks the other jobs each take a step, so a long prompt never stalls the answers streaming.
-    Each job has a prompt cache of its own, so its output is the output it would have alone.
+    A step runs each job's stream up to its next forward pass (its last token and drafts), then those passes run,
+    as one pass where they can (akunu.shared_pass). A job's prefill runs in chunks, and between chunks the other
+    jobs take a step, so a long prompt never stalls the answers streaming. Each job has a prompt cache of its own
+    and verifies on its own rows, so its output is the output it would have alone (up to near-ties).
     """
 
     def __init__(
@@ -189,8 +190,7 @@ class Worker:
             self._drop_cancelled_waiting()
             while self._queued and len(self._active) < self.parallel:
                 self._admit(self._queued.popleft())
-            for job in list(self._active):
-                self._step(job)
+            self._step_all(self._active)
         for running in list(self._active):  # stopping: the running jobs end as cancelled
             running.job.cancel()
             running.finish = "cancelled"
@@ -231,34 +231,55 @@ class Worker:
         except Exception as error:  # noqa: BLE001  (reported to its client by _end)
             self._end(running, error)
 
-    def _step_others(self, current: _Running) -> None:
-        """Between `current`'s prefill chunks: a step of each job already decoding (none is inside a step now)."""
-        for running in list(self._active):
-            if running is not current and running.first_response is not None and not running.stepping:
+    def _step_all(self, runs: list[_Running]) -> None:
+        """A step of each job: each runs up to its next forward pass, then the passes run, together where they can
+        (akunu.shared_pass)."""
+        from akunu.shared_pass import run_passes
+
+        for running in list(runs):
+            if not running.stepping and (running.pending is None or running.pending.logits is not None):
                 self._step(running)
+        waiting = [r for r in runs if r in self._active and r.pending is not None and r.pending.logits is None]
+        try:
+            run_passes([running.pending for running in waiting])
+        except Exception as error:  # noqa: BLE001  (the pass failed: the requests it carried end with it)
+            for running in waiting:
+                if running.pending.logits is None:
+                    self._end(running, error)
+
+    def _step_others(self, current: _Running) -> None:
+        """Between `current`'s prefill chunks: a step of each other job past its own prefill."""
+        self._step_all([r for r in self._active if r is not current and not r.stepping
+                        and (r.pending is not None or r.first_response is not None)])  # fmt: skip
 
     def _step(self, running: _Running) -> None:
-        """One response of the job's stream; the job leaves the batch when its stream ends, fails or is cancelled."""
+        """Run the job's stream up to its next forward pass (`running.pending`), handing on the responses before
+        it; the job leaves the batch when its stream ends, fails or is cancelled."""
+        from akunu.decode import Pass
+
         if running not in self._active:  # it ended during another job's step
             return
-        job = running.job
-        running.stepping = True
+        job, running.pending, running.stepping = running.job, None, True
         try:
-            response = next(running.responses, None)
+            while (response := next(running.responses, None)) is not None and not isinstance(response, Pass):
+                running.stats, running.finish = response.stats, response.finish_reason or running.finish
+                running.first_response = running.first_response or time.perf_counter()  # an end token's too
+                if response.text or response.logprobs:
+                    job.emit(
+                        Piece(response.text, (response.logprobs,) if response.logprobs else (), response.from_draft)
+                    )
+                if job.cancelled.is_set():  # checked per token, so at most the pass in flight is wasted
+                    running.finish = "cancelled"
+                    break
         except Exception as error:  # noqa: BLE001  (JobCancelled, a bad request, or a fault: see _end)
             self._end(running, error)
             return
         finally:
             running.stepping = False
-        if response is None:
-            self._end(running)
-            return
-        running.stats, running.finish = response.stats, response.finish_reason or running.finish
-        running.first_response = running.first_response or time.perf_counter()  # after the first token (an end one too)
-        if response.text or response.logprobs:
-            job.emit(Piece(response.text, (response.logprobs,) if response.logprobs else (), response.from_draft))
-        if job.cancelled.is_set():  # checked per token, so at most the pass in flight is wasted
-            running.finish = "cancelled"
+        if isinstance(response, Pass) and not job.cancelled.is_set():
+            running.pending = response
+        else:
+            running.finish = "cancelled" if job.cancelled.is_set() and running.stats else running.finish
             self._end(running)
 
     def _end(self, running: _Running, error: Exception | None = None) -> None:
@@ -312,6 +333,7 @@ class _Running:
     finish: str | None = None
     first_response: float | None = None
     stepping: bool = False  # inside its own step (whose prefill steps the others)
+    pending: object = None  # the forward pass its stream waits for (akunu.decode.Pass)
 
 
 def _blamed_field(job: Job, error: AkunuError) -> str | None:

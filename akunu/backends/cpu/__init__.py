@@ -7,7 +7,7 @@
   passes of them as one `layer_stack` node (or a compiled trace);
 - `quantized` (`quantized.cpp`): products over MLX affine-quantized weights for decode steps, built on first use.
 
-The rest of akunu sees only `apply`, `unpatched`, `describe` and `REVISION`, through `akunu.backends`.
+The rest of akunu sees only `apply`, `takes_one_row`, `unpatched`, `describe` and `REVISION`, through `akunu.backends`.
 This module must not import MLX at the top: `blas.preload()` runs before MLX is first imported.
 """
 
@@ -32,6 +32,13 @@ def apply(model: Any) -> None:
 
     fast_step.enable(model)
     quantized.enable(model)
+
+
+def takes_one_row(model: Any) -> bool:
+    """Whether `apply` gave the model a step whose passes carry one sequence (see `fast_step.takes_one_row`)."""
+    from akunu.backends.cpu import fast_step
+
+    return fast_step.takes_one_row(model)
 
 
 @contextmanager

@@ -80,6 +80,13 @@ def is_enabled(model: nn.Module) -> bool:
     return _current_attention(model) is cpu_attention
 
 
+def takes_one_row(model: nn.Module) -> bool:
+    """Whether this model's modules were swapped for per-sequence ones (compiled RoPE, stacked layers): their RoPE
+    takes one offset, so a pass carries one sequence. (`cpu_attention` itself takes any batch.)"""
+    per_sequence = (*_COMPILED_CLASSES.values(), fused_layers.BlockRows, fused_layers.ModelRows)
+    return any(isinstance(module, per_sequence) for _, module in model.named_modules())
+
+
 def _model_module(model: nn.Module) -> Any:
     return sys.modules.get(type(model).__module__)
 
