@@ -75,3 +75,12 @@ class PromptCache:
             if holds_positions(c):
                 c.trim(c.offset)
         self.cache.fed, self.cache.torn, self.cache.owed = 0, False, []
+
+
+def kv_bytes_per_position(model: nn.Module) -> int:
+    """Bytes one position takes in the model's KV caches (every attention layer's keys and values, as stored);
+    measured on a one-token pass, so the cache's own dtype and layout count."""
+    cache = make_cache(model)
+    run(model, mx.array([[0]], mx.uint32), cache)
+    stored = [c for c in leaves(cache) if holds_positions(c) and getattr(c, "keys", None) is not None]
+    return sum((c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in stored)

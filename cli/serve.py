@@ -71,6 +71,15 @@ def serve(
             help="Requests generating at once, a step of each in turn; more wait in the queue.",
         ),
     ] = 4,
+    max_kv_memory: Annotated[
+        str | None,
+        typer.Option(
+            show_default=False,
+            rich_help_panel=SERVER_PANEL,
+            help="KV cache the running requests may fill together, each counted at its prompt plus max_tokens, "
+            "e.g. 8G; a request that would pass it waits, one that never fits gets a 400. Default: half the memory.",
+        ),
+    ] = None,
     cache_slots: Annotated[
         int,
         typer.Option(
@@ -122,6 +131,7 @@ def serve(
         )
     body_limit = parse_size(max_body)
     disk_limit = parse_size(disk_cache_size, "--disk-cache-size", least=0)
+    kv_limit = parse_size(max_kv_memory, "--max-kv-memory") if max_kv_memory else half_the_memory()
     check_port_free(host, port)  # before the model loads, which may take minutes
     if host not in LOOPBACK:
         print_note(
@@ -139,6 +149,7 @@ def serve(
         max_waiting=queue_depth,
         cache_slots=cache_slots,
         parallel=parallel,
+        max_kv_bytes=kv_limit,
         disk_cache=functools.partial(open_disk_cache, disk_limit) if disk_limit else None,
     )
     loaded = worker.start()
@@ -165,6 +176,14 @@ def parse_size(text: str, option: str = "--max-body", least: int = 1) -> int:
     if not number.isdigit() or int(number) * units[unit] < least:
         raise OptionsError(f"{option} must be a size such as 4M, 512K or 100000 (got {text!r})")
     return int(number) * units[unit]
+
+
+def half_the_memory() -> int | None:
+    """Half the machine's physical memory, in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def check_port_free(host: str, port: int) -> None:

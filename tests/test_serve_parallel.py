@@ -8,6 +8,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
 
 from tests.fakes import make_loaded
@@ -128,3 +129,22 @@ def test_a_client_that_leaves_frees_its_place_and_the_others_go_on(fake_engine, 
         assert staying.result(timeout=30) == alone
     server.wait_idle()
     assert len(fake_engine.streams[1]["tokens"]) < 1000
+
+
+def test_requests_wait_for_kv_memory_and_one_that_never_fits_is_refused(fake_engine, serve):
+    from akunu.prompt_cache import kv_bytes_per_position
+
+    model = tiny_llama(vocab=64, seed=4)
+    fake_engine.loaded = loaded = make_loaded(model=SlowModel(model, delay=0.003))
+    prompt = len(loaded.tokenizer.encode_chat(USER))
+    one = (prompt + 100) * kv_bytes_per_position(model)  # a request of max_tokens 100 may fill this much
+    server = serve("--parallel", "4", "--no-spec", "--max-kv-memory", str(one * 3 // 2))
+    client = server.client()
+    watch = MostRunning(server.worker)
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda _: answer(client, {"messages": USER, "max_tokens": 100}), range(3)))
+    assert watch.stop() == 1 and len({found[0] for found in answers}) == 1  # one at a time, all answered alike
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=USER, max_tokens=200)
+    assert "--max-kv-memory" in refused.value.body["message"] and refused.value.body["param"] == "max_tokens"
+    assert answer(client, {"messages": USER, "max_tokens": 10})[0]  # the server goes on

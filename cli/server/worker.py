@@ -123,13 +123,15 @@ class Worker:
 
     def __init__(
         self, startup: Callable[[], tuple], run: Callable, *, max_waiting: int = 32, cache_slots: int = 4,
-        parallel: int = 4, disk_cache: Callable | None = None,
+        parallel: int = 4, max_kv_bytes: int | None = None, disk_cache: Callable | None = None,
     ):  # fmt: skip
         """`startup()` -> (loaded model, pass-cost curve or None) runs first on the thread;
         `run(loaded, job, prompt_cache, costs)` -> the engine's response stream for one job;
-        `disk_cache(loaded)` -> the prompt caches on disk (akunu.disk_cache.DiskPromptCache) or None."""
+        `disk_cache(loaded)` -> the prompt caches on disk (akunu.disk_cache.DiskPromptCache) or None;
+        `max_kv_bytes`: the KV cache the running jobs may fill together (prompt + max_tokens each), None: no bound."""
         self._startup, self._run_job, self._open_disk_cache = startup, run, disk_cache
-        self.max_waiting, self.parallel = max_waiting, max(1, parallel)
+        self.max_waiting, self.parallel, self.max_kv_bytes = max_waiting, max(1, parallel), max_kv_bytes
+        self.kv_per_position = 0  # bytes, measured once the model is loaded
         self.cache_slots = max(cache_slots, self.parallel)  # every running job holds a cache of its own
         self.loaded, self.costs, self.pool, self.disk = None, None, None, None
         self.waiting, self.running = 0, 0
@@ -170,9 +172,12 @@ class Worker:
         return max(1, math.ceil(mean / self.parallel))
 
     def _loop(self) -> None:
+        from akunu.prompt_cache import kv_bytes_per_position
+
         try:
             self.loaded, self.costs = self._startup()
             self.pool = PromptCachePool(self.loaded.model, self.cache_slots)
+            self.kv_per_position = kv_bytes_per_position(self.loaded.model)
             self.disk = self._open_disk_cache(self.loaded) if self._open_disk_cache else None
         except BaseException as error:  # noqa: BLE001  (handed to start(), in the caller's thread)
             self._startup_error = error
@@ -188,7 +193,7 @@ class Worker:
     def _serve_jobs(self) -> None:
         while self._take_jobs(block=not self._active and not self._queued):
             self._drop_cancelled_waiting()
-            while self._queued and len(self._active) < self.parallel:
+            while self._queued and len(self._active) < self.parallel and self._kv_fits(self._queued[0]):
                 self._admit(self._queued.popleft())
             self._step_all(self._active)
         for running in list(self._active):  # stopping: the running jobs end as cancelled
@@ -217,6 +222,25 @@ class Worker:
         with self._lock:
             self.waiting -= 1
             self.running = len(self._active)
+
+    def _kv_need(self, job: Job) -> int:
+        """The KV cache a job may fill: its prompt and every token it may add."""
+        positions = len(job.prompt_ids) + job.config.max_tokens
+        return min(positions, self.loaded.context_length or positions) * self.kv_per_position
+
+    def _kv_fits(self, job: Job) -> bool:
+        """Whether the first queued job may start now under `max_kv_bytes`; one that never could is refused here."""
+        if self.max_kv_bytes is None:
+            return True
+        need = self._kv_need(job)
+        if need > self.max_kv_bytes:
+            self._queued.popleft()
+            self._left_queue()
+            job.emit(Failed(f"the request may fill {_mib(need)} of KV cache ({len(job.prompt_ids)} prompt tokens + "
+                            f"max_tokens {job.config.max_tokens}) but the server's --max-kv-memory is "
+                            f"{_mib(self.max_kv_bytes)}; ask for fewer tokens", client_error=True, param="max_tokens"))  # fmt: skip
+            return bool(self._queued) and self._kv_fits(self._queued[0])
+        return sum(self._kv_need(r.job) for r in self._active) + need <= self.max_kv_bytes
 
     def _admit(self, job: Job) -> None:
         busy = [running.cache for running in self._active]
@@ -334,6 +358,10 @@ class _Running:
     first_response: float | None = None
     stepping: bool = False  # inside its own step (whose prefill steps the others)
     pending: object = None  # the forward pass its stream waits for (akunu.decode.Pass)
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:,.0f} MiB"
 
 
 def _blamed_field(job: Job, error: AkunuError) -> str | None:
