@@ -26,6 +26,7 @@ from akunu.cli.bench_tables import (
     print_header,
     summary_table,
     table_console,
+    traffic_table,
 )
 from akunu.cli.console import print_note, stderr_console
 from akunu.drafters.specs import DraftLengthPolicy
@@ -174,6 +175,8 @@ def bench(
     per_prompt: PerPrompt = False,
     json_path: JsonPath = None,
     plot_path: PlotPath = None,
+    shard: options.Shard = options.Sharding.tensor,
+    check_ranks: options.CheckRanks = False,
 ) -> None:
     """Measure speculative against plain decoding, and against mlx-lm, on realistic prompts.
 
@@ -191,7 +194,9 @@ def bench(
         from akunu.bench.report import require_matplotlib
 
         require_matplotlib()  # before the long run, not after it
-    loaded = runtime.load(model, dtype)
+    loaded = runtime.load(model, dtype, (), shard, check_ranks)
+    if not runtime.alone():  # llama.cpp and mlx-lm's loop are one-process baselines
+        llama_cpp, mlx_lm = False, False
     sampling = "greedy" if temp == 0 else f"temp {temp}"
     config = f"{sampling} · {max_tokens} new tokens · {repeats} repeat(s) after a warm-up · drafts ≤ {draft_tokens} ({draft_length.value})"
     llama_version, llama_line = _llama_cpp_status(loaded, llama_cpp, temp)
@@ -202,6 +207,8 @@ def bench(
     methods += [lib.LLAMA_CPP] if engine.llama_cpp is not None else []
     result = _run_with_progress(prompts, engine, methods, repeats, check_tokens=temp == 0)
     summaries = _print_tables(result, methods, per_prompt=per_prompt, temp=temp)
+    if not runtime.alone():
+        table_console().print(traffic_table(result, loaded.model))
     settings = {
         "max_tokens": max_tokens, "repeats": repeats, "temp": temp, "seed": seed, "draft_tokens": draft_tokens,
         "draft_length": draft_length.value, "methods": methods, "workload": str(workload) if workload else "shipped",

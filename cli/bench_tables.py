@@ -236,3 +236,24 @@ def cost_table(curves, key: str, after: str) -> Table:
     for k, ms, relative in cost_table_rows(curves):
         table.add_row(str(k), *(f"{m:.1f}" for m in ms), *(f"{r:.2f}" for r in relative))
     return table
+
+
+def traffic_table(result, model) -> Table:
+    """Under mlx.launch: each method's decode speed, tokens per pass, and what it costs between the ranks."""
+    from statistics import median
+
+    from akunu.distributed import size, wire_per_token
+
+    table = Table(title=f"between the ranks ({size()} processes), per generated token", title_justify="left")
+    for column in ("method", "tok/s", "tok/pass", "round trips", "bytes sent"):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for method in dict.fromkeys(m.method for m in result.measurements):
+        runs = [m.run for m in result.measurements if m.method == method]
+        passes, drafted = sum(r.forward_passes for r in runs), sum(r.drafted for r in runs)
+        tokens = sum(max(r.generated - 1, 0) for r in runs)  # the first token comes from prefill
+        if not passes:
+            continue
+        trips, sent = wire_per_token(model, passes, drafted, tokens)
+        rate = median(r.decode_tps for r in runs)
+        table.add_row(method, f"{rate:.1f}", f"{tokens / passes:.2f}", f"{trips:.1f}", f"{sent / 1024:.1f} KiB")
+    return table

@@ -68,6 +68,8 @@ def chat(
             "--force", rich_help_panel=CONVERSATION_PANEL, help="Let --save replace a file that is not a conversation."
         ),
     ] = False,
+    shard: options.Shard = options.Sharding.tensor,
+    check_ranks: options.CheckRanks = False,
 ) -> None:
     """Chat with a model in the terminal; the KV cache carries over, so each turn prefills only what is new.
 
@@ -86,17 +88,20 @@ def chat(
         max_tokens=max_tokens, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop=stop, spec=spec,
         draft_tokens=draft_tokens, exact=exact,
     )  # fmt: skip
-    loaded = runtime.load(model, dtype)
+    loaded = runtime.load(model, dtype, (), shard, check_ranks)
     config.sampling.validate(loaded.tokenizer.vocab_size)
     if system is not None:
         text_input.check_length(system, text_input.text_limit(loaded.context_length), "--system")
     if load:
         conversation.check_continues(loaded.tokenizer, load)
     disk = None
-    if save or load:  # a conversation kept on disk keeps its KV cache there too (akunu.disk_cache)
+    if (
+        save or load
+    ) and runtime.alone():  # a conversation kept on disk keeps its KV cache there too (akunu.disk_cache)
         from akunu.disk_cache import open_store
 
         disk = open_store(loaded.model, loaded.name, loaded.path, loaded.dtype)
+    save = save if runtime.leads() else None  # rank 0 owns the files
     session = ChatSession(loaded, config, conversation, ChatView(), save_path=save, disk=disk)
     session.greet(loaded_from=load)
     try:
@@ -150,6 +155,7 @@ class ChatSession:
         if read is None:
             limit = text_input.text_limit(self.loaded.context_length)
             read = input if runtime.stdin_is_terminal() else functools.partial(text_input.read_line, limit=limit)
+        read = runtime.leader_reads(read)  # under mlx.launch every rank takes rank 0's lines
         while True:
             try:
                 line = read(">>> ")
@@ -294,6 +300,8 @@ class ChatSession:
         self.view.dim(f"speculative decoding {self._spec_state()}")
 
     def _save(self, argument: str) -> None:
+        if not runtime.leads():
+            return
         force = argument.split(" ", 1)[0] == "--force"
         argument = argument.removeprefix("--force").strip() if force else argument
         path = Path(argument).expanduser() if argument else self.save_path

@@ -106,6 +106,8 @@ def generate(
             help="Highlight accepted draft tokens; print every statistic.",
         ),
     ] = False,
+    shard: options.Shard = options.Sharding.tensor,
+    check_ranks: options.CheckRanks = False,
 ) -> None:
     """Generate text for one prompt, with the model's chat template unless --raw.
 
@@ -126,10 +128,11 @@ def generate(
         draft_tokens=draft_tokens, draft_length=draft_length, exact=exact,
     )  # fmt: skip
     with _interrupt_as_error(json_output):
-        loaded = runtime.load(model, dtype, draft_models=draft_models_of(draft, draft_model))
+        loaded = runtime.load(model, dtype, draft_models_of(draft, draft_model), shard, check_ranks)
         config.sampling.validate(loaded.tokenizer.vocab_size)
         check_fits(loaded, **{source: text, "--system": system})
         prompt_ids = runtime.encode_prompt(loaded.tokenizer, text, system=system, raw=raw, parse_special=parse_special)
+        prompt_ids = runtime.agreed(prompt_ids)  # rank 0's stdin, under mlx.launch
         drafter = make_drafter_for(loaded, config, draft, draft_model, ngram_cache, tree)
         constraint = make_constraint(loaded, schema)
     if verbose:

@@ -49,6 +49,29 @@ Dtype = Annotated[
         help="Weights in memory: quantized, float32, or auto (whichever decodes faster on this backend).",
     ),
 ]
+
+
+class Sharding(str, Enum):
+    tensor = "tensor"
+    pipeline = "pipeline"
+
+
+DISTRIBUTED_PANEL = "Across machines (under mlx.launch)"
+Shard = Annotated[
+    Sharding,
+    typer.Option(
+        rich_help_panel=DISTRIBUTED_PANEL,
+        help="How the ranks split the model: tensor (each holds part of every layer) or pipeline (each runs some layers).",
+    ),
+]
+CheckRanks = Annotated[
+    bool,
+    typer.Option(
+        "--check-ranks",
+        rich_help_panel=DISTRIBUTED_PANEL,
+        help="Debug: check each round that every rank drafted the same tokens; stop with one line if not.",
+    ),
+]
 System = Annotated[
     str | None, typer.Option("--system", "-s", rich_help_panel=MODEL_PANEL, help="System prompt for the chat template.")
 ]

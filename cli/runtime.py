@@ -23,6 +23,7 @@ from rich.progress import (
 
 from akunu.cli.console import print_note, stderr_console
 from akunu.drafters.specs import DraftLengthPolicy
+from akunu.errors import OptionsError
 
 _BYTE_STAGES = {"download", "extract", "verify"}
 
@@ -54,16 +55,23 @@ class _AmountColumn(ProgressColumn):
         return column.render(task)
 
 
-def load(model: str | None, dtype, draft_models: Sequence[str] = ()) -> object:
+def load(model: str | None, dtype, draft_models: Sequence[str] = (), shard="tensor", check_ranks: bool = False):
     """The LoadedModel for a catalogue name, path or repo id (None: the default model).
 
-    Draft models whose tokenizer differs from the target's are refused first, before any weights load."""
+    Draft models whose tokenizer differs from the target's are refused first, before any weights load.
+    Under `mlx.launch` this rank's part of it (`shard`), rank 0 alone printing (akunu.distributed)."""
+    from akunu import distributed
     from akunu.models import catalogue, load_model
 
+    distributed.join(check_ranks=check_ranks)
     name = model or catalogue.DEFAULT_MODEL
     with progress_reporter() as progress:
         _check_draft_tokenizers(name, draft_models, progress)
-        return load_model(name, dtype=getattr(dtype, "value", dtype), progress=progress)
+        split = {} if distributed.group() is None else {"shard": getattr(shard, "value", shard)}  # alone: whole
+        loaded = load_model(name, dtype=getattr(dtype, "value", dtype), progress=progress, **split)
+    if loaded.sharded:
+        print_note(loaded.sharded)
+    return loaded
 
 
 def _check_draft_tokenizers(target: str, draft_models: Sequence[str], progress) -> None:
@@ -75,6 +83,45 @@ def _check_draft_tokenizers(target: str, draft_models: Sequence[str], progress) 
     target_tokenizer = load_tokenizer(target, progress=progress)
     for name in draft_models:
         check_same_tokenizer(target_tokenizer, load_tokenizer(name, progress=progress), name)
+
+
+def refuse_ranks(command: str) -> None:
+    """One line, from rank 0, for a command that does not run split across the ranks of `mlx.launch`."""
+    from akunu import distributed
+
+    if distributed.launched() and distributed.group() is not None:
+        distributed.join()
+        if not distributed.leads():  # ends quietly: rank 0 says why, before mlx.launch ends it
+            raise SystemExit(0)
+        raise OptionsError(f"{command} does not run under mlx.launch yet; generate, chat and bench do")
+
+
+def alone() -> bool:
+    """Whether this process runs without other ranks (not under `mlx.launch`)."""
+    from akunu import distributed
+
+    return distributed.group() is None
+
+
+def leads() -> bool:
+    """Rank 0 under `mlx.launch` (it owns the terminal, the port and the files), or a process alone."""
+    from akunu import distributed
+
+    return distributed.leads()
+
+
+def leader_reads(read):
+    """`read` (prompt -> line) as every rank takes it: rank 0's own, sent to the others; `read` when alone."""
+    from akunu import distributed
+
+    return read if alone() else distributed.leader_reads(read)
+
+
+def agreed(value):
+    """Rank 0's value on every rank under `mlx.launch` (what it read from its terminal, say); else `value`."""
+    from akunu import distributed
+
+    return distributed.agree(value)
 
 
 def encode_prompt(
@@ -101,10 +148,13 @@ def cost_curve(loaded, max_draft: int):
 
     Measured once per model, dtype and backend (seconds), then read from disk.
     """
-    from akunu import cost_curve
+    from akunu import cost_curve, distributed
 
     key, directory = cost_curve.curve_key(loaded.name, loaded.dtype), cost_curve.default_dir()
     contexts = cost_curve.contexts_within(loaded.context_length)
+    if distributed.group() is not None:  # every rank runs the passes; rank 0's timings decide
+        with pass_cost_progress("once") as progress:
+            return distributed.shared_cost_curves(loaded.model, key, directory, max_draft + 1, contexts, progress)
     try:  # an unwritable AKUNU_HOME costs a measurement per run, never the run
         directory.mkdir(parents=True, exist_ok=True)
         if os.access(directory, os.W_OK):
@@ -166,9 +216,17 @@ def stream(loaded, prompt_ids: list[int], config, *, prompt_cache=None, costs=No
            between_chunks=None, share_passes=False):  # fmt: skip
     """The engine's response stream for one generation (`drafter`: None for the default drafter;
     `constraint`: the grammar the output follows, akunu.grammar; `between_chunks`, `share_passes`: see
-    stream_generate)."""
+    stream_generate; passes are not shared across ranks)."""
+    from akunu import distributed
     from akunu.generate import stream_generate
 
+    if distributed.group() is not None:
+        responses = stream_generate(
+            loaded.model, loaded.tokenizer, prompt_ids, config, prompt_cache=prompt_cache,
+            context_length=loaded.context_length, costs=costs, drafter=distributed.drafter_for(drafter, config),
+            constraint=constraint, between_chunks=between_chunks,
+        )  # fmt: skip
+        return distributed.guarded(responses)
     return stream_generate(
         loaded.model,
         loaded.tokenizer,

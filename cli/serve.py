@@ -123,6 +123,8 @@ def serve(
 
     from akunu.cli.server import Worker, create_app
 
+    runtime.refuse_ranks("akunu serve")
+
     if api_key is None and os.environ.get("AKUNU_API_KEY") == "":  # click reads an empty variable as unset
         api_key = ""
     if api_key is not None and not api_key.strip():

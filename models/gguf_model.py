@@ -9,33 +9,48 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from akunu.errors import ModelError
+from akunu.models import sharding
 from akunu.models.architectures import architecture_of
 from akunu.models.gguf_file import GGUFFile
 from akunu.models.gguf_weights import GROUP_SIZE, Progress, check_supported_types, quantized_stems, read_weights
 
 
 def load_gguf_model(
-    gguf_file: GGUFFile, *, quantized: bool, progress: Progress | None = None
+    gguf_file: GGUFFile, *, quantized: bool, progress: Progress | None = None, group: Any = None, shard: str = "tensor"
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """The mlx-lm model for a parsed GGUF file (see `gguf_file.read_gguf`), and its mlx-lm config."""
-    path = gguf_file.path
+    """The mlx-lm model for a parsed GGUF file (see `gguf_file.read_gguf`), and its mlx-lm config; with a
+    distributed `group`, this rank's part of it (`sharding`), `config["sharded"]` saying how."""
     architecture = architecture_of(gguf_file)
     check_supported_types(gguf_file)
     architecture.check_names(gguf_file.tensors)
     config = architecture.build_config(gguf_file)
-    weights = architecture.map_weights(read_weights(gguf_file, keep_quantized=quantized, progress=progress), config)
-    model = _instantiate(config)
+    model = _instantiate(config)  # its arrays are placeholders, never computed: the file's replace them
+    share = None
+    if group is not None and shard == "tensor" and sharding.common_layout(model):
+        share = sharding.share_for_model(model, group)  # each tensor cut to this rank's part as it is read
+    part = sharding.gguf_part(share) if share else None
+    read = read_weights(gguf_file, keep_quantized=quantized, progress=progress, part=part)
+    weights = architecture.map_weights(read, sharding.local_config(config, share) if share else config)
     weights = model.sanitize(weights) if hasattr(model, "sanitize") else weights
     _quantize_like(model, weights)
+    if share:
+        sharding.shard_common(model, group, share)
+        config["sharded"] = sharding.describe_share(share, group)
     model.eval()
+    _load_strictly(model, weights, gguf_file)
+    if group is not None and not share:  # whole tensors read first: mlx-lm's own split of this architecture
+        config["sharded"] = sharding.shard(model, group, shard)
+    mx.eval(model.parameters())
+    _look_up_in_float32(model)
+    return model, config
+
+
+def _load_strictly(model: nn.Module, weights: dict[str, mx.array], gguf_file: GGUFFile) -> None:
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as error:
         layout = f"the {gguf_file.architecture} layout"
-        raise ModelError(f"{path.name}: weights do not match {layout} ({_first_line(error)})") from None
-    mx.eval(model.parameters())
-    _look_up_in_float32(model)
-    return model, config
+        raise ModelError(f"{gguf_file.path.name}: weights do not match {layout} ({_first_line(error)})") from None
 
 
 def _instantiate(config: dict[str, Any]) -> nn.Module:

@@ -26,6 +26,7 @@ Weight policy (the README quotes this):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import mlx.core as mx
@@ -41,6 +42,8 @@ from akunu.models.ggml_blocks import LAYOUTS, dequantize_exact, exact_triple
 from akunu.models.gguf_file import GGUFFile, TensorInfo
 
 GROUP_SIZE = 32
+# A tensor's part one rank keeps, by GGUF name: (rows, columns), each (start, stop) or None for all; None: all of it.
+Part = Callable[[str], "tuple[tuple[int, int] | None, tuple[int, int] | None] | None"]
 REQUANTIZE_WEIGHTS = 1 << 20  # re-quantize this many weights at a time
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 # Types MLX's own GGUF reader turns into exact MLX-quantized (or float) arrays.
@@ -76,12 +79,20 @@ def check_supported_types(gguf_file: GGUFFile) -> None:
             )
 
 
-def read_weights(gguf_file: GGUFFile, *, keep_quantized: bool, progress: Progress | None = None) -> dict[str, mx.array]:
-    """All tensors, keyed like `mx.load` keys them: `x.weight` plus `x.scales`/`x.biases` if quantized."""
+def read_weights(
+    gguf_file: GGUFFile, *, keep_quantized: bool, progress: Progress | None = None, part: Part | None = None
+) -> dict[str, mx.array]:
+    """All tensors, keyed like `mx.load` keys them: `x.weight` plus `x.scales`/`x.biases` if quantized.
+    With `part` (one rank's share), each tensor's part only: the file is read tensor by tensor, and a part
+    that falls on whole blocks is cut from the raw blocks before anything is decoded."""
     check_supported_types(gguf_file)
-    if gguf_file.mx_loadable and all(
-        t.ggml_type in MX_LOAD_TYPES and (t.ggml_type in FLOAT_TYPES or len(t.shape) == 2)
-        for t in gguf_file.tensors.values()
+    if (
+        part is None
+        and gguf_file.mx_loadable
+        and all(
+            t.ggml_type in MX_LOAD_TYPES and (t.ggml_type in FLOAT_TYPES or len(t.shape) == 2)
+            for t in gguf_file.tensors.values()
+        )
     ):
         if progress:
             progress("load", 0, len(gguf_file.tensors))
@@ -89,7 +100,7 @@ def read_weights(gguf_file: GGUFFile, *, keep_quantized: bool, progress: Progres
         if progress:
             progress("load", len(gguf_file.tensors), len(gguf_file.tensors))
     else:
-        weights = _read_with_dequantize(gguf_file, keep_quantized, progress)
+        weights = _read_with_dequantize(gguf_file, keep_quantized, progress, part or _whole)
     if not keep_quantized:
         return to_float32(weights)
     return _float_tensors_to_f32(weights, narrow=backends.quantized_kernel_reads_float16_scales())
@@ -102,17 +113,65 @@ def _read_with_mx_load(gguf_file: GGUFFile) -> dict[str, mx.array]:
         raise ModelError(f"{gguf_file.path} could not be read by MLX: {error}") from None
 
 
-def _read_with_dequantize(gguf_file: GGUFFile, keep_quantized: bool, progress: Progress | None) -> dict[str, mx.array]:
+def _whole(name: str) -> None:
+    return None
+
+
+def _read_with_dequantize(
+    gguf_file: GGUFFile, keep_quantized: bool, progress: Progress | None, part: Part = _whole
+) -> dict[str, mx.array]:
     weights: dict[str, mx.array] = {}
     infos = list(gguf_file.tensors.values())
     narrow = keep_quantized and backends.quantized_kernel_reads_float16_scales()
     tied = "output.weight" not in gguf_file.tensors
     for done, info in enumerate(infos, 1):
         narrow_this = narrow and _narrowable(info.name, len(info.shape), tied)
-        weights.update(_decode_tensor(gguf_file, info, requantize_inexact=keep_quantized, narrow=narrow_this))
+        weights.update(_decode_part(gguf_file, info, part(info.name), keep_quantized, narrow_this))
         if progress:
             progress("load", done, len(infos))
     return weights
+
+
+def _decode_part(gguf_file: GGUFFile, info: TensorInfo, share, keep_quantized: bool, narrow: bool):
+    """A tensor's arrays, or only the part `share` names: cut from the raw blocks where it falls on whole
+    blocks, else decoded whole and cut (freed at once)."""
+    raw = gguf_file.tensor_bytes(info)
+    if share is not None:
+        cut = _raw_part(raw, info, *share)
+        if cut is not None:
+            raw, info = cut
+    decoded = _decode_tensor(gguf_file, info, requantize_inexact=keep_quantized, narrow=narrow, raw=raw)
+    if share is None or cut is not None:
+        return decoded
+    decoded = {name: mx.contiguous(_array_part(array, info.shape, *share)) for name, array in decoded.items()}
+    mx.eval(decoded)
+    return decoded
+
+
+def _raw_part(raw: np.ndarray, info: TensorInfo, rows, columns) -> tuple[np.ndarray, TensorInfo] | None:
+    block, block_bytes = GGML_QUANT_SIZES[info.ggml_type]
+    width = info.shape[-1]
+    height = 1 if len(info.shape) == 1 else info.shape[0]
+    rows, columns = rows or (0, height), columns or (0, width)
+    if len(info.shape) > 2 or columns[0] % block or columns[1] % block:
+        return None
+    blocks = raw.reshape(height, width // block, block_bytes)[
+        rows[0] : rows[1], columns[0] // block : columns[1] // block
+    ]
+    shape = (columns[1] - columns[0],) if len(info.shape) == 1 else (rows[1] - rows[0], columns[1] - columns[0])
+    return np.ascontiguousarray(blocks).reshape(-1), replace(info, shape=shape, nbytes=blocks.size)
+
+
+def _array_part(array: mx.array, shape: tuple[int, ...], rows, columns) -> mx.array:
+    """The part of one decoded array (a packed triple's arrays scale their columns with the tensor's)."""
+    if len(shape) == 1:
+        return array[columns[0] : columns[1]] if columns else array
+    if rows:
+        array = array[rows[0] : rows[1]]
+    if columns:
+        width = array.shape[-1]
+        array = array[:, columns[0] * width // shape[-1] : columns[1] * width // shape[-1]]
+    return array
 
 
 def exact_triple_exists(info: TensorInfo) -> bool:
@@ -121,9 +180,14 @@ def exact_triple_exists(info: TensorInfo) -> bool:
 
 
 def _decode_tensor(
-    gguf_file: GGUFFile, info: TensorInfo, *, requantize_inexact: bool, narrow: bool = False
+    gguf_file: GGUFFile,
+    info: TensorInfo,
+    *,
+    requantize_inexact: bool,
+    narrow: bool = False,
+    raw: np.ndarray | None = None,
 ) -> dict[str, mx.array]:
-    raw = gguf_file.tensor_bytes(info)
+    raw = gguf_file.tensor_bytes(info) if raw is None else raw
     stem = info.name.removesuffix(".weight")
     with np.errstate(all="ignore"):  # garbage scales overflow; checked below, naming the tensor
         triple = exact_triple(raw, info.ggml_type, info.shape) if info.ggml_type not in FLOAT_TYPES else None

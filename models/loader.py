@@ -6,14 +6,15 @@ import ctypes
 import re
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from akunu import backends
+from akunu import backends, distributed
 from akunu.errors import ModelError
 from akunu.models import catalogue
 from akunu.models.dtype_policy import DtypeChoice, choose_dtype
@@ -46,6 +47,7 @@ class LoadedModel:
     context_length: int
     dtype_reason: str = ""
     load_seconds: float = 0.0
+    sharded: str = ""  # how the model is split across the ranks of an `mlx.launch` run ("" when whole)
 
     @property
     def parameter_count(self) -> int:
@@ -57,16 +59,29 @@ class LoadedModel:
         return f"{self.name}: {self.architecture}, {_human_count(self.parameter_count)} params, {self.dtype} weights"
 
 
-def load_model(spec: str, *, dtype: str = "auto", progress: Progress | None = None) -> LoadedModel:
-    """Load a model and its tokenizer; every failure a user can cause is a one-line ModelError."""
+def load_model(
+    spec: str, *, dtype: str = "auto", progress: Progress | None = None, shard: str = "tensor"
+) -> LoadedModel:
+    """Load a model and its tokenizer; every failure a user can cause is a one-line ModelError.
+
+    Under `mlx.launch`, this rank's part of it (`shard`: "tensor" or "pipeline", see `sharding`), before the
+    CPU backend sees it: the backend's kernels then run the projections the rank keeps as plain layers."""
     choose_dtype(dtype)  # reject a bad --dtype before any download
     _map_large_allocations()
     started = time.perf_counter()
     cache_limit = mx.set_cache_limit(0)  # arrays replaced while loading are freed, not cached on top of the rest
     try:
         path = locate(spec, progress)
-        loaded = _load_gguf(path, spec, dtype, progress) if path.is_file() else _load_mlx_folder(path, spec, dtype)
-        backends.apply(loaded.model)  # the CPU backend's faster step where it applies; elsewhere mlx-lm's model
+        group = distributed.group()
+        if path.is_file():
+            loaded = _load_gguf(path, spec, dtype, progress, group, shard)
+        else:
+            loaded = _load_mlx_folder(path, spec, dtype, group, shard)
+        backends.apply(loaded.model)
+        if group is not None:
+            distributed.count_traffic(
+                loaded.model
+            )  # the CPU backend's faster step where it applies; elsewhere mlx-lm's model
     finally:
         mx.set_cache_limit(cache_limit)
     _return_freed_memory()
@@ -125,23 +140,27 @@ def _looks_like_path(spec: str) -> bool:
     return spec.endswith(".gguf") or spec.startswith((".", "/", "~")) or spec.count("/") > 1
 
 
-def _load_gguf(path: Path, name: str, dtype: str, progress: Progress | None) -> LoadedModel:
+def _load_gguf(path: Path, name: str, dtype: str, progress: Progress | None, group: Any, shard: str) -> LoadedModel:
     from akunu.models.gguf_model import load_gguf_model
     from akunu.models.gguf_weights import decode_products
     from akunu.models.tokenizer import Tokenizer
 
     gguf_file = read_gguf(path)
-    choice = choose_dtype(
-        dtype,
-        float32_bytes=4 * sum(_element_count(t.shape) for t in gguf_file.tensors.values()),
-        products=decode_products(gguf_file) if dtype == "auto" else None,
+    choice = _agreed(
+        lambda: choose_dtype(
+            dtype,
+            float32_bytes=4 * sum(_element_count(t.shape) for t in gguf_file.tensors.values()),
+            products=decode_products(gguf_file) if dtype == "auto" else None,
+        )
     )
     # The tokenizer first: its build's scratch is freed before the weights arrive, not on top of them.
     tokenizer = Tokenizer.from_gguf_metadata(gguf_file.metadata, source=str(path))
     for key in VOCABULARY_KEYS:  # the tokenizer has what it needs of them
         gguf_file.metadata.pop(key, None)
     _return_freed_memory()
-    model, config = load_gguf_model(gguf_file, quantized=choice.dtype == "quantized", progress=progress)
+    model, config = load_gguf_model(
+        gguf_file, quantized=choice.dtype == "quantized", progress=progress, group=group, shard=shard
+    )
     if tokenizer.vocab_size > config["vocab_size"]:  # ids past the embedding would read out of bounds
         raise ModelError(
             f"{Path(path).name}: the vocabulary has {tokenizer.vocab_size} tokens, but "
@@ -156,20 +175,38 @@ def _load_gguf(path: Path, name: str, dtype: str, progress: Progress | None) -> 
         dtype=choice.dtype,
         context_length=int(config["max_position_embeddings"]),
         dtype_reason=choice.reason,
+        sharded=config.get("sharded", ""),
     )
 
 
-def _load_mlx_folder(path: Path, name: str, dtype: str) -> LoadedModel:
-    """An mlx-community style folder (config.json + safetensors), loaded by mlx-lm itself."""
+def _agreed(choose: Callable[[], DtypeChoice]) -> DtypeChoice:
+    """The dtype rank 0 chooses (its timing decides for every rank), or this process's own when alone."""
+    if distributed.group() is None:
+        return choose()
+    return DtypeChoice(*distributed.agree(list(astuple(choose())) if distributed.leads() else None))
+
+
+def _load_mlx_folder(path: Path, name: str, dtype: str, group: Any = None, shard: str = "tensor") -> LoadedModel:
+    """An mlx-community style folder (config.json + safetensors), loaded by mlx-lm itself; with a distributed
+    `group`, loaded lazily and split first, so a rank reads only the slices it keeps."""
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
+    from akunu.models import sharding
     from akunu.models.tokenizer import Tokenizer
 
     try:
-        model, config = mlx_lm_load_model(path)
+        model, config = mlx_lm_load_model(path, lazy=group is not None)
         context_length = int(_context_length(config))
     except Exception as error:  # noqa: BLE001 - a model folder is untrusted input: whatever breaks, one line
         raise ModelError(f"cannot load the MLX model in {path}: {_folder_failure(error)}") from None
+    sharded = ""
+    if group is not None:
+        sharded = sharding.shard(model, group, shard)
+        for layer in model.layers:  # one layer's slices at a time: whole tensors are read and freed as they go
+            mx.eval(layer.parameters() if layer is not None else [])
+        mx.eval(model.parameters())
+        requested = dtype  # rank 0's resolution of "auto" (memory differs between machines), applied everywhere
+        dtype = _agreed(lambda: choose_dtype(requested, float32_bytes=4 * int(_parameter_count(model)))).dtype
     choice = _folder_dtype(model, config, dtype)
     return LoadedModel(
         model=model,
@@ -180,7 +217,14 @@ def _load_mlx_folder(path: Path, name: str, dtype: str) -> LoadedModel:
         dtype=choice.dtype,
         context_length=context_length,
         dtype_reason=choice.reason,
+        sharded=sharded,
     )
+
+
+def _parameter_count(model: nn.Module) -> int:
+    from mlx_lm.utils import get_total_parameters
+
+    return get_total_parameters(model)
 
 
 def _folder_failure(error: Exception) -> str:

@@ -208,7 +208,23 @@ class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
         return super().as_linear(x) if y is None else y
 
 
-_SWAPS = {nn.QuantizedLinear: CpuQuantizedLinear, nn.QuantizedEmbedding: CpuQuantizedEmbedding}
+class CpuQuantizedShardedToAllLinear(nn.QuantizedShardedToAllLinear):
+    """One rank's columns of a split layer (akunu.models.sharding), through the kernel before the all-sum: a
+    split on group boundaries gives each group the product the whole layer's kernel call gives it."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = product(x, self)
+        if y is None:
+            return super().__call__(x)
+        y = mx.distributed.all_sum(y, group=self.group)
+        return y + self["bias"] if "bias" in self else y
+
+
+_SWAPS = {
+    nn.QuantizedLinear: CpuQuantizedLinear,
+    nn.QuantizedEmbedding: CpuQuantizedEmbedding,
+    nn.QuantizedShardedToAllLinear: CpuQuantizedShardedToAllLinear,
+}
 
 
 def enable(model: nn.Module) -> int:

@@ -1,0 +1,396 @@
+"""Running one generation across the ranks of an MLX distributed group (`mlx.launch`).
+
+Every rank holds part of the model and runs the same passes; the sharded layers' all-sums are the only
+traffic a pass makes. Everything else a rank decides for itself must come out the same on every rank:
+the token history is the same, so drafts are (no messages for them); what could differ (a seed, timings,
+the text a user types) is decided on rank 0 and sent once with `agree`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from akunu.errors import AkunuError
+
+LAUNCH_VARIABLES = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")  # set by mlx.launch's backends and by mpirun
+CHECK_WIDTH = 64  # draft tokens compared per round by --check-ranks (drafts are at most 33 long)
+PASS_TIMEOUT = float(os.environ.get("AKUNU_RANK_TIMEOUT", "120"))  # seconds a collective may block in a pass
+
+
+class RankError(AkunuError):
+    """The ranks disagree, or one of them is gone."""
+
+
+@dataclass
+class Traffic:
+    """Collective operations and the bytes each rank sends, counted as passes run."""
+
+    passes: int = 0  # model passes (each a forward over one or more tokens)
+    collectives: int = 0  # all-sums and all-gathers, each one round trip between the ranks
+    bytes: int = 0  # what this rank contributed to them
+
+    def add(self, collectives: int, sent: int, *, passes: int = 0) -> None:
+        self.passes += passes
+        self.collectives += collectives
+        self.bytes += sent
+
+    def reset(self) -> None:
+        self.passes = self.collectives = self.bytes = 0
+
+
+_group: Any = None
+traffic = Traffic()
+
+
+def launched() -> bool:
+    """Whether this process was started by mlx.launch (or mpirun) as one rank of several."""
+    return any(name in os.environ for name in LAUNCH_VARIABLES)
+
+
+def group() -> Any:
+    """The distributed group of this run, or None when it runs alone."""
+    global _group
+    if _group is None and launched():
+        joined = mx.distributed.init()
+        _group = joined if joined.size() > 1 else False
+    return _group or None
+
+
+def rank() -> int:
+    return group().rank() if group() else 0
+
+
+def size() -> int:
+    return group().size() if group() else 1
+
+
+def leads() -> bool:
+    """Rank 0, or a run alone: the process that owns the terminal, the HTTP port and the files."""
+    return rank() == 0
+
+
+def agree(value: Any, *, wait: bool = False) -> Any:
+    """Rank 0's `value` on every rank (JSON-able; the other ranks' own is ignored): two all-sums.
+    `wait`: rank 0 may take its time (a user typing), so no watchdog for it."""
+    if not group():
+        return value
+    payload = json.dumps(value).encode() if leads() else b""
+    length = int(_all_sum(mx.array([len(payload)], mx.int32), float("inf") if wait else None).item())
+    if not leads():
+        payload = b"\0" * length
+    data = _all_sum(mx.array(list(payload) or [0], mx.uint8))
+    return json.loads(bytes(memoryview(data)[:length]).decode())
+
+
+def _all_sum(array: mx.array, seconds: float | None = None) -> mx.array:
+    with watchdog("agreeing with rank 0", seconds):
+        summed = mx.distributed.all_sum(array, group=group(), stream=mx.cpu)
+        mx.eval(summed)
+    traffic.add(1, array.nbytes)
+    return summed
+
+
+class RankCheckedDrafter:
+    """A drafter whose every draft is compared across the ranks (--check-ranks): one all-gather per round."""
+
+    def __init__(self, drafter: Any) -> None:
+        self._drafter = drafter
+        self.rounds = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._drafter, name)
+
+    def draft(self, max_tokens: int):
+        proposed = self._drafter.draft(max_tokens)
+        row = [len(proposed.tokens), *proposed.tokens, *(proposed.parents or [])][:CHECK_WIDTH]
+        row += [-1] * (CHECK_WIDTH - len(row))
+        with watchdog("comparing drafts"):
+            rows = mx.distributed.all_gather(mx.array([row], mx.int32), group=group(), stream=mx.cpu)
+            mx.eval(rows)
+        traffic.add(1, CHECK_WIDTH * 4)
+        self.rounds += 1
+        for other, seen in enumerate(rows.tolist()):
+            if seen != row:
+                raise RankError(
+                    f"--check-ranks: in round {self.rounds} rank {other} drafted {_shown(seen)} but rank {rank()} "
+                    f"drafted {_shown(row)}; the ranks' histories have diverged"
+                )
+        return proposed
+
+
+def _shown(row: Sequence[int]) -> list[int]:
+    return list(row[1 : 1 + row[0]])
+
+
+def count_traffic(model: Any) -> int:
+    """Make `model` count each pass's collectives in `traffic`; how many sharded-to-all layers it has.
+
+    Each such layer all-sums its (tokens, outputs) result: one collective round trip of that many floats."""
+    widths = summed_widths(model)
+    if not widths or getattr(type(model), "_akunu_counted", False):
+        return len(widths)
+    model_class = type(model)
+    counted = type(model_class.__name__, (model_class,), {"_akunu_counted": True})
+
+    def call(self, inputs, *args, **kwargs):
+        traffic.add(len(widths), sum(widths) * int(inputs.size) * 4, passes=1)
+        beat()  # a pass is built only once the one before it is done: the ranks are still answering
+        return model_class.__call__(self, inputs, *args, **kwargs)
+
+    counted.__call__ = call
+    counted.__module__ = model_class.__module__  # the CPU backend finds the model's mlx-lm module by it
+    model.__class__ = counted
+    return len(widths)
+
+
+def summed_widths(model: Any) -> list[int]:
+    """The output width of each layer that all-sums its result (tensor parallel): one round trip per pass each."""
+    return [
+        int(m["weight"].shape[0]) for _, m in model.named_modules() if type(m).__name__.endswith("ShardedToAllLinear")
+    ]
+
+
+def wire_per_token(model: Any, passes: int, drafted: int, tokens: int) -> tuple[float, float]:
+    """Collective round trips and bytes sent per generated token, for a decode of `passes` passes carrying
+    `drafted` draft tokens besides their first: a k-token pass all-sums k rows at each summing layer."""
+    widths = summed_widths(model)
+    if not tokens:
+        return 0.0, 0.0
+    return len(widths) * passes / tokens, 4 * sum(widths) * (passes + drafted) / tokens
+
+
+_deadline: list[tuple[float, str]] = []
+_watch_lock = threading.Lock()
+_watching = False
+
+
+class watchdog:
+    """While inside, a collective that blocks longer than PASS_TIMEOUT ends the process with one line
+    (a rank whose machine went away is not always noticed by the transport)."""
+
+    def __init__(self, what: str, seconds: float | None = None) -> None:
+        self.what, self.seconds = what, PASS_TIMEOUT if seconds is None else seconds
+
+    def __enter__(self) -> watchdog:
+        if group():
+            _start_watching()
+            with _watch_lock:
+                _deadline.append((time.monotonic() + self.seconds, self.what))
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        if group():
+            with _watch_lock:
+                if _deadline:
+                    _deadline.pop()
+        if lost_peer(error):
+            raise RankError(lost_peer_line(self.what)) from None
+
+
+def lost_peer(error: BaseException | None) -> bool:
+    return isinstance(error, RuntimeError) and any(sign in str(error) for sign in ("[ring]", "[jaccl]", "[mpi]"))
+
+
+def beat() -> None:
+    """The ranks answered: the innermost watchdog's time starts again."""
+    with _watch_lock:
+        if _deadline:
+            _deadline[-1] = (time.monotonic() + PASS_TIMEOUT, _deadline[-1][1])
+
+
+def lost_peer_line(what: str) -> str:
+    """The one line for a connection that broke: which rank it must have been, as far as this rank knows."""
+    me, ranks = rank(), size()
+    others = sorted({(me - 1) % ranks, (me + 1) % ranks} - {me})
+    who = f"rank {others[0]}" if len(others) == 1 else f"rank {others[0]} or rank {others[1]}"
+    return f"rank {me} lost its connection to {who} while {what}: that rank stopped or its network went away"
+
+
+def _start_watching() -> None:
+    global _watching
+    if _watching:
+        return
+    _watching = True
+    threading.Thread(target=_watch, name="akunu-rank-watchdog", daemon=True).start()
+
+
+def _watch() -> None:
+    while True:
+        time.sleep(0.5)
+        with _watch_lock:
+            expired = _deadline and time.monotonic() > _deadline[-1][0]
+            what = _deadline[-1][1] if _deadline else ""
+        if expired:
+            say(f"error: rank {rank()} had no answer from {_others()} for {PASS_TIMEOUT:.0f} s while {what}; ending")
+            os._exit(1)
+
+
+_say: Callable[[str], None] = lambda line: print(line, file=sys.__stderr__, flush=True)  # noqa: E731
+
+
+def say(line: str) -> None:
+    """One line on the terminal whatever the rank (followers' own output is silenced)."""
+    _say(line)
+
+
+def silence_followers() -> None:
+    """Rank 0 alone writes to the terminal: the others' stdout and stderr go nowhere, bar `say`. The ring
+    backend's own complaints on fd 2 go nowhere on every rank; a lost peer is reported by `lost_peer_line`."""
+    global _say
+    if not group():
+        return
+    kept = os.fdopen(os.dup(2), "w", buffering=1)
+    _say = lambda line: print(line, file=kept, flush=True)  # noqa: E731
+    nowhere = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(nowhere, 2)
+    if leads():
+        sys.stderr = kept
+        return
+    os.dup2(nowhere, 1)
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+    sys.stderr = _ErrorLines(kept, rank())
+
+
+class _ErrorLines:
+    """A follower's stderr: its `error:` lines reach the terminal, naming the rank; the rest goes nowhere."""
+
+    def __init__(self, out: Any, number: int) -> None:
+        self.out, self.number, self.pending = out, number, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            if line.lstrip().startswith("error:"):
+                self.out.write(f"rank {self.number}: {line.strip()}\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def join(*, check_ranks: bool = False) -> None:
+    """Join the launch's group if there is one: silence the followers, seed every rank alike, note the options."""
+    global checking_ranks
+    if group() is None or _joined:
+        return
+    _mark_joined()
+    silence_followers()
+    _exit_when_ended()
+    mx.random.seed(agree(int.from_bytes(os.urandom(4), "little") if leads() else None))
+    checking_ranks = check_ranks
+
+
+checking_ranks = False
+_joined = False
+
+
+def _mark_joined() -> None:
+    global _joined
+    _joined = True
+
+
+def _exit_when_ended() -> None:
+    """mlx.launch ends the other ranks (SIGTERM) when one stops. The main thread may then be blocked in a
+    collective, where no Python handler runs, so the signal is read from Python's wakeup pipe by a thread."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end)
+    signal.signal(signal.SIGTERM, lambda number, frame: None)
+    threading.Thread(target=_ended_by_launcher, args=(read_end,), name="akunu-rank-end", daemon=True).start()
+
+
+def _ended_by_launcher(read_end: int) -> None:
+    while os.read(read_end, 1) != bytes([signal.SIGTERM]):
+        pass
+    say(f"error: {_others()} stopped or lost its connection, so mlx.launch ended rank {rank()}")
+    os._exit(1)
+
+
+def _others() -> str:
+    """The other rank by number where there is one other, as a line naming who failed can."""
+    others = [other for other in range(size()) if other != rank()]
+    return f"rank {others[0]}" if len(others) == 1 else "another rank (mlx.launch names it)"
+
+
+def drafter_for(drafter: Any, config: Any) -> Any:
+    """The drafter a distributed generation uses: the engine's default made here when None, so that
+    --check-ranks can compare its drafts."""
+    if not checking_ranks or not config.spec.enabled:
+        return drafter
+    if drafter is None:
+        from akunu.drafters import DEFAULT_SPEC, make_drafter
+
+        drafter = make_drafter(DEFAULT_SPEC, ngram_order=config.spec.ngram_order, window=config.spec.window)
+    return RankCheckedDrafter(drafter)
+
+
+def guarded(responses: Iterator[Any]) -> Iterator[Any]:
+    """A generation's responses, with a watchdog over its passes and a lost rank as one RankError."""
+    with watchdog("generating"):
+        yield from responses
+
+
+def leader_reads(read: Callable[[str], str]) -> Callable[[str], str]:
+    """`read` on rank 0 (a line the user typed); every rank gets its line, end of input or Ctrl-C."""
+
+    def agreed(prompt: str) -> str:
+        message = None
+        if leads():
+            try:
+                message = {"line": read(prompt)}
+            except EOFError:
+                message = {"end": True}
+            except KeyboardInterrupt:
+                message = {"interrupt": True}
+        message = agree(message, wait=True)
+        if "end" in message:
+            raise EOFError
+        if "interrupt" in message:
+            raise KeyboardInterrupt
+        return message["line"]
+
+    return agreed
+
+
+def shared_cost_curves(model: Any, key: str, directory: Path, max_width: int, contexts: Sequence[int], progress=None):
+    """The pass costs of this split model: rank 0's saved ones, or measured now by every rank together (each
+    timed pass is collective) with rank 0's timings kept. Saved apart from the one-process curves."""
+    from akunu import cost_curve
+
+    key = f"{key}-{size()}ranks"
+    seconds = agree(_saved_seconds(cost_curve, key, directory, max_width, contexts) if leads() else None)
+    if seconds is None:
+        measured = cost_curve.measure_curves(
+            model, max_width, cost_curve.QUICK_SWEEPS, contexts, widths=cost_curve.QUICK_WIDTHS, progress=progress
+        )
+        seconds = agree({str(c): s for c, s in measured.seconds.items()} if leads() else None)
+    curves = cost_curve.CostCurves({int(c): s for c, s in seconds.items()})
+    if leads():
+        with contextlib.suppress(OSError):
+            cost_curve.save(key, curves, directory)
+    return curves
+
+
+def _saved_seconds(cost_curve: Any, key: str, directory: Path, max_width: int, contexts: Sequence[int]):
+    try:
+        saved = cost_curve.read_curves(cost_curve.curve_path(key, directory)).seconds
+        chosen = {str(c): saved[c] for c in contexts}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return chosen if all(len(curve) >= max_width for curve in chosen.values()) else None

@@ -1,0 +1,70 @@
+"""What tests/test_distributed.py runs under `mlx.launch`: one JSON line per rank on stdout.
+
+`archs CASES PROMPT N`: tiny random models (seeded: every rank builds the same weights) split across the
+ranks, each decoding N tokens greedily, plain and speculative. `model SPEC DTYPE PROMPT N`: a model file
+loaded sharded (each rank reading its part), the same two decodes, and the rank's peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+
+import akunu  # noqa: F401  (OpenBLAS before MLX)
+
+# isort: split
+import mlx.core as mx
+
+from akunu import backends, distributed
+from akunu.drafters.specs import DraftLengthPolicy
+from akunu.generate import GenerationConfig, SpecConfig, generate
+
+
+def decodes(model, tokenizer, prompt: list[int], max_tokens: int) -> dict[str, list[int]]:
+    ids = {}
+    for spec in (False, True):
+        spec_config = SpecConfig(enabled=spec, draft_tokens=4, draft_length=DraftLengthPolicy.fixed)
+        config = GenerationConfig(max_tokens=max_tokens, spec=spec_config)
+        ids["spec" if spec else "plain"] = generate(model, tokenizer, prompt, config)[1]
+    return ids
+
+
+def tiny_architectures(cases: list[list[str]], prompt: list[int], max_tokens: int) -> dict:
+    from akunu.models import sharding
+    from tests.fakes import FakeTokenizer
+    from tests.tiny_archs import tiny_model
+
+    results = {}
+    for name, how in cases:
+        model = tiny_model(name)
+        split = sharding.shard(model, distributed.group(), how)
+        backends.apply(model)
+        distributed.count_traffic(model)
+        results[name] = {"split": split, **decodes(model, FakeTokenizer(), prompt, max_tokens)}
+    return results
+
+
+def model_file(spec: str, dtype: str, prompt: str, max_tokens: int) -> dict:
+    from akunu.models import load_model
+
+    loaded = load_model(spec, dtype=dtype)
+    loaded_peak = mx.get_peak_memory()
+    ids = loaded.tokenizer.encode(prompt)
+    distributed.traffic.reset()
+    result = decodes(loaded.model, loaded.tokenizer, ids, max_tokens)
+    result["traffic"] = [distributed.traffic.passes, distributed.traffic.collectives, distributed.traffic.bytes]
+    result["peak_mb"] = {
+        "mlx_after_load": loaded_peak / 1e6,
+        "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3,
+    }
+    return result
+
+
+if __name__ == "__main__":
+    kind, *arguments = sys.argv[1:]
+    if kind == "archs":
+        out = tiny_architectures(json.loads(arguments[0]), json.loads(arguments[1]), int(arguments[2]))
+    else:
+        out = model_file(arguments[0], arguments[1], arguments[2], int(arguments[3]))
+    print(json.dumps({"rank": distributed.rank(), **out}), flush=True)

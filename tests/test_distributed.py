@@ -1,0 +1,173 @@
+"""akunu under `mlx.launch -n 2 --backend ring` on localhost: a split model decodes as one process does, plain
+and speculative; chat takes rank 0's lines; rank 0 alone prints; a killed rank ends the job with one line.
+
+Each test is one launched job (two processes), so the module stays within a minute. Greedy outputs are
+compared with the near-tie rule: the ranks' all-sum adds partial products in another order than one
+process's product, which may round a logit differently (float32 weights here; docs/architecture.md, "Across machines").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from akunu import backends
+from akunu.drafters.specs import DraftLengthPolicy
+from akunu.generate import GenerationConfig, SpecConfig, generate
+from tests.fakes import FakeTokenizer
+from tests.greedy_checks import assert_same_or_near_tie
+from tests.tiny_archs import tiny_model
+from tests.tiny_gguf import write_tiny_gguf
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+JOB = ROOT / "tests" / "distributed_job.py"
+PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
+CASES = [
+    ["llama", "tensor"],
+    ["qwen3_moe", "tensor"],
+    ["qwen3_5", "tensor"],
+    ["qwen2", "pipeline"],
+]  # dense, MoE, hybrid
+KILL_BOUND = 20.0  # seconds from killing rank 1 to the job's end
+
+
+def launch(command: list[str]) -> list[str]:
+    """`mlx.launch -n 2 --backend ring` on free local ports, running `command`."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    base = [str(BIN / "mlx.launch"), "-n", "2", "--backend", "ring", "--starting-port", str(port), "--"]
+    return base + command
+
+
+def run_launched(command: list[str], env: dict, timeout: float = 90, stdin: str | None = None):
+    return subprocess.run(
+        launch(command), env=env, input=stdin, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+@pytest.fixture(scope="module")
+def job_env(tmp_path_factory, model_home) -> dict:
+    """The environment of launched jobs: this checkout importable, an AKUNU_HOME of the test's own; skips the
+    module where `mlx.launch` cannot start two ranks here."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "AKUNU_HOME": str(model_home)}
+    env.pop("MLX_RANK", None)
+    probe = "import mlx.core as mx; g = mx.distributed.init(); print(mx.distributed.all_sum(mx.array([1.0])).item())"
+    try:
+        done = run_launched([sys.executable, "-c", probe], env, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        pytest.skip(f"mlx.launch cannot run two ranks here: {error}")
+    if done.returncode != 0 or done.stdout.split() != ["2.0", "2.0"]:
+        pytest.skip(f"mlx.launch cannot run two ranks here: {(done.stderr or done.stdout).strip()[-300:]}")
+    return env
+
+
+def rank_lines(stdout: str) -> dict[int, dict]:
+    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    return {line["rank"]: line for line in lines}
+
+
+def single_process_decodes(model, tokenizer, prompt, max_tokens):
+    ids = {}
+    for spec in (False, True):
+        config = GenerationConfig(
+            max_tokens=max_tokens, spec=SpecConfig(enabled=spec, draft_tokens=4, draft_length=DraftLengthPolicy.fixed)
+        )
+        ids["spec" if spec else "plain"] = generate(model, tokenizer, prompt, config)[1]
+    return ids
+
+
+def test_dense_moe_and_hybrid_models_split_across_two_ranks_decode_as_one_process(job_env):
+    done = run_launched([sys.executable, str(JOB), "archs", json.dumps(CASES), json.dumps(PROMPT), "8"], job_env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ranks = rank_lines(done.stdout)
+    assert sorted(ranks) == [0, 1]
+    for name, how in CASES:
+        split = [ranks[r][name] for r in (0, 1)]
+        assert split[0]["plain"] == split[1]["plain"] and split[0]["spec"] == split[1]["spec"], name
+        assert split[0]["split"].startswith(f"{how} parallel"), split[0]["split"]
+        model = tiny_model(name)
+        backends.apply(model)
+        alone = single_process_decodes(model, FakeTokenizer(), PROMPT, 8)
+        for mode in ("plain", "spec"):
+            assert_same_or_near_tie(model, PROMPT, alone["plain"], split[0][mode], why=f"{name} {mode}")
+
+
+def test_the_default_model_split_reads_half_its_layers_per_rank_and_decodes_as_one_process(job_env, catalogue_model):
+    from akunu.models import load_model
+
+    prompt = "Repeat exactly: red, green, blue, red, green, blue."
+    command = [sys.executable, str(JOB), "model", "smollm2-135m", "float32", prompt, "5"]
+    done = run_launched(command, job_env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ranks = rank_lines(done.stdout)
+    mx.reset_peak_memory()
+    loaded = load_model(str(catalogue_model("smollm2-135m")), dtype="float32")
+    whole_peak = mx.get_peak_memory()
+    ids = loaded.tokenizer.encode(prompt)
+    alone = single_process_decodes(loaded.model, loaded.tokenizer, ids, 5)
+    for mode in ("plain", "spec"):
+        assert ranks[0][mode] == ranks[1][mode]
+        assert_same_or_near_tie(loaded.model, ids, alone["plain"], ranks[0][mode], why=mode)
+    for rank in (0, 1):  # the embedding is whole on each rank; the 30 layers are split
+        assert ranks[rank]["peak_mb"]["mlx_after_load"] * 1e6 < 0.75 * whole_peak, ranks[rank]["peak_mb"]
+    passes, collectives, _ = ranks[0]["traffic"]
+    assert collectives == 60 * passes  # two all-sums per layer per pass
+
+
+def test_chat_takes_rank_zeros_lines_for_three_turns_and_rank_one_prints_nothing(job_env, tmp_path):
+    model = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model)
+    command = [str(BIN / "akunu"), "chat", "--model", str(model), "--dtype", "float32", "--max-tokens", "8"]
+    done = run_launched([*command, "--check-ranks"], job_env, stdin="one two\nthree four\nfive six\n/exit\n")
+    assert done.returncode == 0, done.stderr[-2000:]
+    answers = [line for line in (done.stdout + done.stderr).splitlines() if " tok · " in line]
+    assert len(answers) == 3, done.stdout + done.stderr  # three turns, each answered once: by rank 0
+    # (mlx.launch never closes the ranks' stdin, so the end of input is /exit)
+    assert done.stderr.count("tensor parallel over 2 ranks") == 1, done.stderr
+
+
+def _rank_one(launcher: subprocess.Popen) -> int | None:
+    """The pid of the launched process with MLX_RANK=1 (mlx.launch execs each rank in its own child)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environment = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == launcher.pid and b"MLX_RANK=1" in environment:
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds rank 1 through /proc")
+def test_killing_one_rank_ends_the_other_within_bounded_time_naming_it(job_env, tmp_path):
+    model = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model)
+    command = [str(BIN / "akunu"), "generate", "--model", str(model), "--dtype", "float32", "--no-spec"]
+    launcher = subprocess.Popen(
+        launch([*command, "--max-tokens", "230", "a story"]), env=job_env, cwd=ROOT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert launcher.stdout.read(1), "rank 0 printed no text"  # decoding has begun on both ranks
+        victim = _rank_one(launcher)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = launcher.communicate(timeout=KILL_BOUND)
+        assert time.monotonic() - killed < KILL_BOUND
+    finally:
+        launcher.kill()
+    ours = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(ours) == 1 and "rank 1" in ours[0], stderr[-2000:]
