@@ -103,6 +103,7 @@ def test_dense_moe_and_hybrid_models_split_across_two_ranks_decode_as_one_proces
             assert_same_or_near_tie(model, PROMPT, alone["plain"], split[0][mode], why=f"{name} {mode}")
 
 
+@pytest.mark.real_model
 def test_the_default_model_split_reads_half_its_layers_per_rank_and_decodes_as_one_process(job_env, catalogue_model):
     from akunu.models import load_model
 
