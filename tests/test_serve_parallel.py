@@ -89,7 +89,8 @@ def test_a_long_prompt_joining_never_stalls_the_streams_running(fake_engine, ser
     fake_engine.loaded = make_loaded(model=SlowModel(tiny_llama(vocab=64, seed=4), delay=0.01), context_length=4096)
     server = serve("--parallel", "2", "--no-spec")
     client = server.client()
-    running = iter(client.chat.completions.create(model="tiny", messages=USER, max_tokens=1000, stream=True))
+    stream = client.chat.completions.create(model="tiny", messages=USER, max_tokens=1000, stream=True)
+    running = iter(stream)
     next(running)
     arrivals: list[float] = []
 
@@ -107,6 +108,7 @@ def test_a_long_prompt_joining_never_stalls_the_streams_running(fake_engine, ser
     during = [t for t in arrivals if asked <= t <= answered]
     assert len(during) >= 10  # a step of the running stream between each two chunks of the prompt
     longest_gap = max(b - a for a, b in zip([asked, *during], [*during, answered]))
+    stream.close()
     assert longest_gap < (answered - asked) / 4  # never stalled for the prefill (~30 chunks)
 
 

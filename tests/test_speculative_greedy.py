@@ -33,7 +33,7 @@ def test_speculative_equals_plain_over_many_prompts(model_fn):
     model = model_fn(seed=1)
     rng = random.Random(0)
     drafted = 0
-    for i in range(40):
+    for i in range(24):
         prompt = random_prompt(rng, 64, repetitive=i % 2 == 0)
         _, plain, _ = run(model, prompt, SpecConfig(enabled=False))
         specs = (

@@ -22,11 +22,12 @@ def exact_probs(model, params):
     return exact_model_probs(model, params, prompt=PROMPT)
 
 
-def tree_samples(model, params):
+def tree_samples(model, params, runs_wanted: int = RUNS):
     mx.random.seed(99)
     config = GenerationConfig(max_tokens=3, sampling=params, spec=SpecConfig(draft_tokens=3, draft_length="fixed"))
     runs = (
-        generate(model, FakeTokenizer(), PROMPT, config, drafter=NGramTreeDrafter(max_nodes=6)) for _ in range(RUNS)
+        generate(model, FakeTokenizer(), PROMPT, config, drafter=NGramTreeDrafter(max_nodes=6))
+        for _ in range(runs_wanted)
     )
     return Counter(tuple(tokens) for _, tokens, _ in runs)
 
@@ -40,13 +41,13 @@ def fall_back_to_p_itself(logprobs, tree: TokenTree):
 
 
 @pytest.mark.parametrize(
-    "params",
-    [SamplingParams(temp=1.0), SamplingParams(temp=0.8, top_k=5, top_p=0.95)],
-    ids=["temp1", "temp0.8-topk-topp"],
+    "params, runs",
+    [(SamplingParams(temp=1.0), RUNS), (SamplingParams(temp=0.8, top_k=5, top_p=0.95), 1000)],
+    ids=["temp1", "temp0.8-topk-topp"],  # the filters' test: a token they drop, drawn once, fails it outright
 )
-def test_tree_sampling_keeps_the_target_distribution(params):
+def test_tree_sampling_keeps_the_target_distribution(params, runs):
     model = tiny_llama(vocab=8, seed=7, sharpness=1.5)
-    ok, stat, critical = fits(tree_samples(model, params), exact_probs(model, params), RUNS)
+    ok, stat, critical = fits(tree_samples(model, params, runs), exact_probs(model, params), runs)
     assert ok, f"chi2 {stat:.1f} >= {critical:.1f}"
 
 
