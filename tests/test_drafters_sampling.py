@@ -45,14 +45,15 @@ def drafters(target, params):
 
 
 # Drafters that sample (and hand over q) at both settings; table drafters propose one-hot drafts, which both
-# settings verify alike, so the filtered one (top-k, top-p and min-p over a temperature) covers them. The default
+# settings verify alike, so the filtered one (top-k, top-p and min-p over a temperature) covers them; the
+# hybrid hands over the model's q or one-hot drafts, each covered filtered above, so it runs at temp 1. The default
 # suffix+ngram is test_speculative_sampling.py's engine test, and trees are test_tree_sampling.py's, on a prompt
 # where they branch (the same generate and loop).
 CASES = [
     pytest.param(kind, params, id=f"{kind}-{name}")
     for kind in ["model", "layer-skip", "hybrid-model", "lookup", "ngram", "suffix"]
     for name, params in zip(["temp1", "temp0.7-topk-topp-minp"], SETTINGS)
-    if kind in ("model", "layer-skip", "hybrid-model") or name != "temp1"
+    if kind in ("model", "layer-skip") or (kind == "hybrid-model") == (name == "temp1")
 ]
 
 
