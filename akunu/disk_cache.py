@@ -64,11 +64,19 @@ def model_identity(name: str, path: Path, dtype: str) -> str:
 
 
 def open_store(model, name: str, path: Path, dtype: str, limit: int = DEFAULT_LIMIT) -> DiskPromptCache | None:
-    """The model's prompt caches on disk in AKUNU_HOME, or None when its cache has state layers."""
+    """The model's prompt caches on disk (`directory()`), or None when its cache has state layers."""
     if not supports(make_cache(model)):
         log.info("prompt cache on disk off: this model's cache has state layers")
         return None
-    return DiskPromptCache(home() / "prompt_cache", model_identity(name, path, dtype), limit, model=model)
+    return DiskPromptCache(directory(), model_identity(name, path, dtype), limit, model=model)
+
+
+def directory() -> Path:
+    """$AKUNU_PROMPT_CACHE, else AKUNU_HOME's prompt_cache: a benchmark starts from an empty folder of its own,
+    while the models stay in the user's cache."""
+    if configured := os.environ.get("AKUNU_PROMPT_CACHE"):
+        return Path(configured).expanduser()
+    return home() / "prompt_cache"
 
 
 def kv_layout(model) -> list[tuple[str, int, int]]:

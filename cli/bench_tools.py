@@ -44,6 +44,7 @@ def register(app: typer.Typer) -> None:
     app.command("memory", epilog=MEMORY_EXAMPLES)(memory)
     app.command("serve-load", epilog=SERVE_LOAD_EXAMPLES)(serve_load)
     app.command("serve", epilog=SERVE_EXAMPLES)(serve)
+    app.command("prompt-cache", epilog=PROMPT_CACHE_EXAMPLES)(prompt_cache)
 
 
 # akunu bench llama-cpp -------------------------------------------------------------------------
@@ -390,3 +391,63 @@ def _print_serve(rounds, model: str | None, requests: int, max_tokens: int) -> N
         table.add_row(str(r.clients), r.mode, f"{r.aggregate_tps:.1f}", f"{r.request_tps:.1f}",
                       f"{r.first_token(0.5):.2f} s", f"{r.first_token(0.95):.2f} s", per_pass)  # fmt: skip
     out.print(table)
+
+
+# akunu bench prompt-cache ----------------------------------------------------------------------
+
+
+PROMPT_CACHE_EXAMPLES = """[bold]Examples[/]
+  akunu bench prompt-cache --model qwen2.5-coder-0.5b        10 turns through each API
+  akunu bench prompt-cache --turns 4 --max-tokens 16        a shorter run on the default model"""
+Turns = Annotated[int, typer.Option(min=1, help="Turns of the shipped agent transcript to replay (at most 11).")]
+
+
+def prompt_cache(model: ServerModel = None, turns: Turns = 10, max_tokens: AnswerTokens = 32) -> None:
+    """What akunu serve's prompt caches save a coding agent: time to first token of a 4,000-token agent prompt cold, from memory and after a restart (from disk); then an agent transcript replayed through /v1/messages and /v1/responses.
+
+    Per turn: prompt tokens, new tokens, tokens prefilled within one server and with a restart before the turn, tokens per pass. akunu serve is started on loopback 4 + 2 × turns times, with an empty prompt cache folder of its own (AKUNU_PROMPT_CACHE); models stay in the user's cache.
+    """
+    from akunu.bench import prompt_cache_bench as lib
+    from akunu.bench import serve_load
+
+    session = lib.shipped_session()
+    if turns > session.max_turns:
+        raise OptionsError(f"--turns: the shipped transcript has {session.max_turns} turns")
+    log = serve_load.server_log()
+    try:
+        with stderr_console().status("starting akunu serve on loopback…") as status:
+            result = lib.run(lib.Servers(model, log), session, turns=turns, max_tokens=max_tokens,
+                             progress=status.update)  # fmt: skip
+    finally:
+        log.close()
+    _print_prompt_cache(result, model, max_tokens)
+
+
+def _print_prompt_cache(result, model: str | None, max_tokens: int) -> None:
+    out = table_console()
+    firsts = result.first_tokens
+    out.print(f"[bold]akunu bench prompt-cache[/] · {escape(model or 'the default model')} · agent prompt "
+              f"{firsts.prompt_tokens:,} tokens (system prompt, tools, task) · greedy, streamed")  # fmt: skip
+    cold, memory, disk = (a.first_token for a in (firsts.cold, firsts.memory, firsts.disk))
+    out.print(f"time to first token: cold {cold:.2f} s · again, from memory {memory:.2f} s · after a restart, "
+              f"from disk {disk:.2f} s ({disk / cold:.1%} of cold) · prefilled {firsts.cold.prefilled:,}, "
+              f"{firsts.memory.prefilled:,}, {firsts.disk.prefilled:,} tokens")  # fmt: skip
+    for path, turns in result.replays.items():
+        out.print(f"\n{path} · {len(turns)} turns of ≤ {max_tokens} tokens")
+        out.print(_turn_table(turns))
+        same = sum(t.in_run.text == t.restarted.text for t in turns)
+        out.print(f"answers after a restart equal those in one server: {same}/{len(turns)}")
+
+
+def _turn_table(turns) -> Table:
+    table = Table(box=None, header_style="bold")
+    for column in ("turn", "prompt", "new", "prefilled, one server", "prefilled, after a restart", "tokens/pass"):
+        table.add_column(column, justify="right")
+    previous = 0
+    for turn in turns:
+        per_pass = turn.in_run.stats.get("tokens_per_pass")
+        table.add_row(str(turn.number), f"{turn.prompt_tokens:,}", f"{turn.prompt_tokens - previous:,}",
+                      f"{turn.in_run.prefilled:,}", f"{turn.restarted.prefilled:,}",
+                      "–" if per_pass is None else f"{per_pass:.2f}")  # fmt: skip
+        previous = turn.prompt_tokens
+    return table

@@ -8,6 +8,7 @@ is started on a free loopback port and stopped at the end.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -145,15 +146,18 @@ def _attempt(ask: Callable[..., tuple], *args) -> tuple | ServeLoadError:
         return error
 
 
-def start_server(model: str | None, queue_depth: int, log, extra: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
-    """`akunu serve` (with `extra` options) on a free loopback port, its output into `log`; (the process, its /v1 URL)
-    once /health answers."""
+def start_server(
+    model: str | None, queue_depth: int, log, extra: Sequence[str] = (), env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """`akunu serve` (with `extra` options, `env` added to its environment) on a free loopback port, its output
+    into `log`; (the process, its /v1 URL) once /health answers."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "akunu", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--queue-depth", str(queue_depth), *(["--model", model] if model else []), *extra]  # fmt: skip
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               env=None if env is None else os.environ | env)  # fmt: skip
     deadline = time.monotonic() + START_SECONDS
     while time.monotonic() < deadline:
         if process.poll() is not None:
