@@ -4,6 +4,7 @@ client that leaves frees its place at once."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -95,8 +96,9 @@ def test_a_long_prompt_joining_never_stalls_the_streams_running(fake_engine, ser
     arrivals: list[float] = []
 
     def read_running() -> None:
-        for _ in running:
-            arrivals.append(time.perf_counter())
+        with contextlib.suppress(Exception):  # the test closes the stream under it at the end
+            for _ in running:
+                arrivals.append(time.perf_counter())
 
     reader = threading.Thread(target=read_running, daemon=True)
     reader.start()
