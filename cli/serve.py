@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 from typing import Annotated
 
 import typer
@@ -159,14 +162,33 @@ def serve(
     page = f" · chat page http://{host}:{port}/" if ui else ""
     stderr_console().print(f"[bold]akunu serve[/] · {loaded.describe()} · http://{host}:{port}/v1{page} · Ctrl-C stops")
     try:
-        uvicorn.run(
-            create_app(worker, base_config, api_key=api_key, max_body=body_limit, ui=ui),
-            host=host,
-            port=port,
-            log_level="warning",
-        )
+        with ending_on_sigterm():
+            uvicorn.run(
+                create_app(worker, base_config, api_key=api_key, max_body=body_limit, ui=ui),
+                host=host,
+                port=port,
+                log_level="warning",
+            )
     finally:
-        worker.stop()
+        worker.stop()  # queued prompt-cache writes reach the disk first
+
+
+@contextlib.contextmanager
+def ending_on_sigterm():
+    """SIGTERM ends the server through `finally`, as Ctrl-C does: uvicorn re-raises the signal it stopped on, and
+    its default action would end the process before the prompt cache is written."""
+    if threading.current_thread() is not threading.main_thread():  # signals are the main thread's
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_quietly)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_quietly(number, frame) -> None:
+    raise SystemExit(0)
 
 
 def parse_size(text: str, option: str = "--max-body", least: int = 1) -> int:

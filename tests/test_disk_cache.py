@@ -7,17 +7,20 @@ import json
 import logging
 import random
 import threading
+import urllib.request
 
 import mlx.core as mx
 import pytest
 
 from akunu import disk_cache
+from akunu.bench import serve_load
 from akunu.disk_cache import SUFFIX, DiskPromptCache, Pending, read_entry
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import common_prefix
 from akunu.prompt_cache import PromptCache
 from tests.fakes import ALPHABET, FakeTokenizer, invoke
 from tests.tiny import tiny_llama
+from tests.tiny_gguf import write_tiny_gguf
 
 TOKENIZER = FakeTokenizer()
 CONFIG = GenerationConfig(max_tokens=12, spec=SpecConfig(enabled=False))
@@ -230,3 +233,24 @@ def test_a_resumed_chat_starts_from_its_kv_cache_on_disk(fake_engine, tmp_path, 
         assert result.exit_code == 0, result.output
     first, resumed = (final.stats for final in fake_engine.finals)
     assert resumed.prefilled_tokens == resumed.prompt_tokens - first.prompt_tokens
+
+
+def test_a_server_stopped_by_sigterm_writes_its_prompt_cache_first(tmp_path):
+    """uvicorn re-raises the SIGTERM it stopped on; the server must still end through its own shutdown, which
+    waits for the prompt cache's write (a 6,000-token entry was lost this way right after its answer)."""
+    model = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model, context=1024)
+    folder = tmp_path / "prompt_cache"
+    with serve_load.server_log() as log:
+        process, url = serve_load.start_server(str(model), 4, log, ["--no-spec"], {"AKUNU_PROMPT_CACHE": str(folder)})
+        try:
+            body = {"prompt": "a long shared system prompt. " * 12, "max_tokens": 2, "temperature": 0}
+            request = urllib.request.Request(f"{url}/completions", json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})  # fmt: skip
+            with urllib.request.urlopen(request, timeout=60) as response:
+                assert response.status == 200
+        finally:
+            serve_load.stop_server(process)
+        log.seek(0)
+        assert process.returncode == 0, log.read()[-500:]
+    assert len(list(folder.rglob(f"*{SUFFIX}"))) == 1

@@ -43,7 +43,10 @@ def test_a_streamed_message_parsed_by_the_client_is_the_whole_message(fake_engin
         streamed = stream.get_final_message()
     assert streamed.content[0].text == whole.content[0].text and len(streamed.content) == 1
     assert (streamed.stop_reason, streamed.usage.output_tokens) == ("max_tokens", 20)
-    assert streamed.usage.input_tokens == whole.usage.input_tokens
+    prompt = len(fake_engine.streams[-1]["prompt"])
+    assert (whole.usage.input_tokens, whole.usage.cache_read_input_tokens) == (prompt, 0)
+    # sent again: all but the last prompt token are read from the prompt cache, counted apart as Anthropic does
+    assert (streamed.usage.input_tokens, streamed.usage.cache_read_input_tokens) == (1, prompt - 1)
 
 
 def test_the_stream_is_anthropics_event_sequence(fake_engine, serve):

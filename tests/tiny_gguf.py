@@ -72,12 +72,13 @@ def write_tiny_gguf(
     tokenizer: bool = True,
     types_by_name: dict[str, Q] | None = None,
     extra_f32: dict[str, np.ndarray] | None = None,
+    context: int = 256,
 ) -> dict[str, np.ndarray]:
     """Write a 2-layer model; return the float32 values each tensor should load as, by GGUF name."""
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
-    writer.add_context_length(256)
+    writer.add_context_length(context)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)

@@ -272,7 +272,10 @@ def stop_reason(request: MessagesRequest, finished: Finished, made_calls: bool) 
 
 
 def usage(stats) -> dict:
-    return {"input_tokens": stats.prompt_tokens, "output_tokens": stats.generated_tokens}
+    """Anthropic counts apart the prompt tokens read from a cache: input_tokens are the ones prefilled."""
+    return {"input_tokens": stats.prefilled_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": stats.prompt_tokens - stats.prefilled_tokens,
+            "output_tokens": stats.generated_tokens}  # fmt: skip
 
 
 def error_answer(error: ApiError) -> tuple[int, dict]:
