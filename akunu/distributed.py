@@ -33,6 +33,11 @@ class RankError(AkunuError):
     """The ranks disagree, or one of them is gone."""
 
 
+class Stopped(Exception):
+    """Rank 0 asked to stop the generation (its client left, the server stops, Ctrl-C): raised on every rank at the
+    start of the same pass, so that no rank is left waiting in a collective the others never join."""
+
+
 @dataclass
 class Traffic:
     """Collective operations and the bytes each rank sends, counted as passes run."""
@@ -135,17 +140,20 @@ def _shown(row: Sequence[int]) -> list[int]:
 
 
 def count_traffic(model: Any) -> int:
-    """Make `model` count each pass's collectives in `traffic`; how many sharded-to-all layers it has.
+    """Make `model` count each pass's collectives in `traffic`, and start each pass with the stop agreement
+    while `stop_when` asks for one; how many sharded-to-all layers it has.
 
     Each such layer all-sums its (tokens, outputs) result: one collective round trip of that many floats."""
     widths = summed_widths(model)
-    if not widths or getattr(type(model), "_akunu_counted", False):
+    if getattr(type(model), "_akunu_counted", False):
         return len(widths)
     model_class = type(model)
     counted = type(model_class.__name__, (model_class,), {"_akunu_counted": True})
 
     def call(self, inputs, *args, **kwargs):
-        traffic.add(len(widths), sum(widths) * int(inputs.size) * 4, passes=1)
+        go_on_or_stop()
+        if widths:
+            traffic.add(len(widths), sum(widths) * int(inputs.size) * 4, passes=1)
         beat()  # a pass is built only once the one before it is done: the ranks are still answering
         return model_class.__call__(self, inputs, *args, **kwargs)
 
@@ -153,6 +161,42 @@ def count_traffic(model: Any) -> int:
     counted.__module__ = model_class.__module__  # the CPU backend finds the model's mlx-lm module by it
     model.__class__ = counted
     return len(widths)
+
+
+_stop_asked: Callable[[], bool] | None = None
+
+
+def stop_when(asked: Callable[[], bool] | None) -> None:
+    """From now on (None: no longer) every pass starts with one all-sum of one int, in which the ranks learn
+    whether rank 0's `asked()` says stop; then each raises Stopped there. Every rank must call this alike
+    (a follower's `asked` is never called)."""
+    global _stop_asked
+    _stop_asked = asked
+
+
+def interruptible(responses: Iterator[Any]) -> Iterator[Any]:
+    """`responses`, where Ctrl-C on rank 0 only asks to stop: every rank then stops at the same pass, raising
+    KeyboardInterrupt there (the followers ignore their own Ctrl-C, see `join`). On the main thread."""
+    pressed = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda number, frame: pressed.set()) if leads() else None
+    stop_when(pressed.is_set)
+    try:
+        yield from responses
+    except Stopped:
+        raise KeyboardInterrupt from None
+    finally:
+        stop_when(None)
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def go_on_or_stop() -> None:
+    """Before a pass: Stopped on every rank if rank 0 asks to stop (see `stop_when`)."""
+    if _stop_asked is None or not group():
+        return
+    stop = leads() and _stop_asked()
+    if _all_sum(mx.array([int(stop)], mx.int32)).item():
+        raise Stopped
 
 
 def summed_widths(model: Any) -> list[int]:
@@ -292,6 +336,8 @@ def join(*, check_ranks: bool = False) -> None:
     _mark_joined()
     silence_followers()
     _exit_when_ended()
+    if not leads():  # rank 0 decides when to stop: a Ctrl-C that reaches every local rank must not split them
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     mx.random.seed(agree(int.from_bytes(os.urandom(4), "little") if leads() else None))
     checking_ranks = check_ranks
 
@@ -315,9 +361,23 @@ def _exit_when_ended() -> None:
     threading.Thread(target=_ended_by_launcher, args=(read_end,), name="akunu-rank-end", daemon=True).start()
 
 
+_ending: tuple[Callable[[], None], float] | None = None
+
+
+def end_gracefully(begin: Callable[[], None], within: float) -> None:
+    """On SIGTERM (a user's `kill`, or mlx.launch's once another rank ended), call `begin()` to end the work in
+    order (a server telling the other ranks to stop) instead of ending at once; the process ends within `within` s."""
+    global _ending
+    _ending = (begin, within)
+
+
 def _ended_by_launcher(read_end: int) -> None:
     while os.read(read_end, 1) != bytes([signal.SIGTERM]):
         pass
+    if _ending is not None:
+        begin, within = _ending
+        begin()
+        time.sleep(within)  # the main thread ends the process before this, unless a rank is gone
     say(f"error: {_others()} stopped or lost its connection, so mlx.launch ended rank {rank()}")
     os._exit(1)
 

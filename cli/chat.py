@@ -75,13 +75,7 @@ def chat(
 
     A live line under the answer shows tok/s, draft acceptance, tokens per forward pass and memory; a summary follows each answer.
     """
-    if save is not None:
-        options.check_writable_file(save, "--save")
-        if not force and not replaceable(save):
-            raise OptionsError(
-                f"--save {save}: the file exists and is not an akunu conversation; give --force to replace it"
-            )
-    conversation = Conversation.load(load) if load else Conversation()
+    conversation = Conversation(**runtime.from_leader(lambda: read_files(save, load, force)))
     if system is not None:
         conversation.system = text_input.check_text(system, "--system")
     config = options.generation_config(
@@ -109,6 +103,17 @@ def chat(
     finally:
         if disk is not None:
             disk.close()
+
+
+def read_files(save: Path | None, load: Path | None, force: bool) -> dict:
+    """--save checked and --load read (as a dict), on rank 0 alone under mlx.launch: it owns the files."""
+    if save is not None:
+        options.check_writable_file(save, "--save")
+        if not force and not replaceable(save):
+            raise OptionsError(
+                f"--save {save}: the file exists and is not an akunu conversation; give --force to replace it"
+            )
+    return dataclasses.asdict(Conversation.load(load) if load else Conversation())
 
 
 class ChatSession:
@@ -196,6 +201,7 @@ class ChatSession:
             responses = runtime.stream(
                 self.loaded, prompt_ids, self.config, prompt_cache=self.prompt_cache, costs=self._costs_now()
             )
+            responses = runtime.interruptible(responses)  # under mlx.launch, Ctrl-C stops every rank at one pass
             if harmony.writes_harmony(getattr(self.loaded.tokenizer, "chat_template", None)):
                 responses = harmony.final_channel(responses)  # the answer, not the markup or the reasoning
             answer = self.view.stream(responses)

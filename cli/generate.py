@@ -276,6 +276,7 @@ def run(
     try:
         costs = runtime.costs_for(loaded, config)
         responses = runtime.stream(loaded, prompt_ids, config, costs=costs, drafter=drafter, constraint=constraint)
+        responses = runtime.interruptible(responses)  # under mlx.launch, Ctrl-C stops every rank at one pass
         for response in harmony.final_channel(responses) if answer_only else responses:
             pieces.append(response.text)
             if response.token is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from rich.progress import (
     BarColumn,
@@ -23,7 +23,7 @@ from rich.progress import (
 
 from akunu.cli.console import print_note, stderr_console
 from akunu.drafters.specs import DraftLengthPolicy
-from akunu.errors import OptionsError
+from akunu.errors import AkunuError
 
 _BYTE_STAGES = {"download", "extract", "verify"}
 
@@ -85,15 +85,44 @@ def _check_draft_tokenizers(target: str, draft_models: Sequence[str], progress) 
         check_same_tokenizer(target_tokenizer, load_tokenizer(name, progress=progress), name)
 
 
-def refuse_ranks(command: str) -> None:
-    """One line, from rank 0, for a command that does not run split across the ranks of `mlx.launch`."""
+def join_ranks() -> None:
+    """Under `mlx.launch`, join the group now (rank 0 alone prints from here on); `load` does it otherwise."""
     from akunu import distributed
 
-    if distributed.launched() and distributed.group() is not None:
-        distributed.join()
-        if not distributed.leads():  # ends quietly: rank 0 says why, before mlx.launch ends it
-            raise SystemExit(0)
-        raise OptionsError(f"{command} does not run under mlx.launch yet; generate, chat and bench do")
+    distributed.join()
+
+
+def from_leader(make: Callable[[], object]) -> object:
+    """`make()` run on rank 0 alone (what it reads is rank 0's: the port, the files), its JSON-able result on every
+    rank; if it fails, rank 0 raises its error and the other ranks end quietly, as rank 0 says why."""
+    result, failure = None, None
+    if leads():
+        try:
+            result = make()
+        except AkunuError as error:
+            failure = error
+    message = agreed({"result": result, "failed": failure is not None})
+    if not message["failed"]:
+        return message["result"]
+    if failure is None:
+        raise SystemExit(0)
+    raise failure
+
+
+def interruptible(responses):
+    """A generation's responses where Ctrl-C on rank 0 stops every rank at the same pass, as KeyboardInterrupt on
+    each (akunu.distributed.interruptible); alone, `responses` as they are."""
+    from akunu import distributed
+
+    return responses if alone() else distributed.interruptible(responses)
+
+
+def end_gracefully(begin: Callable[[], None], within: float = 20.0) -> None:
+    """Under `mlx.launch`, SIGTERM calls `begin()` to end the work in order rather than ending at once (see
+    akunu.distributed.end_gracefully); the process still ends within `within` seconds."""
+    from akunu import distributed
+
+    distributed.end_gracefully(begin, within)
 
 
 def alone() -> bool:

@@ -71,7 +71,7 @@ def serve(
         typer.Option(
             min=1,
             rich_help_panel=SERVER_PANEL,
-            help="Requests generating at once, a step of each in turn; more wait in the queue.",
+            help="Requests generating at once, a step of each in turn; more wait in the queue. Under mlx.launch: 1.",
         ),
     ] = 4,
     max_kv_memory: Annotated[
@@ -96,7 +96,7 @@ def serve(
         typer.Option(
             rich_help_panel=SERVER_PANEL,
             help="Disk space for prompt KV caches kept across restarts (in AKUNU_HOME/prompt_cache, LRU), "
-            "e.g. 2G or 500M; 0 turns the disk cache off.",
+            "e.g. 2G or 500M; 0 turns the disk cache off (as mlx.launch does).",
         ),
     ] = "2G",
     ui: Annotated[
@@ -121,13 +121,13 @@ def serve(
     and Anthropic's: /v1/messages, /v1/messages/count_tokens; and a chat page at / for a browser.
 
     Up to --parallel requests generate at once, each with its own drafts and cache; each response carries `usage` and an `akunu` object with the speculative statistics.
+    Under mlx.launch rank 0 serves and the other ranks follow it, one request at a time.
     """
     import uvicorn
 
-    from akunu.cli.server import Worker, create_app
+    from akunu.cli.server import Worker, create_app, ranks
 
-    runtime.refuse_ranks("akunu serve")
-
+    runtime.join_ranks()
     if api_key is None and os.environ.get("AKUNU_API_KEY") == "":  # click reads an empty variable as unset
         api_key = ""
     if api_key is not None and not api_key.strip():
@@ -137,7 +137,7 @@ def serve(
     body_limit = parse_size(max_body)
     disk_limit = parse_size(disk_cache_size, "--disk-cache-size", least=0)
     kv_limit = parse_size(max_kv_memory, "--max-kv-memory") if max_kv_memory else half_the_memory()
-    check_port_free(host, port)  # before the model loads, which may take minutes
+    runtime.from_leader(lambda: check_port_free(host, port))  # before the model loads, which may take minutes
     if host not in LOOPBACK:
         print_note(
             f"listening on {host}: anyone who can reach this address can use the model"
@@ -148,19 +148,28 @@ def serve(
         draft_tokens=draft_tokens, draft_length=draft_length, exact=exact,
     )  # fmt: skip
     drafting = Drafting(draft, draft_model, tree)
+    startup = functools.partial(load_for_serving, model, dtype, base_config, drafting)
+    if not runtime.leads():
+        return ranks.follow(startup, drafting.stream, cache_slots)
+    if not runtime.alone():
+        print_note("split across ranks: one request at a time, and no prompt caches on disk (each rank holds a part)")
+        disk_limit = 0
     worker = Worker(
-        functools.partial(load_for_serving, model, dtype, base_config, drafting),
+        startup,
         drafting.stream,
         max_waiting=queue_depth,
         cache_slots=cache_slots,
         parallel=parallel,
         max_kv_bytes=kv_limit,
         disk_cache=functools.partial(open_disk_cache, disk_limit) if disk_limit else None,
+        lead=None if runtime.alone() else ranks.Lead(),
     )
     loaded = worker.start()
     configure_logging()
     page = f" · chat page http://{host}:{port}/" if ui else ""
     stderr_console().print(f"[bold]akunu serve[/] · {loaded.describe()} · http://{host}:{port}/v1{page} · Ctrl-C stops")
+    if worker.lead is not None:  # SIGTERM: uvicorn shuts down, and the running request stops at its next pass
+        runtime.end_gracefully(worker.lead.stopping.set)
     try:
         with ending_on_sigterm():
             uvicorn.run(
@@ -169,8 +178,12 @@ def serve(
                 port=port,
                 log_level="warning",
             )
+    except KeyboardInterrupt:
+        if worker.lead is None:
+            raise
+        # under mlx.launch, a rank that exits non-zero has the others ended: Ctrl-C is an ordinary stop there
     finally:
-        worker.stop()  # queued prompt-cache writes reach the disk first
+        worker.stop()  # queued prompt-cache writes reach the disk first; under mlx.launch the other ranks end
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """akunu under `mlx.launch -n 2 --backend ring` on localhost: a split model decodes as one process does, plain
-and speculative; chat takes rank 0's lines; rank 0 alone prints; a killed rank ends the job with one line.
+and speculative; chat takes rank 0's lines; serve answers as one process does and stops both ranks; rank 0
+alone prints; a killed rank ends the job with one line.
 
 Each test is one launched job (two processes), so the module stays within a minute. Greedy outputs are
 compared with the near-tie rule: the ranks' all-sum adds partial products in another order than one
@@ -139,14 +140,18 @@ def test_chat_takes_rank_zeros_lines_for_three_turns_and_rank_one_prints_nothing
 
 
 def _rank_one(launcher: subprocess.Popen) -> int | None:
-    """The pid of the launched process with MLX_RANK=1 (mlx.launch execs each rank in its own child)."""
+    return _rank_with(launcher, b"MLX_RANK=1")
+
+
+def _rank_with(launcher: subprocess.Popen, variable: bytes) -> int | None:
+    """The pid of the launched process with this MLX_RANK (mlx.launch execs each rank in its own child)."""
     for entry in Path("/proc").iterdir():
         try:
             parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
             environment = (entry / "environ").read_bytes().split(b"\0")
         except (OSError, ValueError, IndexError):
             continue
-        if parent == launcher.pid and b"MLX_RANK=1" in environment:
+        if parent == launcher.pid and variable in environment:
             return int(entry.name)
     return None
 
@@ -172,3 +177,79 @@ def test_killing_one_rank_ends_the_other_within_bounded_time_naming_it(job_env, 
         launcher.kill()
     ours = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(ours) == 1 and "rank 1" in ours[0], stderr[-2000:]
+
+
+SERVE_BOUND = 60.0  # seconds for the split server to load, and (separately) to stop
+
+
+def _rank_zero_pid(launcher: subprocess.Popen) -> int | None:
+    return _rank_with(launcher, b"MLX_RANK=0")
+
+
+def _serve_split(job_env: dict, model: Path, port: int) -> subprocess.Popen:
+    command = [str(BIN / "akunu"), "serve", "--model", str(model), "--dtype", "float32", "--port", str(port),
+               "--draft-length", "fixed", "--draft-tokens", "4", "--no-ui"]  # fmt: skip
+    return subprocess.Popen(launch(command), env=job_env, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)  # fmt: skip
+
+
+def _wait_until_serving(launcher: subprocess.Popen, port: int) -> None:
+    deadline = time.monotonic() + SERVE_BOUND
+    while time.monotonic() < deadline and launcher.poll() is None:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    launcher.kill()
+    raise AssertionError(f"the split server did not start: {launcher.communicate()[1][-2000:]}")
+
+
+def _single_process_answer(model: Path, messages: list[dict], max_tokens: int) -> str:
+    """Plain greedy decoding of the prompt the server makes of `messages` (the tiny model has no chat template:
+    a transcript, ending where the user's next line would start)."""
+    from akunu.cli.conversation import PLAIN_USER_PREFIX, Conversation
+    from akunu.models import load_model
+
+    loaded = load_model(str(model), dtype="float32")
+    config = GenerationConfig(max_tokens=max_tokens, spec=SpecConfig(enabled=False), stop=(PLAIN_USER_PREFIX,))
+    return generate(loaded.model, loaded.tokenizer, Conversation(turns=messages).prompt_ids(loaded.tokenizer), config)[
+        0
+    ]
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds rank 0 through /proc")
+def test_serve_split_answers_the_openai_client_as_one_process_and_stopping_rank_zero_ends_both(job_env, tmp_path):
+    import openai
+
+    model = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    launcher = _serve_split(job_env, model, port)
+    try:
+        _wait_until_serving(launcher, port)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        ask = [{"role": "user", "content": "one two three four"}]
+        answer = client.chat.completions.create(model=str(model), messages=ask, max_tokens=12, temperature=0)
+        expected = _single_process_answer(model, ask, 12)
+        assert answer.choices[0].message.content == expected  # greedy, split and speculative: one process's text
+        # the same prompt again, streamed: both ranks reuse the same cache slot
+        streamed = client.chat.completions.create(model=str(model), messages=ask, max_tokens=12, stream=True)
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices) == expected
+        # a client that leaves mid-answer stops every rank at the same pass: the next answers still agree
+        with client.completions.create(model=str(model), prompt="a b c", max_tokens=2000, stream=True) as left:
+            next(iter(left))
+        sampled = [
+            client.chat.completions.create(model=str(model), messages=ask, max_tokens=12, temperature=1, seed=7)
+            for _ in range(2)
+        ]
+        assert sampled[0].choices[0].message.content == sampled[1].choices[0].message.content
+        os.kill(_rank_zero_pid(launcher), signal.SIGINT)  # Ctrl-C on rank 0 alone, as on the first of two Macs
+        stopped = time.monotonic()
+        _, stderr = launcher.communicate(timeout=SERVE_BOUND)
+        assert time.monotonic() - stopped < SERVE_BOUND
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, stderr[-2000:]
+    assert "error" not in stderr and "exited with code" not in stderr, stderr[-2000:]  # rank 1 ended cleanly too

@@ -123,13 +123,15 @@ class Worker:
 
     def __init__(
         self, startup: Callable[[], tuple], run: Callable, *, max_waiting: int = 32, cache_slots: int = 4,
-        parallel: int = 4, max_kv_bytes: int | None = None, disk_cache: Callable | None = None,
+        parallel: int = 4, max_kv_bytes: int | None = None, disk_cache: Callable | None = None, lead=None,
     ):  # fmt: skip
         """`startup()` -> (loaded model, pass-cost curve or None) runs first on the thread;
         `run(loaded, job, prompt_cache, costs)` -> the engine's response stream for one job;
         `disk_cache(loaded)` -> the prompt caches on disk (akunu.disk_cache.DiskPromptCache) or None;
-        `max_kv_bytes`: the KV cache the running jobs may fill together (prompt + max_tokens each), None: no bound."""
-        self._startup, self._run_job, self._open_disk_cache = startup, run, disk_cache
+        `max_kv_bytes`: the KV cache the running jobs may fill together (prompt + max_tokens each), None: no bound;
+        `lead`: under mlx.launch, rank 0's link to the other ranks (cli.server.ranks.Lead): one job at a time."""
+        self._startup, self._run_job, self._open_disk_cache, self.lead = startup, run, disk_cache, lead
+        parallel = 1 if lead is not None else parallel
         self.max_waiting, self.parallel, self.max_kv_bytes = max_waiting, max(1, parallel), max_kv_bytes
         self.kv_per_position = 0  # bytes, measured once the model is loaded
         self.cache_slots = max(cache_slots, self.parallel)  # every running job holds a cache of its own
@@ -154,6 +156,8 @@ class Worker:
         return self.loaded
 
     def stop(self, timeout: float = 10.0) -> None:
+        if self.lead is not None:
+            self.lead.stopping.set()  # the running job stops at its next pass, on every rank
         self._jobs.put(None)
         self._thread.join(timeout)
         if self.disk is not None:
@@ -187,6 +191,8 @@ class Worker:
         self._ready.set()
         try:
             self._serve_jobs()
+            if self.lead is not None:
+                self.lead.dismiss()
         finally:
             _free_mlx_streams()
 
@@ -243,6 +249,8 @@ class Worker:
         return sum(self._kv_need(r.job) for r in self._active) + need <= self.max_kv_bytes
 
     def _admit(self, job: Job) -> None:
+        if self.lead is not None:  # the followers start the same generation
+            job = self.lead.start(job)
         busy = [running.cache for running in self._active]
         running = _Running(job, self.pool.checkout(job.prompt_ids, busy), waited=time.perf_counter() - job.submitted)
         job.others_step = lambda: self._step_others(running)
@@ -309,6 +317,8 @@ class Worker:
     def _end(self, running: _Running, error: Exception | None = None) -> None:
         if running not in self._active:
             return
+        if self.lead is not None:
+            error = self._across_ranks(running, error)
         self._active.remove(running)
         with self._lock:
             self.running = len(self._active)
@@ -326,6 +336,19 @@ class Worker:
             job.emit(Failed("the generation failed; see the server log", client_error=False))
         else:
             self._finished(running)
+
+    def _across_ranks(self, running: _Running, error: Exception | None) -> Exception | None:
+        """Under mlx.launch, a job stopped at a pass every rank agreed on ends as cancelled; a lost rank ends the server."""
+        from akunu.distributed import RankError, Stopped
+
+        if isinstance(error, RankError):
+            self.lead.lost(error)
+        if not isinstance(error, Stopped):
+            return error
+        running.finish = "cancelled"
+        if running.stats is None and self.lead.stopping.is_set():  # its client is still there: tell it why
+            running.job.emit(Failed("the server is stopping; the request did not run", client_error=False))
+        return None if running.stats else JobCancelled()
 
     def _finished(self, running: _Running) -> None:
         job = running.job
