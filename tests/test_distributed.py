@@ -253,3 +253,20 @@ def test_serve_split_answers_the_openai_client_as_one_process_and_stopping_rank_
         launcher.kill()
     assert launcher.returncode == 0, stderr[-2000:]
     assert "error" not in stderr and "exited with code" not in stderr, stderr[-2000:]  # rank 1 ended cleanly too
+
+
+def test_a_serve_job_reaches_the_followers_with_every_generation_setting_and_a_seed():
+    import dataclasses
+
+    from akunu.cli.server import ranks
+    from akunu.cli.server.worker import Job
+    from akunu.sampling import SamplingParams
+
+    config = GenerationConfig(
+        max_tokens=7, sampling=SamplingParams(temp=0.7, top_k=5, top_p=0.9, min_p=0.1), stop=("\n\n",), logprobs=2,
+        spec=SpecConfig(draft_tokens=4, draft_length=DraftLengthPolicy.fixed, exact=True), grammar='start: "x"',
+    )  # fmt: skip
+    sent = dataclasses.replace(Job([1, 2, 3], config, emit=print), config=ranks.seeded(config))
+    received = ranks.job_from(json.loads(json.dumps(ranks.job_message(sent))))  # as distributed.agree carries it
+    assert received.prompt_ids == [1, 2, 3] and received.config == sent.config
+    assert sent.config.sampling.seed is not None  # every rank samples from the seed rank 0 picked
