@@ -20,7 +20,7 @@ from akunu.drafters.tree import verify_tree_round
 from akunu.forward import run
 from akunu.grammar import Constraint, grammar_draft
 from akunu.kv_cache import Snapshot, has_state, rewind
-from akunu.sampling import SamplingParams, target_logprobs
+from akunu.sampling import Draws, SamplingParams, target_logprobs
 from akunu.stats import GenerationStats
 from akunu.verify import Verdict, verify_greedy, verify_sampled
 
@@ -48,11 +48,12 @@ def forward(model: nn.Module, inputs: mx.array, cache, share: bool):
     return shared.logits
 
 
-def pick_token(logits: mx.array, params: SamplingParams) -> mx.array:
+def pick_token(logits: mx.array, params: SamplingParams, draws: Draws | None = None) -> mx.array:
     """The next token from logits (..., V): argmax when greedy, else a sample of the target."""
     if params.greedy:
         return backends.argmax(logits)
-    return mx.random.categorical(target_logprobs(logits, params), axis=-1).astype(mx.uint32)
+    key = draws.key() if draws is not None else None
+    return mx.random.categorical(target_logprobs(logits, params), axis=-1, key=key).astype(mx.uint32)
 
 
 def plain_decode(
@@ -64,17 +65,18 @@ def plain_decode(
     stats: GenerationStats,
     rows: list | None = None,
     share: bool = False,
+    draws: Draws | None = None,
 ) -> Iterator[tuple[int, bool]]:
     """One token per forward pass; the next pass is queued before this token is read.
 
     With a `rows` list, each token's logits row is appended to it just before the token is yielded.
     """  # fmt: skip
-    y = pick_token(logits, params)
+    y = pick_token(logits, params, draws)
     mx.async_eval(y)
     first = True
     while True:
         next_logits = (yield from forward(model, y.reshape(1, 1), cache, share))[-1]
-        next_y = pick_token(next_logits, params)
+        next_y = pick_token(next_logits, params, draws)
         mx.async_eval(next_y)
         if not first:
             stats.record_round(0, 0)
@@ -95,12 +97,13 @@ def constrained_decode(
     constraint: Constraint,
     rows: list | None = None,
     share: bool = False,
+    draws: Draws | None = None,
 ) -> Iterator[tuple[int, bool]]:
     """`plain_decode` under a grammar: each token is chosen from its logits masked by the grammar
     after the tokens before it; the grammar computes that mask while the token's pass runs."""  # fmt: skip
     first = True
     while True:
-        y = pick_token(constraint.constrain(logits), params).item()
+        y = pick_token(constraint.constrain(logits), params, draws).item()
         constraint.commit([y])
         next_logits = (yield from forward(model, mx.array([[y]], mx.uint32), cache, share))[-1]
         mx.async_eval(next_logits)
@@ -126,6 +129,7 @@ def speculative_decode(
     rows: list | None = None,
     constraint: Constraint | None = None,
     share: bool = False,
+    draws: Draws | None = None,
 ) -> Iterator[tuple[int, bool]]:
     """Draft, verify in one pass, accept the agreeing prefix plus one token, rewind the rest.
 
@@ -135,7 +139,7 @@ def speculative_decode(
     A `constraint` masks every verified position and checks and extends each draft (akunu.grammar).
     """
     keep = rows.append if rows is not None else lambda row: None
-    token = pick_token(logits if constraint is None else constraint.constrain(logits), params).item()
+    token = pick_token(logits if constraint is None else constraint.constrain(logits), params, draws).item()
     if constraint is not None:
         constraint.commit([token])
     drafter.update([token])
@@ -153,7 +157,9 @@ def speculative_decode(
             own = draft.depth
             if constraint is not None:
                 draft, own = grammar_draft(constraint, draft, min(draft_length.max_draft, room))
-        accepted, token, round_rows = yield from verify_round(model, cache, token, draft, params, constraint, share)
+        accepted, token, round_rows = yield from verify_round(
+            model, cache, token, draft, params, constraint, share, draws
+        )
         stats.record_round(len(draft), len(accepted))
         draft_length.observe(own, min(len(accepted), own), round_rows[-1])
         if constraint is not None:
@@ -182,6 +188,7 @@ def verify_round(
     params: SamplingParams,
     constraint: Constraint | None = None,
     share: bool = False,
+    draws: Draws | None = None,
 ):
     """One forward pass over `token` and the draft; the cache keeps only what was accepted (a generator: `yield from`
     it; it yields the pass when `share`, see `forward`; a token tree's pass is always run here).
@@ -195,7 +202,7 @@ def verify_round(
     computes its masks while the pass runs.
     """
     if draft and draft.parents is not None:
-        return verify_tree_round(model, cache, token, draft, params)
+        return verify_tree_round(model, cache, token, draft, params, draws)
     owed = getattr(cache, "owed", [])
     inputs = [*owed, token, *draft.tokens]
     snapshot = Snapshot(cache) if draft and has_state(cache) else None
@@ -205,11 +212,11 @@ def verify_round(
         mx.async_eval(logits)
         scored = constraint.constrain(logits, draft.tokens)
     if not draft:
-        verdict = Verdict(0, pick_token(scored[0], params).item())
+        verdict = Verdict(0, pick_token(scored[0], params, draws).item())
     elif params.greedy:
         verdict = verify_greedy(scored, draft.tokens)
     else:
-        verdict = verify_sampled(target_logprobs(scored, params), draft.tokens, draft.probs)
+        verdict = verify_sampled(target_logprobs(scored, params), draft.tokens, draft.probs, draws)
     kept = len(inputs) - len(draft) + verdict.accepted
     if snapshot is None or kept == len(inputs):
         rewind(cache, len(inputs) - kept)  # drop rejected drafts' KV entries

@@ -26,7 +26,7 @@ from akunu.grammar import Constraint
 from akunu.kv_cache import has_state
 from akunu.logprobs import TokenLogprobs, token_logprobs
 from akunu.prompt_cache import PromptCache
-from akunu.sampling import SamplingParams
+from akunu.sampling import Draws, SamplingParams
 from akunu.stats import GenerationStats
 
 
@@ -133,7 +133,7 @@ def stream_generate(
     """
     _check_prompt(prompt, config, context_length)
     params = config.sampling
-    if params.seed is not None:
+    if params.seed is not None:  # a draft model's own samples still come from the global generator
         mx.random.seed(params.seed)
     if config.spec.exact:  # plain steps too, so that plain and speculative output compare exactly
         model = exact_model(model, config.spec.draft_tokens)
@@ -157,7 +157,7 @@ def stream_generate(
     rows = [] if config.logprobs is not None else None  # each token's logits row, appended as it is yielded
     tokens = _decode_loop(
         model, prompt_cache.cache, logits, prompt, config, stats=stats, drafter=drafter, costs=costs, budget=budget,
-        rows=rows, constraint=constraint, share=share_passes,
+        rows=rows, constraint=constraint, share=share_passes, draws=Draws(params.seed),
     )  # fmt: skip
 
     detokenizer, stops = tokenizer.detokenizer(), _StopStrings(config.stop)
@@ -194,15 +194,15 @@ def stream_generate(
 
 def _decode_loop(
     model, cache, logits, prompt, config: GenerationConfig, *, stats, drafter: Drafter | None, costs, budget: int,
-    rows: list | None = None, constraint: Constraint | None = None, share: bool = False,
+    rows: list | None = None, constraint: Constraint | None = None, share: bool = False, draws: Draws | None = None,
 ):  # fmt: skip
     speculation, params = config.spec, config.sampling
     if not speculation.enabled and constraint is not None:
         return constrained_decode(
-            model, cache, logits, params=params, stats=stats, constraint=constraint, rows=rows, share=share
+            model, cache, logits, params=params, stats=stats, constraint=constraint, rows=rows, share=share, draws=draws
         )
     if not speculation.enabled:
-        return plain_decode(model, cache, logits, params=params, stats=stats, rows=rows, share=share)
+        return plain_decode(model, cache, logits, params=params, stats=stats, rows=rows, share=share, draws=draws)
     if drafter is None:
         from akunu.drafters import DEFAULT_SPEC, make_drafter
 
@@ -221,7 +221,7 @@ def _decode_loop(
     )  # fmt: skip
     return speculative_decode(
         model, cache, logits, params=params, stats=stats, drafter=drafter, draft_length=draft_length, budget=budget,
-        rows=rows, constraint=constraint, share=share,
+        rows=rows, constraint=constraint, share=share, draws=draws,
     )  # fmt: skip
 
 

@@ -21,6 +21,25 @@ MAX_TEMP = 1e30
 MIN_TOP_P = 1e-9
 
 
+class Draws:
+    """Where one generation's random draws come from: a key of its own when seeded, split at each draw, so that
+    generations served side by side never move each other's draws; else MLX's global generator (key None)."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._key = None if seed is None else mx.random.key(seed)
+
+    def key(self) -> mx.array | None:
+        if self._key is None:
+            return None
+        self._key, key = mx.random.split(self._key)
+        return key
+
+    def keys(self, count: int) -> list:
+        """`count` keys for one round's separate draws."""
+        key = self.key()
+        return [None] * count if key is None else list(mx.random.split(key, count))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temp: float = 0.0

@@ -45,8 +45,9 @@ def _takes_several_rows(model) -> bool:
     return known
 
 
-def run_passes(passes: Sequence[Pass]) -> None:
-    """Set each pass's logits: the passes of one model that can share run as one forward pass, the rest alone."""
+def run_passes(passes: Sequence[Pass]) -> int:
+    """Set each pass's logits: the passes of one model that can share run as one forward pass, the rest alone.
+    Returns the forward passes sharing saved: a pass carrying k requests saves k - 1."""
     together: dict[int, list[Pass]] = {}
     for shared in passes:
         if can_share(shared):
@@ -58,6 +59,7 @@ def run_passes(passes: Sequence[Pass]) -> None:
             group[0].logits = run(group[0].model, group[0].inputs, group[0].cache)[0]
         else:
             forward_together(group)
+    return sum(len(group) - 1 for group in together.values())
 
 
 def forward_together(passes: Sequence[Pass]) -> None:

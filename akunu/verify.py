@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from akunu import backends
+from akunu.sampling import Draws
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,9 @@ def verify_greedy(logits: mx.array, draft: list[int]) -> Verdict:
     return Verdict(accepted, choices[accepted])
 
 
-def verify_sampled(target_logprobs: mx.array, draft: list[int], draft_probs: mx.array | None = None) -> Verdict:
+def verify_sampled(
+    target_logprobs: mx.array, draft: list[int], draft_probs: mx.array | None = None, draws: Draws | None = None
+) -> Verdict:
     """Speculative sampling (Leviathan et al. 2023), exact in distribution.
 
     target_logprobs: (n+1, V), the processed target distribution p at each position.
@@ -37,6 +40,7 @@ def verify_sampled(target_logprobs: mx.array, draft: list[int], draft_probs: mx.
     on the draft (a deterministic drafter such as the n-gram predictor), so q(d) = 1.
     Draft i is accepted with probability min(1, p(d)/q(d)); the first rejection is
     replaced by a sample from max(p - q, 0) renormalised; if all pass, the bonus is from p.
+    `draws` gives a seeded generation random keys of its own (akunu.sampling.Draws).
     """
     n = len(draft)
     d = mx.array(draft, dtype=mx.uint32)[:, None]  # (n, 1)
@@ -48,9 +52,10 @@ def verify_sampled(target_logprobs: mx.array, draft: list[int], draft_probs: mx.
     else:
         q_draft = mx.take_along_axis(draft_probs, d, axis=-1)[:, 0]
         residual = mx.maximum(p - draft_probs, 0.0)
-    accept = mx.random.uniform(shape=(n,)) * q_draft < p_draft  # u < p/q without dividing
-    corrections = mx.random.categorical(mx.log(residual), axis=-1)  # (n,)
-    bonus = mx.random.categorical(target_logprobs[n])[None]  # (1,)
+    uniform_key, corrections_key, bonus_key = (draws or Draws()).keys(3)
+    accept = mx.random.uniform(shape=(n,), key=uniform_key) * q_draft < p_draft  # u < p/q without dividing
+    corrections = mx.random.categorical(mx.log(residual), axis=-1, key=corrections_key)  # (n,)
+    bonus = mx.random.categorical(target_logprobs[n], key=bonus_key)[None]  # (1,)
     accept, tokens = mx.concatenate([accept, mx.array([False])]), mx.concatenate([corrections, bonus])
     mx.eval(accept, tokens)
     accept, tokens = accept.tolist(), tokens.tolist()

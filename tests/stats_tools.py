@@ -66,9 +66,9 @@ def exact_model_probs(model, params: SamplingParams, length: int = 3, prompt: li
     return probs
 
 
-def resample_from_p_on_rejection(target_logprobs, draft, draft_probs=None):
+def resample_from_p_on_rejection(target_logprobs, draft, draft_probs=None, draws=None):
     """Broken: on rejection draws from p instead of max(p - q, 0), over-weighting the draft."""
-    v = verify_sampled(target_logprobs, draft, draft_probs)
+    v = verify_sampled(target_logprobs, draft, draft_probs, draws)
     if v.accepted < len(draft):
         return Verdict(v.accepted, mx.random.categorical(target_logprobs[v.accepted]).item())
     return v

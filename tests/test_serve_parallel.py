@@ -66,6 +66,8 @@ def test_answers_side_by_side_equal_the_answers_alone(fake_engine, serve, archit
     with ThreadPoolExecutor(len(REQUESTS)) as pool:
         together = list(pool.map(lambda request: answer(client, request), REQUESTS))
     assert watch.stop() == 4  # side by side, up to --parallel; the others waited
+    shared = server.worker.metrics.registry.get_sample_value("akunu_forward_passes_shared_total")
+    assert shared > 0 if architecture == "llama" else shared == 0  # state layers run alone
     assert [found[:3] for found in together] == [found[:3] for found in alone]
     for found, found_alone in zip(together, alone):  # a prefix cached or not: the logprobs differ by rounding only
         assert found[3] == pytest.approx(found_alone[3], abs=1e-4)

@@ -5,6 +5,7 @@ distribution, and passes that cannot share run alone."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import mlx.core as mx
 import pytest
@@ -85,6 +86,21 @@ def test_sampling_side_by_side_keeps_each_requests_distribution(shared_widths):
     for prompt, counted in zip((PROMPT, other), counts):
         ok, stat, critical = fits(counted, exact_model_probs(model, params, prompt=prompt), runs)
         assert ok, f"chi2 {stat:.1f} >= {critical:.1f}"
+
+
+@pytest.mark.parametrize("spec", [True, False], ids=["speculative", "plain"])
+def test_a_seeded_request_samples_as_alone_beside_other_sampled_requests(spec):
+    """A seed's draws are the request's own (akunu.sampling.Draws): the other request's draws, made between
+    them, do not move them."""
+    model = tiny_llama(vocab=16, seed=2)
+    seeded, unseeded = (GenerationConfig(max_tokens=16, sampling=SamplingParams(temp=1.0, seed=seed),
+                                         spec=SpecConfig(enabled=spec)) for seed in (7, None))  # fmt: skip
+    alone = generate(model, FakeTokenizer(), PROMPTS[1], seeded)[1]
+    assert side_by_side(model, [PROMPTS[1], PROMPTS[0]], [seeded, unseeded])[0] == alone
+    assert (
+        generate(model, FakeTokenizer(), PROMPTS[1], replace(seeded, sampling=SamplingParams(temp=1.0, seed=8)))[1]
+        != alone
+    )
 
 
 def test_exact_mode_and_state_layers_run_alone(shared_widths):

@@ -70,7 +70,7 @@ def make_sampling_drafter(seed):
     return drafter
 
 
-def accept_by_inverted_ratio(target_logprobs, draft, draft_probs=None):
+def accept_by_inverted_ratio(target_logprobs, draft, draft_probs=None, draws=None):
     """Broken: accepts with probability min(1, q/p) instead of min(1, p/q)."""
     n = len(draft)
     p = mx.exp(target_logprobs)

@@ -32,9 +32,9 @@ def tree_samples(model, params, runs_wanted: int = RUNS):
     return Counter(tuple(tokens) for _, tokens, _ in runs)
 
 
-def fall_back_to_p_itself(logprobs, tree: TokenTree):
+def fall_back_to_p_itself(logprobs, tree: TokenTree, draws=None):
     """Broken: when every child is rejected, draws from p with the children left in."""
-    path, token = verify_tree_sampled(logprobs, tree)
+    path, token = verify_tree_sampled(logprobs, tree, draws)
     if tree.children()[path[-1]]:
         token = mx.random.categorical(logprobs[path[-1]]).item()
     return path, token

@@ -25,7 +25,7 @@ from akunu import backends
 from akunu.drafters.base import Draft, NGramDrafter, TokenTree
 from akunu.errors import OptionsError
 from akunu.kv_cache import rewind
-from akunu.sampling import SamplingParams, target_logprobs
+from akunu.sampling import Draws, SamplingParams, target_logprobs
 
 # mlx-lm architectures whose internals akunu reaches into (layers, self_attn.rope, zip(layers, cache)).
 SUPPORTED = ("llama", "gemma3_text")
@@ -218,7 +218,7 @@ def verify_tree_greedy(logits: mx.array, tree: TokenTree) -> tuple[list[int], in
         path.append(match)
 
 
-def verify_tree_sampled(logprobs: mx.array, tree: TokenTree) -> tuple[list[int], int]:
+def verify_tree_sampled(logprobs: mx.array, tree: TokenTree, draws: Draws | None = None) -> tuple[list[int], int]:
     """Exact sampling over a tree of deterministic drafts (SpecInfer's multi-step rule, one-hot q).
 
     At each node the children are tried in order: child c is accepted with probability
@@ -234,8 +234,9 @@ def verify_tree_sampled(logprobs: mx.array, tree: TokenTree) -> tuple[list[int],
     child_p = mx.where(child_real, mx.take_along_axis(p, child_tokens, axis=-1), 0.0)
     is_child = (mx.arange(p.shape[-1]) == child_tokens[..., None]) & child_real[..., None]
     residual = mx.where(is_child.any(axis=1), 0.0, p)
-    fallback = mx.random.categorical(mx.log(residual), axis=-1)  # the token when no child is accepted
-    uniforms = mx.random.uniform(shape=child_p.shape)
+    fallback_key, uniforms_key = (draws or Draws()).keys(2)
+    fallback = mx.random.categorical(mx.log(residual), axis=-1, key=fallback_key)  # when no child is accepted
+    uniforms = mx.random.uniform(shape=child_p.shape, key=uniforms_key)
     mx.eval(child_p, fallback, uniforms)
     child_p, fallback, uniforms = child_p.tolist(), fallback.tolist(), uniforms.tolist()
     path = [0]
@@ -253,7 +254,9 @@ def verify_tree_sampled(logprobs: mx.array, tree: TokenTree) -> tuple[list[int],
 # One round ------------------------------------------------------------------------------------
 
 
-def verify_tree_round(model: nn.Module, cache: list, root: int, draft: Draft, params: SamplingParams):
+def verify_tree_round(
+    model: nn.Module, cache: list, root: int, draft: Draft, params: SamplingParams, draws: Draws | None = None
+):
     """Run a token-tree draft after `root`, keep the accepted path in the cache.
 
     Returns the accepted tokens, the target's next token and the logits rows each of them came from.
@@ -264,6 +267,6 @@ def verify_tree_round(model: nn.Module, cache: list, root: int, draft: Draft, pa
     if params.greedy:
         path, token = verify_tree_greedy(logits, tree)
     else:
-        path, token = verify_tree_sampled(target_logprobs(logits, params), tree)
+        path, token = verify_tree_sampled(target_logprobs(logits, params), tree, draws)
     keep_path(cache, prefix, len(tree) + 1, path)
     return [tree.tokens[i - 1] for i in path[1:]], token, logits[mx.array(path)]

@@ -35,8 +35,11 @@ class ServerMetrics:
                                      "Prompt tokens a prompt cache already held, so they were not prefilled", ("cache",))  # fmt: skip
         self.drafted = counter("akunu_draft_tokens_proposed_total", "Draft tokens proposed for verification")
         self.accepted = counter("akunu_draft_tokens_accepted_total", "Draft tokens the model accepted")
-        self.passes = counter("akunu_forward_passes_total", "Decode forward passes (single steps and draft "
-                              "verifications); generated tokens / passes is tokens per pass")  # fmt: skip
+        self.passes = counter("akunu_forward_passes_total", "Decode forward passes as each request counts them "
+                              "(single steps and draft verifications); generated tokens / passes is tokens per pass")  # fmt: skip
+        self.passes_shared = counter("akunu_forward_passes_shared_total", "Requests' passes that ran inside "
+                                     "another request's forward pass (one carrying k requests adds k - 1); "
+                                     "the model ran forward_passes - forward_passes_shared passes")  # fmt: skip
         waiting_gauge = Gauge(
             "akunu_requests_waiting", "Requests queued until one of the running ones ends", registry=registry
         )

@@ -273,7 +273,7 @@ class Worker:
                 self._step(running)
         waiting = [r for r in runs if r in self._active and r.pending is not None and r.pending.logits is None]
         try:
-            run_passes([running.pending for running in waiting])
+            self.metrics.passes_shared.inc(run_passes([running.pending for running in waiting]))
         except Exception as error:  # noqa: BLE001  (the pass failed: the requests it carried end with it)
             for running in waiting:
                 if running.pending.logits is None:
