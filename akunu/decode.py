@@ -33,17 +33,27 @@ class Pass:
     """A forward pass of `inputs` (1, n) on `cache` that a decode loop hands to its caller: the caller sets
     `logits` (n, V), then resumes the loop."""
 
-    __slots__ = ("model", "inputs", "cache", "logits")
+    __slots__ = ("model", "inputs", "cache", "logits", "width")
 
-    def __init__(self, model: nn.Module, inputs: mx.array, cache) -> None:
-        self.model, self.inputs, self.cache, self.logits = model, inputs, cache, None
+    def __init__(self, model: nn.Module, inputs: mx.array, cache, width: PassWidth | None = None) -> None:
+        self.model, self.inputs, self.cache, self.logits, self.width = model, inputs, cache, None, width
 
 
-def forward(model: nn.Module, inputs: mx.array, cache, share: bool):
+class PassWidth:
+    """The width a request's draft-length policy chose for its pass, and the widest the other requests of its last
+    shared pass chose (0 when it ran alone): that pass computes every row as wide, so drafts up to it cost nothing."""
+
+    __slots__ = ("chosen", "others")
+
+    def __init__(self) -> None:
+        self.chosen = self.others = 0
+
+
+def forward(model: nn.Module, inputs: mx.array, cache, share: bool, width: PassWidth | None = None):
     """The pass's logits (n, V), run here; or with `share`, yielded as a Pass for the caller to run (`yield from`)."""
     if not share:
         return run(model, inputs, cache)[0]
-    shared = Pass(model, inputs, cache)
+    shared = Pass(model, inputs, cache, width)
     yield shared
     return shared.logits
 
@@ -146,19 +156,21 @@ def speculative_decode(
     produced = 1
     keep(logits)
     yield token, False
+    width = PassWidth() if share and not drafter.cost_per_token else None  # a model's drafts cost its own passes
     while True:
-        room = (
-            max(budget - produced - 1, 0) if len(getattr(cache, "owed", ())) < MAX_OWED else 0
-        )  # a plain step settles the debt
+        owed = len(getattr(cache, "owed", ()))
+        room = max(budget - produced - 1, 0) if owed < MAX_OWED else 0  # a plain step settles the debt
         if hasattr(model, "draft_room"):  # exact mode: the pass has a fixed width
             room = min(room, model.draft_room(cache))
         with stats.drafting():
-            draft = propose(drafter, draft_length, room)
+            draft, chosen = propose(drafter, draft_length, room, free=width.others - 1 - owed if width else 0)
             own = draft.depth
             if constraint is not None:
                 draft, own = grammar_draft(constraint, draft, min(draft_length.max_draft, room))
+        if width is not None:
+            width.chosen = owed + 1 + min(chosen, len(draft))
         accepted, token, round_rows = yield from verify_round(
-            model, cache, token, draft, params, constraint, share, draws
+            model, cache, token, draft, params, constraint, share, draws, width
         )
         stats.record_round(len(draft), len(accepted))
         draft_length.observe(own, min(len(accepted), own), round_rows[-1])
@@ -174,10 +186,18 @@ def speculative_decode(
         yield token, False
 
 
-def propose(drafter: Drafter, draft_length: DraftLength | EntropyDraftLength, room: int) -> Draft:
-    """The round's draft: as long as the policy allows and the generation has room for."""
-    n = min(draft_length.limit(), room)
-    return draft_length.cut(drafter.draft(n)) if n else Draft([])
+def propose(
+    drafter: Drafter, draft_length: DraftLength | EntropyDraftLength, room: int, free: int = 0
+) -> tuple[Draft, int]:
+    """The round's draft, as long as the policy allows or as a shared pass computes anyway (`free` tokens), and as
+    the generation has room for; and the length the policy chose."""
+    n = min(max(draft_length.limit(), free), room)
+    if not n:
+        return Draft([]), 0
+    drafted = drafter.draft(n)
+    chosen = draft_length.cut(drafted)
+    filled = min(free, drafted.depth)
+    return (chosen if chosen.depth >= filled else drafted.truncated(filled)), chosen.depth
 
 
 def verify_round(
@@ -189,6 +209,7 @@ def verify_round(
     constraint: Constraint | None = None,
     share: bool = False,
     draws: Draws | None = None,
+    width: PassWidth | None = None,
 ):
     """One forward pass over `token` and the draft; the cache keeps only what was accepted (a generator: `yield from`
     it; it yields the pass when `share`, see `forward`; a token tree's pass is always run here).
@@ -206,7 +227,7 @@ def verify_round(
     owed = getattr(cache, "owed", [])
     inputs = [*owed, token, *draft.tokens]
     snapshot = Snapshot(cache) if draft and has_state(cache) else None
-    logits = (yield from forward(model, mx.array([inputs], mx.uint32), cache, share))[len(owed) :]  # (n+1, V)
+    logits = (yield from forward(model, mx.array([inputs], mx.uint32), cache, share, width))[len(owed) :]  # (n+1, V)
     scored = logits
     if constraint is not None:
         mx.async_eval(logits)

@@ -53,13 +53,19 @@ def run_passes(passes: Sequence[Pass]) -> int:
         if can_share(shared):
             together.setdefault(id(shared.model), []).append(shared)
         else:
-            shared.logits = run(shared.model, shared.inputs, shared.cache)[0]
+            _run_alone(shared)
     for group in together.values():
         if len(group) == 1:
-            group[0].logits = run(group[0].model, group[0].inputs, group[0].cache)[0]
+            _run_alone(group[0])
         else:
             forward_together(group)
     return sum(len(group) - 1 for group in together.values())
+
+
+def _run_alone(shared: Pass) -> None:
+    shared.logits = run(shared.model, shared.inputs, shared.cache)[0]
+    if shared.width is not None:
+        shared.width.others = 0
 
 
 def forward_together(passes: Sequence[Pass]) -> None:
@@ -72,8 +78,11 @@ def forward_together(passes: Sequence[Pass]) -> None:
         if isinstance(shared.cache, ModelCache):
             shared.cache.torn = True
     logits = passes[0].model(inputs, cache=layers)  # (B, widest, V)
+    chosen = [p.width.chosen if p.width is not None else w for p, w in zip(passes, widths)]
     for row, (shared, width) in enumerate(zip(passes, widths)):
         shared.logits = logits[row, :width]
+        if shared.width is not None:  # the others' own choices, not their filled widths: no request holds another up
+            shared.width.others = max(chosen[:row] + chosen[row + 1 :])
         if isinstance(shared.cache, ModelCache):
             shared.cache.fed += width
             shared.cache.torn = False

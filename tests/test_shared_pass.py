@@ -23,9 +23,9 @@ from tests.tiny_archs import tiny_model
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2]]
 
 
-def side_by_side(model, prompts, configs) -> list[list[int]]:
+def side_by_side(model, prompts, configs, stats: list | None = None) -> list[list[int]]:
     """Each prompt's generation, all driven as the server drives them: each runs to its next pass, then the
-    passes run together."""
+    passes run together. `stats` gets each generation's final statistics."""
     streams = {i: stream_generate(model, FakeTokenizer(), p, c, share_passes=True)
                for i, (p, c) in enumerate(zip(prompts, configs))}  # fmt: skip
     tokens: list[list[int]] = [[] for _ in prompts]
@@ -40,6 +40,8 @@ def side_by_side(model, prompts, configs) -> list[list[int]]:
                     tokens[i].append(item.token)
             else:
                 del streams[i]
+                if stats is not None:
+                    stats.append((i, item.stats))
         shared_pass.run_passes(passes)
     return tokens
 
@@ -101,6 +103,24 @@ def test_a_seeded_request_samples_as_alone_beside_other_sampled_requests(spec):
         generate(model, FakeTokenizer(), PROMPTS[1], replace(seeded, sampling=SamplingParams(temp=1.0, seed=8)))[1]
         != alone
     )
+
+
+def test_a_request_drafts_into_the_width_a_shared_pass_computes_anyway(shared_widths):
+    """A request whose policy drafts 1 token beside one drafting 6: the shared pass computes 7 positions for
+    every row, so the first request's drafts grow to fill them; the other's policy alone decides its width."""
+    model = tiny_llama(vocab=16, seed=2)
+    narrow, wide = (
+        GenerationConfig(max_tokens=40, spec=SpecConfig(draft_tokens=n, draft_length="fixed")) for n in (1, 6)
+    )
+    finals: list = []
+    together = side_by_side(model, [PROMPTS[1], PROMPTS[1][1:]], [narrow, wide], finals)
+    drafted = {i: stats.drafted for i, stats in finals}
+    assert max(shared_widths) == 2
+    for i, (prompt, config) in enumerate([(PROMPTS[1], narrow), (PROMPTS[1][1:], wide)]):
+        _, alone, stats = generate(model, FakeTokenizer(), prompt, config)
+        assert_same_or_near_tie(model, prompt, alone, together[i], f"request {i}")
+        alone_drafted = stats.drafted
+        assert drafted[i] > alone_drafted if i == 0 else drafted[i] == alone_drafted, (i, drafted[i], alone_drafted)
 
 
 def test_exact_mode_and_state_layers_run_alone(shared_widths):
