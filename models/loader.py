@@ -77,11 +77,9 @@ def load_model(
             loaded = _load_gguf(path, spec, dtype, progress, group, shard)
         else:
             loaded = _load_mlx_folder(path, spec, dtype, group, shard)
-        backends.apply(loaded.model)
-        if group is not None:
-            distributed.count_traffic(
-                loaded.model
-            )  # the CPU backend's faster step where it applies; elsewhere mlx-lm's model
+        backends.apply(loaded.model)  # the CPU backend's faster step where it applies; elsewhere mlx-lm's model
+        if group is not None:  # each pass counts its collectives, and may stop where rank 0 asks
+            distributed.count_traffic(loaded.model)
     finally:
         mx.set_cache_limit(cache_limit)
     _return_freed_memory()
