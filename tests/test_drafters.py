@@ -75,7 +75,7 @@ DRAFTERS = {
 def test_every_drafter_keeps_greedy_output_identical(model_fn, kind):
     target = model_fn(seed=1)
     accepted = 0
-    for i, prompt in enumerate(prompts(8)):
+    for i, prompt in enumerate(prompts(6)):
         _, plain, _ = run(target, prompt, SpecConfig(enabled=False))
         for spec in (
             SpecConfig(draft_tokens=4),
@@ -87,7 +87,7 @@ def test_every_drafter_keeps_greedy_output_identical(model_fn, kind):
             assert_same_or_near_tie(target, prompt, plain, fast, f"prompt {i} {spec}")
             accepted += stats.accepted
     if kind in ("model-close", "hybrid-model"):
-        assert accepted > 80  # a close draft model gets many drafts accepted
+        assert accepted > 80  # a close draft model gets many drafts accepted (114 to 196 here)
 
 
 def test_draft_model_cache_holds_exactly_the_committed_sequence():

@@ -131,7 +131,7 @@ def test_engine_sampling_matches_the_target_distribution(params):
     model = tiny_llama(vocab=8, seed=7, sharpness=1.5)
     exact = exact_model_probs(model, params)
     runs = ENGINE_RUNS
-    for spec in (False, True):
+    for spec in (False, True) if params == SETTINGS[0] else (True,):  # plain sampling checks the harness once
         counts = engine_samples(model, params, spec, runs)
         ok, stat, critical = fits(counts, exact, runs)
         assert ok, f"spec={spec}: chi2 {stat:.1f} >= {critical:.1f}"
