@@ -25,11 +25,14 @@ def load_gguf_model(
     architecture.check_names(gguf_file.tensors)
     config = architecture.build_config(gguf_file)
     model = _instantiate(config)  # its arrays are placeholders, never computed: the file's replace them
-    share = None
+    share, wanted = None, None
     if group is not None and shard == "tensor" and sharding.common_layout(model):
         share = sharding.share_for_model(model, group)  # each tensor cut to this rank's part as it is read
+    elif group is not None and shard == "pipeline":  # split first: the other ranks' layers are never read
+        config["sharded"] = sharding.shard(model, group, shard)
+        wanted = sharding.gguf_pipeline_tensors(model)
     part = sharding.gguf_part(share) if share else None
-    read = read_weights(gguf_file, keep_quantized=quantized, progress=progress, part=part)
+    read = read_weights(gguf_file, keep_quantized=quantized, progress=progress, part=part, wanted=wanted)
     weights = architecture.map_weights(read, sharding.local_config(config, share) if share else config)
     weights = model.sanitize(weights) if hasattr(model, "sanitize") else weights
     _quantize_like(model, weights)
@@ -38,7 +41,7 @@ def load_gguf_model(
         config["sharded"] = sharding.describe_share(share, group)
     model.eval()
     _load_strictly(model, weights, gguf_file)
-    if group is not None and not share:  # whole tensors read first: mlx-lm's own split of this architecture
+    if group is not None and "sharded" not in config:  # whole tensors read first: mlx-lm's tensor split
         config["sharded"] = sharding.shard(model, group, shard)
     mx.eval(model.parameters())
     _look_up_in_float32(model)

@@ -44,6 +44,7 @@ from akunu.models.gguf_file import GGUFFile, TensorInfo
 GROUP_SIZE = 32
 # A tensor's part one rank keeps, by GGUF name: (rows, columns), each (start, stop) or None for all; None: all of it.
 Part = Callable[[str], "tuple[tuple[int, int] | None, tuple[int, int] | None] | None"]
+Wanted = Callable[[str], bool]  # whether one rank reads a tensor at all, by GGUF name
 REQUANTIZE_WEIGHTS = 1 << 20  # re-quantize this many weights at a time
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 # Types MLX's own GGUF reader turns into exact MLX-quantized (or float) arrays.
@@ -80,14 +81,21 @@ def check_supported_types(gguf_file: GGUFFile) -> None:
 
 
 def read_weights(
-    gguf_file: GGUFFile, *, keep_quantized: bool, progress: Progress | None = None, part: Part | None = None
+    gguf_file: GGUFFile,
+    *,
+    keep_quantized: bool,
+    progress: Progress | None = None,
+    part: Part | None = None,
+    wanted: Wanted | None = None,
 ) -> dict[str, mx.array]:
     """All tensors, keyed like `mx.load` keys them: `x.weight` plus `x.scales`/`x.biases` if quantized.
     With `part` (one rank's share), each tensor's part only: the file is read tensor by tensor, and a part
-    that falls on whole blocks is cut from the raw blocks before anything is decoded."""
+    that falls on whole blocks is cut from the raw blocks before anything is decoded. With `wanted`, only
+    the tensors it names (a pipeline rank's), tensor by tensor: the others are never read."""
     check_supported_types(gguf_file)
     if (
         part is None
+        and wanted is None
         and gguf_file.mx_loadable
         and all(
             t.ggml_type in MX_LOAD_TYPES and (t.ggml_type in FLOAT_TYPES or len(t.shape) == 2)
@@ -100,7 +108,7 @@ def read_weights(
         if progress:
             progress("load", len(gguf_file.tensors), len(gguf_file.tensors))
     else:
-        weights = _read_with_dequantize(gguf_file, keep_quantized, progress, part or _whole)
+        weights = _read_with_dequantize(gguf_file, keep_quantized, progress, part or _whole, wanted or _every)
     if not keep_quantized:
         return to_float32(weights)
     return _float_tensors_to_f32(weights, narrow=backends.quantized_kernel_reads_float16_scales())
@@ -117,11 +125,19 @@ def _whole(name: str) -> None:
     return None
 
 
+def _every(name: str) -> bool:
+    return True
+
+
 def _read_with_dequantize(
-    gguf_file: GGUFFile, keep_quantized: bool, progress: Progress | None, part: Part = _whole
+    gguf_file: GGUFFile,
+    keep_quantized: bool,
+    progress: Progress | None,
+    part: Part = _whole,
+    wanted: Wanted = _every,
 ) -> dict[str, mx.array]:
     weights: dict[str, mx.array] = {}
-    infos = list(gguf_file.tensors.values())
+    infos = [info for info in gguf_file.tensors.values() if wanted(info.name)]
     narrow = keep_quantized and backends.quantized_kernel_reads_float16_scales()
     tied = "output.weight" not in gguf_file.tensors
     for done, info in enumerate(infos, 1):

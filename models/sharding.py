@@ -181,6 +181,19 @@ def gguf_part(share: Share) -> Callable[[str], tuple | None]:
     return part
 
 
+def gguf_pipeline_tensors(model: nn.Module) -> Callable[[str], bool]:
+    """For a GGUF read after `shard(model, group, "pipeline")`: whether this rank reads a tensor, i.e. its own
+    layers' `blk.N.*` and every tensor outside the layers (mlx-lm's pipelined forward runs the embedding,
+    final norm and output on every rank)."""
+    inner = model.model
+
+    def wanted(name: str) -> bool:
+        layer = re.match(r"blk\.(\d+)\.", name)
+        return layer is None or inner.start_idx <= int(layer.group(1)) < inner.end_idx
+
+    return wanted
+
+
 def local_config(config: dict[str, Any], share: Share) -> dict[str, Any]:
     """The config GGUF layout fixes see for the rank's part (its head counts: Q/K rows are unpermuted per head)."""
     return {

@@ -1,8 +1,9 @@
 """What tests/test_distributed.py runs under `mlx.launch`: one JSON line per rank on stdout.
 
-`archs CASES PROMPT N`: tiny random models (seeded: every rank builds the same weights) split across the
-ranks, each decoding N tokens greedily, plain and speculative. `model SPEC DTYPE PROMPT N`: a model file
-loaded sharded (each rank reading its part), the same two decodes, and the rank's peak memory.
+`archs CASES PROMPT N`: tiny random models (seeded: every rank builds the same weights), or tiny GGUF
+files (a case naming a `.gguf` path), split across the ranks, each decoding N tokens greedily, plain and
+speculative. `model SPEC DTYPE PROMPT N [SHARD]`: a model file loaded sharded (each rank reading its part),
+the same two decodes, and the rank's peak memory.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def tiny_architectures(cases: list[list[str]], prompt: list[int], max_tokens: in
 
     results = {}
     for name, how in cases:
+        if name.endswith(".gguf"):
+            results[name] = tiny_gguf(name, how, prompt, max_tokens)
+            continue
         model = tiny_model(name)
         split = sharding.shard(model, distributed.group(), how)
         backends.apply(model)
@@ -45,10 +49,28 @@ def tiny_architectures(cases: list[list[str]], prompt: list[int], max_tokens: in
     return results
 
 
-def model_file(spec: str, dtype: str, prompt: str, max_tokens: int) -> dict:
+def tiny_gguf(path: str, how: str, prompt: list[int], max_tokens: int) -> dict:
+    """A GGUF file loaded split, as `akunu` loads it, with the names of the tensors this rank decoded."""
+    from akunu.models import gguf_weights, load_model
+
+    read, decode_part = [], gguf_weights._decode_part
+
+    def recording(gguf_file, info, *rest):
+        read.append(info.name)
+        return decode_part(gguf_file, info, *rest)
+
+    gguf_weights._decode_part = recording
+    try:
+        loaded = load_model(path, dtype="float32", shard=how)
+    finally:
+        gguf_weights._decode_part = decode_part
+    return {"split": loaded.sharded, "read": read, **decodes(loaded.model, loaded.tokenizer, prompt, max_tokens)}
+
+
+def model_file(spec: str, dtype: str, prompt: str, max_tokens: int, shard: str = "tensor") -> dict:
     from akunu.models import load_model
 
-    loaded = load_model(spec, dtype=dtype)
+    loaded = load_model(spec, dtype=dtype, shard=shard)
     loaded_peak = mx.get_peak_memory()
     ids = loaded.tokenizer.encode(prompt)
     distributed.traffic.reset()
@@ -66,5 +88,5 @@ if __name__ == "__main__":
     if kind == "archs":
         out = tiny_architectures(json.loads(arguments[0]), json.loads(arguments[1]), int(arguments[2]))
     else:
-        out = model_file(arguments[0], arguments[1], arguments[2], int(arguments[3]))
+        out = model_file(arguments[0], arguments[1], arguments[2], int(arguments[3]), *arguments[4:])
     print(json.dumps({"rank": distributed.rank(), **out}), flush=True)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from akunu import backends
@@ -88,11 +89,29 @@ def single_process_decodes(model, tokenizer, prompt, max_tokens):
     return ids
 
 
-def test_dense_moe_and_hybrid_models_split_across_two_ranks_decode_as_one_process(job_env):
-    done = run_launched([sys.executable, str(JOB), "archs", json.dumps(CASES), json.dumps(PROMPT), "8"], job_env)
+def write_tiny_qwen2_gguf(path: Path) -> set[str]:
+    """A 2-layer qwen2 GGUF (llama's tensors with q/k/v biases); the names of its tensors."""
+    from tests.tiny_gguf import HEAD_DIM, HEADS, KV_HEADS, LAYERS
+
+    rng = np.random.default_rng(1)
+    widths = {"attn_q": HEADS * HEAD_DIM, "attn_k": KV_HEADS * HEAD_DIM, "attn_v": KV_HEADS * HEAD_DIM}
+    biases = {
+        f"blk.{layer}.{stem}.bias": rng.standard_normal(width) * 0.1
+        for layer in range(LAYERS)
+        for stem, width in widths.items()
+    }
+    return set(write_tiny_gguf(path, arch="qwen2", extra_f32=biases)) | set(biases)
+
+
+def test_dense_moe_hybrid_and_pipelined_gguf_models_split_across_two_ranks_decode_as_one_process(job_env, tmp_path):
+    gguf = tmp_path / "qwen2.gguf"
+    names = write_tiny_qwen2_gguf(gguf)
+    cases = [*CASES, [str(gguf), "pipeline"]]
+    done = run_launched([sys.executable, str(JOB), "archs", json.dumps(cases), json.dumps(PROMPT), "8"], job_env)
     assert done.returncode == 0, done.stderr[-2000:]
     ranks = rank_lines(done.stdout)
     assert sorted(ranks) == [0, 1]
+    _check_pipelined_gguf(gguf, names, [ranks[r][str(gguf)] for r in (0, 1)])
     for name, how in CASES:
         split = [ranks[r][name] for r in (0, 1)]
         assert split[0]["plain"] == split[1]["plain"] and split[0]["spec"] == split[1]["spec"], name
@@ -102,6 +121,22 @@ def test_dense_moe_and_hybrid_models_split_across_two_ranks_decode_as_one_proces
         alone = single_process_decodes(model, FakeTokenizer(), PROMPT, 8)
         for mode in ("plain", "spec"):
             assert_same_or_near_tie(model, PROMPT, alone["plain"], split[0][mode], why=f"{name} {mode}")
+
+
+def _check_pipelined_gguf(gguf: Path, names: set[str], split: list[dict]) -> None:
+    """Each rank read its own layer (mlx-lm gives rank 0 the last) and the tensors outside the layers, nothing
+    else, and decodes as one process does."""
+    from akunu.models import load_model
+
+    for rank, layer in ((0, 1), (1, 0)):
+        assert split[rank]["split"].endswith(f"runs layers {layer}-{layer}"), split[rank]["split"]
+        own = {name for name in names if not name.startswith("blk.") or name.startswith(f"blk.{layer}.")}
+        assert sorted(split[rank]["read"]) == sorted(own)
+    assert split[0]["plain"] == split[1]["plain"] and split[0]["spec"] == split[1]["spec"]
+    loaded = load_model(str(gguf), dtype="float32")
+    alone = single_process_decodes(loaded.model, loaded.tokenizer, PROMPT, 8)
+    for mode in ("plain", "spec"):
+        assert_same_or_near_tie(loaded.model, PROMPT, alone["plain"], split[0][mode], why=f"qwen2 GGUF {mode}")
 
 
 @pytest.mark.real_model
