@@ -100,7 +100,7 @@ def agree(value: Any, *, wait: bool = False) -> Any:
 
 
 def _all_sum(array: mx.array, seconds: float | None = None) -> mx.array:
-    with watchdog("agreeing with rank 0", seconds):
+    with watchdog("agreeing across the ranks", seconds):
         summed = mx.distributed.all_sum(array, group=group(), stream=mx.cpu)
         mx.eval(summed)
     traffic.add(1, array.nbytes)

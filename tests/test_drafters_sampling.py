@@ -14,7 +14,6 @@ from akunu.drafters.base import NGramDrafter
 from akunu.drafters.draft_model import model_drafter
 from akunu.drafters.hybrid import HybridDrafter
 from akunu.drafters.layer_skip import layer_skip_drafter
-from akunu.drafters.lookup import LookupDrafter
 from akunu.drafters.ngram_cache import CachedNGramDrafter, NGramCache
 from akunu.drafters.suffix import SuffixDrafter
 from akunu.generate import GenerationConfig, SpecConfig, generate
@@ -38,20 +37,18 @@ def drafters(target, params):
         "model": model_drafter(draft_model, params),
         "layer-skip": layer_skip_drafter(target, 1, params),
         "hybrid-model": HybridDrafter(NGramDrafter(), model_drafter(draft_model, params)),
-        "lookup": LookupDrafter(min_match=1),  # one-token matches, so it drafts on this short prompt
-        "ngram": NGramDrafter(),  # the tables alone
         "suffix": SuffixDrafter(min_match=1),  # one-token matches, so it drafts on this short prompt
     }
 
 
-# Drafters that sample (and hand over q) at both settings; table drafters propose one-hot drafts, which both
-# settings verify alike, so the filtered one (top-k, top-p and min-p over a temperature) covers them; the
-# hybrid hands over the model's q or one-hot drafts, each covered filtered above, so it runs at temp 1. The default
-# suffix+ngram is test_speculative_sampling.py's engine test, and trees are test_tree_sampling.py's, on a prompt
-# where they branch (the same generate and loop).
+# Drafters that sample (and hand over q) at both settings. Table drafters propose one-hot drafts, which the rule
+# keeps exact whatever they propose: one of them runs, at the filtered setting (top-k, top-p and min-p over a
+# temperature); the default suffix+ngram is test_speculative_sampling.py's engine test at both. The hybrid hands
+# over the model's q or one-hot drafts, each covered filtered here, so it runs at temp 1. Trees are
+# test_tree_sampling.py's, on a prompt where they branch (the same generate and loop).
 CASES = [
     pytest.param(kind, params, id=f"{kind}-{name}")
-    for kind in ["model", "layer-skip", "hybrid-model", "lookup", "ngram", "suffix"]
+    for kind in ["model", "layer-skip", "hybrid-model", "suffix"]
     for name, params in zip(["temp1", "temp0.7-topk-topp-minp"], SETTINGS)
     if kind in ("model", "layer-skip") or (kind == "hybrid-model") == (name == "temp1")
 ]
