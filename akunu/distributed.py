@@ -1,9 +1,10 @@
 """Running one generation across the ranks of an MLX distributed group (`mlx.launch`).
 
-Every rank holds part of the model and runs the same passes; the sharded layers' all-sums are the only
-traffic a pass makes. Everything else a rank decides for itself must come out the same on every rank:
-the token history is the same, so drafts are (no messages for them); what could differ (a seed, timings,
-the text a user types) is decided on rank 0 and sent once with `agree`.
+Every rank holds part of the model and runs the same passes; the sharded layers' all-sums (tensor parallel), or
+the hidden state's hops from rank to rank and its final all-gather (pipeline), are the only traffic a pass makes.
+Everything else a rank decides for itself must come out the same on every rank: the token history is the same,
+so drafts are (no messages for them); what could differ (a seed, timings, the text a user types) is decided on
+rank 0 and sent once with `agree`.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ class Traffic:
     """Collective operations and the bytes each rank sends, counted as passes run."""
 
     passes: int = 0  # model passes (each a forward over one or more tokens)
-    collectives: int = 0  # all-sums and all-gathers, each one round trip between the ranks
-    bytes: int = 0  # what this rank contributed to them
+    collectives: int = 0  # round trips: each all-sum and all-gather, and each pipeline hop (see `pass_traffic`)
+    bytes: int = 0  # what this rank sends in them: its input to each, and the hidden state it passes on
 
     def add(self, collectives: int, sent: int, *, passes: int = 0) -> None:
         self.passes += passes
@@ -140,27 +141,25 @@ def _shown(row: Sequence[int]) -> list[int]:
 
 
 def count_traffic(model: Any) -> int:
-    """Make `model` count each pass's collectives in `traffic`, and start each pass with the stop agreement
-    while `stop_when` asks for one; how many sharded-to-all layers it has.
-
-    Each such layer all-sums its (tokens, outputs) result: one collective round trip of that many floats."""
-    widths = summed_widths(model)
+    """Make `model` count each pass's collectives in `traffic` (see `pass_traffic`), and start each pass with
+    the stop agreement while `stop_when` asks for one; how many collectives a pass makes."""
+    collectives, row = pass_traffic(model)
     if getattr(type(model), "_akunu_counted", False):
-        return len(widths)
+        return collectives
     model_class = type(model)
     counted = type(model_class.__name__, (model_class,), {"_akunu_counted": True})
 
     def call(self, inputs, *args, **kwargs):
         go_on_or_stop()
-        if widths:
-            traffic.add(len(widths), sum(widths) * int(inputs.size) * 4, passes=1)
+        if collectives:
+            traffic.add(collectives, row * int(inputs.size), passes=1)
         beat()  # a pass is built only once the one before it is done: the ranks are still answering
         return model_class.__call__(self, inputs, *args, **kwargs)
 
     counted.__call__ = call
     counted.__module__ = model_class.__module__  # the CPU backend finds the model's mlx-lm module by it
     model.__class__ = counted
-    return len(widths)
+    return collectives
 
 
 _stop_asked: Callable[[], bool] | None = None
@@ -199,20 +198,35 @@ def go_on_or_stop() -> None:
         raise Stopped
 
 
-def summed_widths(model: Any) -> list[int]:
-    """The output width of each layer that all-sums its result (tensor parallel): one round trip per pass each."""
-    return [
-        int(m["weight"].shape[0]) for _, m in model.named_modules() if type(m).__name__.endswith("ShardedToAllLinear")
-    ]
+def pass_traffic(model: Any) -> tuple[int, int]:
+    """A pass's round trips, and the bytes this rank sends in them per token the pass carries.
+
+    Tensor parallel: each sharded-to-all layer all-sums its output row. Pipeline (mlx-lm's pipelined forward):
+    the hidden state goes from the rank running the first layers down to rank 0, each rank sending it on once,
+    then every rank all-gathers it, giving its own. A one-way hop counts as a round trip, as the pass waits for it."""
+    summing = [m for _, m in model.named_modules() if type(m).__name__.endswith("ShardedToAllLinear")]
+    if summing:
+        return len(summing), sum(m["weight"].shape[0] * _output_dtype(m).size for m in summing)
+    inner = getattr(model, "model", None)
+    if getattr(inner, "pipeline_size", 1) == 1:
+        return 0, 0
+    hidden = inner.embed_tokens(mx.zeros((1, 1), mx.int32))  # never evaluated: its width and dtype are h's
+    sends = 2 if inner.pipeline_rank else 1  # its part of the all-gather, and h on to the rank before (not rank 0)
+    return inner.pipeline_size, sends * hidden.shape[-1] * hidden.dtype.size  # size - 1 hops, then the all-gather
+
+
+def _output_dtype(layer: Any) -> Any:
+    """A linear's output dtype: a quantized one's scales', a float one's weights'."""
+    return layer["scales"].dtype if "scales" in layer else layer["weight"].dtype
 
 
 def wire_per_token(model: Any, passes: int, drafted: int, tokens: int) -> tuple[float, float]:
-    """Collective round trips and bytes sent per generated token, for a decode of `passes` passes carrying
-    `drafted` draft tokens besides their first: a k-token pass all-sums k rows at each summing layer."""
-    widths = summed_widths(model)
+    """Round trips and bytes this rank sends per generated token, as `count_traffic` counts them, for a decode of
+    `passes` passes carrying `drafted` draft tokens besides their first (a k-token pass sends k rows)."""
+    collectives, row = pass_traffic(model)
     if not tokens:
         return 0.0, 0.0
-    return len(widths) * passes / tokens, 4 * sum(widths) * (passes + drafted) / tokens
+    return collectives * passes / tokens, row * (passes + drafted) / tokens
 
 
 _deadline: list[tuple[float, str]] = []

@@ -245,7 +245,7 @@ def traffic_table(result, model) -> Table:
     from akunu.distributed import size, wire_per_token
 
     table = Table(title=f"between the ranks ({size()} processes), per generated token", title_justify="left")
-    for column in ("method", "tok/s", "tok/pass", "round trips", "bytes sent"):
+    for column in ("method", "tok/s", "tok/pass", "round trips", "bytes rank 0 sends"):
         table.add_column(column, justify="left" if column == "method" else "right")
     for method in dict.fromkeys(m.method for m in result.measurements):
         runs = [m.run for m in result.measurements if m.method == method]

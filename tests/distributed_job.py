@@ -2,12 +2,14 @@
 
 `archs CASES PROMPT N`: tiny random models (seeded: every rank builds the same weights), or tiny GGUF
 files (a case naming a `.gguf` path), split across the ranks, each decoding N tokens greedily, plain and
-speculative. `model SPEC DTYPE PROMPT N [SHARD]`: a model file loaded sharded (each rank reading its part),
-the same two decodes, and the rank's peak memory.
+speculative (a tiny model's counted traffic beside the collectives mlx was called for). `model SPEC DTYPE
+PROMPT N [SHARD]`: a model file loaded sharded (each rank reading its part), the same two decodes, and the
+rank's peak memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import sys
@@ -45,8 +47,39 @@ def tiny_architectures(cases: list[list[str]], prompt: list[int], max_tokens: in
         split = sharding.shard(model, distributed.group(), how)
         backends.apply(model)
         distributed.count_traffic(model)
-        results[name] = {"split": split, **decodes(model, FakeTokenizer(), prompt, max_tokens)}
+        distributed.traffic.reset()
+        with called_collectives() as called:
+            results[name] = {"split": split, **decodes(model, FakeTokenizer(), prompt, max_tokens)}
+        counted = distributed.traffic
+        wire = distributed.wire_per_token(model, counted.passes, called["tokens"] - counted.passes, 1)
+        results[name]["traffic"] = [counted.passes, counted.collectives, counted.bytes]
+        results[name]["called"], results[name]["wire"] = called, list(wire)
     return results
+
+
+@contextlib.contextmanager
+def called_collectives():
+    """mlx's collectives as the passes call them: how many, the bytes this rank gives them (a receive gives none),
+    and the tokens the all-gathers carry (a pipelined pass ends in one). A compiled pass calls them only once."""
+    called = {"calls": 0, "bytes": 0, "tokens": 0}
+    kept = {name: getattr(mx.distributed, name) for name in ("all_sum", "all_gather", "send", "recv_like")}
+
+    def counting(name, collective):
+        def call(x, *args, **kwargs):
+            called["calls"] += 1
+            called["bytes"] += 0 if name == "recv_like" else x.nbytes
+            called["tokens"] += x.size // x.shape[-1] if name == "all_gather" else 0
+            return collective(x, *args, **kwargs)
+
+        return call
+
+    for name, collective in kept.items():
+        setattr(mx.distributed, name, counting(name, collective))
+    try:
+        yield called
+    finally:
+        for name, collective in kept.items():
+            setattr(mx.distributed, name, collective)
 
 
 def tiny_gguf(path: str, how: str, prompt: list[int], max_tokens: int) -> dict:

@@ -28,7 +28,7 @@ from akunu.drafters.specs import DraftLengthPolicy
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from tests.fakes import FakeTokenizer
 from tests.greedy_checks import assert_same_or_near_tie
-from tests.tiny_archs import tiny_model
+from tests.tiny_archs import SIZES, tiny_model
 from tests.tiny_gguf import write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,11 +117,24 @@ def test_dense_moe_hybrid_and_pipelined_gguf_models_split_across_two_ranks_decod
         split = [ranks[r][name] for r in (0, 1)]
         assert split[0]["plain"] == split[1]["plain"] and split[0]["spec"] == split[1]["spec"], name
         assert split[0]["split"].startswith(f"{how} parallel"), split[0]["split"]
+        if how == "pipeline":
+            _check_pipelined_traffic(split)
         model = tiny_model(name)
         backends.apply(model)
         alone = single_process_decodes(model, FakeTokenizer(), PROMPT, 8)
         for mode in ("plain", "spec"):
             assert_same_or_near_tie(model, PROMPT, alone["plain"], split[0][mode], why=f"{name} {mode}")
+
+
+def _check_pipelined_traffic(split: list[dict]) -> None:
+    """Every pass, the live counter and the bench formula count what mlx-lm's pipelined forward calls: rank 1
+    sends its hidden state to rank 0 (one message), then both all-gather it (one round trip), each giving its own."""
+    row = SIZES["hidden_size"] * 4  # float32 activations
+    for rank in (0, 1):
+        (passes, collectives, sent), called = split[rank]["traffic"], split[rank]["called"]
+        assert passes > 0 and collectives == 2 * passes == called["calls"], (rank, passes, collectives, called)
+        assert sent == called["bytes"] == (1 + rank) * row * called["tokens"] > 0, (rank, sent, called)
+        assert split[rank]["wire"] == [collectives, sent]
 
 
 def _check_pipelined_gguf(gguf: Path, names: set[str], split: list[dict]) -> None:
