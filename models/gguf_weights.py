@@ -15,8 +15,8 @@ Weight policy (the README quotes this):
   16-weight sub-blocks). Held as float32 they would take 3-5x their file size and be read at that
   width every token.
   Other types (IQ1-IQ3, TQ*, ...) are refused with one line.
-* A quantized tensor that is not a matrix (a relabelled norm, say) is dequantized, never
-  handed to MLX as a triple; a dequantized weight that is NaN or infinite means a corrupt file.
+* A quantized tensor that is not a matrix's weight (a relabelled norm, a bias, say) is dequantized,
+  never handed to MLX as a triple; a dequantized weight that is NaN or infinite means a corrupt file.
 * "quantized" mode keeps those triples, with float32 scales and biases (float32 activations); a
   linear layer's are narrowed to float16 where that is exact and the kernel reads them (gguf_model),
   and a re-quantized layer's grid is float16 there too (the grid is ours to choose).
@@ -98,7 +98,8 @@ def read_weights(
         and wanted is None
         and gguf_file.mx_loadable
         and all(
-            t.ggml_type in MX_LOAD_TYPES and (t.ggml_type in FLOAT_TYPES or len(t.shape) == 2)
+            t.ggml_type in MX_LOAD_TYPES
+            and (t.ggml_type in FLOAT_TYPES or (len(t.shape) == 2 and t.name.endswith(".weight")))
             for t in gguf_file.tensors.values()
         )
     ):
@@ -192,7 +193,7 @@ def _array_part(array: mx.array, shape: tuple[int, ...], rows, columns) -> mx.ar
 
 def exact_triple_exists(info: TensorInfo) -> bool:
     layout = LAYOUTS.get(info.ggml_type)
-    return layout is not None and layout.group == GROUP_SIZE and len(info.shape) >= 2
+    return layout is not None and layout.group == GROUP_SIZE and len(info.shape) >= 2 and info.name.endswith(".weight")
 
 
 def _decode_tensor(
@@ -205,8 +206,9 @@ def _decode_tensor(
 ) -> dict[str, mx.array]:
     raw = gguf_file.tensor_bytes(info) if raw is None else raw
     stem = info.name.removesuffix(".weight")
+    weight = info.ggml_type not in FLOAT_TYPES and info.name.endswith(".weight")  # a quantized bias is dequantized
     with np.errstate(all="ignore"):  # garbage scales overflow; checked below, naming the tensor
-        triple = exact_triple(raw, info.ggml_type, info.shape) if info.ggml_type not in FLOAT_TYPES else None
+        triple = exact_triple(raw, info.ggml_type, info.shape) if weight else None
     if triple:
         # Exact in both modes: `to_float32` dequantizes it later in float32 mode.
         del raw  # copied into MLX one array at a time, each numpy array freed as it goes
@@ -218,12 +220,7 @@ def _decode_tensor(
         del scales, biases
         del triple
         return {name: _to_mlx(arrays, name) for name in list(arrays)}
-    requantize = (
-        requantize_inexact
-        and info.ggml_type not in FLOAT_TYPES
-        and len(info.shape) == 2
-        and info.shape[-1] % GROUP_SIZE == 0
-    )
+    requantize = requantize_inexact and weight and len(info.shape) == 2 and info.shape[-1] % GROUP_SIZE == 0
     if not requantize:
         return {info.name: mx.array(_to_float32(raw, info), dtype=mx.float32)}
     packed, scales, biases = _requantized(raw, info, narrow)
@@ -303,7 +300,7 @@ def decode_products(gguf_file: GGUFFile) -> list[Product]:
         looked_up = info.name.split(".")[0].endswith("_embd") and not (
             info.name == "token_embd.weight" and "output.weight" not in gguf_file.tensors
         )
-        if looked_up or len(info.shape) not in (2, 3):
+        if looked_up or len(info.shape) not in (2, 3) or not info.name.endswith(".weight"):
             continue
         count = 1 if len(info.shape) == 2 else min(experts_used, info.shape[0])
         products.append(Product(info.shape[-2], info.shape[-1], _held_bits(info), count))
@@ -315,7 +312,8 @@ def _held_bits(info: TensorInfo) -> int | None:
         return None
     if exact_triple_exists(info):
         return LAYOUTS[info.ggml_type].bits
-    return requantize_bits(info.ggml_type) if len(info.shape) == 2 else None  # as `_decode_tensor` holds it
+    held = len(info.shape) == 2 and info.name.endswith(".weight")  # as `_decode_tensor` holds it
+    return requantize_bits(info.ggml_type) if held else None
 
 
 def quantized_stems(weights: dict[str, mx.array]) -> dict[str, int]:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +21,9 @@ import akunu  # noqa: F401  (must precede mlx)
 from akunu import cost_curve
 from akunu.errors import ModelError
 from akunu.models import load_model
+from akunu.models.gguf_file import read_gguf
 from tests import gguf_craft as craft
+from tests import llama_cpp_tiny
 from tests.tiny import tiny_llama
 from tests.tiny_gguf import VOCAB, write_tiny_gguf
 
@@ -350,3 +353,15 @@ def test_fuzz_counts_are_reported(capsys):
                 f"\nGGUF fuzz: {FUZZ_CASES['tried']} cases tried, {FUZZ_CASES['one-line errors']} one-line errors, "
                 f"{FUZZ_CASES['loads']} correct loads, {FUZZ_CASES['tracebacks']} tracebacks"
             )
+
+
+@pytest.mark.parametrize("dtype", ["quantized", "float32"])
+def test_a_quantized_bias_loads_as_its_dequantized_values(tmp_path, dtype):
+    """Only a matrix's weight becomes an MLX triple: a Q8_0 expert bias (2-D, rows of 32) is dequantized."""
+    path = llama_cpp_tiny.write(llama_cpp_tiny.ARCHS["gpt-oss"], tmp_path / "gpt-oss.gguf", matrices="q8_0")
+    gguf_file = read_gguf(path)
+    info = gguf_file.tensors["blk.0.ffn_gate_exps.bias"]
+    assert info.ggml_type == Q.Q8_0
+    expected = dequantize(gguf_file.tensor_bytes(info).reshape(info.shape[0], -1), Q.Q8_0)
+    loaded = load_model(str(path), dtype=dtype)
+    assert np.array_equal(np.array(loaded.model.model.layers[0].mlp.experts.gate_proj.bias), expected)
