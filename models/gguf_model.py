@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import re
+from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -11,8 +14,10 @@ import mlx.nn as nn
 from akunu.errors import ModelError
 from akunu.models import sharding
 from akunu.models.architectures import architecture_of
+from akunu.models.architectures.base import Architecture
 from akunu.models.gguf_file import GGUFFile
 from akunu.models.gguf_weights import GROUP_SIZE, Progress, check_supported_types, quantized_stems, read_weights
+from akunu.models.shard_probe import learn_cuts
 
 
 def load_gguf_model(
@@ -25,27 +30,78 @@ def load_gguf_model(
     architecture.check_names(gguf_file.tensors)
     config = architecture.build_config(gguf_file)
     model = _instantiate(config)  # its arrays are placeholders, never computed: the file's replace them
-    share, wanted = None, None
-    if group is not None and shard == "tensor" and sharding.common_layout(model):
-        share = sharding.share_for_model(model, group)  # each tensor cut to this rank's part as it is read
-    elif group is not None and shard == "pipeline":  # split first: the other ranks' layers are never read
-        config["sharded"] = sharding.shard(model, group, shard)
-        wanted = sharding.gguf_pipeline_tensors(model)
-    part = sharding.gguf_part(share) if share else None
-    read = read_weights(gguf_file, keep_quantized=quantized, progress=progress, part=part, wanted=wanted)
-    weights = architecture.map_weights(read, sharding.local_config(config, share) if share else config)
-    weights = model.sanitize(weights) if hasattr(model, "sanitize") else weights
-    _quantize_like(model, weights)
-    if share:
-        sharding.shard_common(model, group, share)
-        config["sharded"] = sharding.describe_share(share, group)
+    if group is None:
+        weights = _mapped(
+            read_weights(gguf_file, keep_quantized=quantized, progress=progress), architecture, config, model
+        )
+        _quantize_like(model, weights)
+    else:
+        weights = _read_split(gguf_file, architecture, config, model, quantized, progress, group, shard)
     model.eval()
     _load_strictly(model, weights, gguf_file)
-    if group is not None and "sharded" not in config:  # whole tensors read first: mlx-lm's tensor split
-        config["sharded"] = sharding.shard(model, group, shard)
     mx.eval(model.parameters())
     _look_up_in_float32(model)
     return model, config
+
+
+def _mapped(read: dict[str, mx.array], architecture: Architecture, config: dict[str, Any], model: nn.Module):
+    weights = architecture.map_weights(read, config)
+    return model.sanitize(weights) if hasattr(model, "sanitize") else weights
+
+
+def _read_split(
+    gguf_file: GGUFFile,
+    architecture: Architecture,
+    config: dict[str, Any],
+    model: nn.Module,
+    quantized: bool,
+    progress: Progress | None,
+    group: Any,
+    shard: str,
+) -> dict[str, mx.array]:
+    """This rank's part of the weights, and `model` split to hold them (`config["sharded"]` says how); no rank
+    reads (common layout, pipeline) or holds (mlx-lm's own split) the whole model."""
+    read = partial(read_weights, gguf_file, keep_quantized=quantized)
+    if shard == "tensor" and sharding.common_layout(model):  # each tensor cut to this rank's part as it is read
+        share = sharding.share_for_model(model, group)
+        weights = _mapped(
+            read(progress=progress, part=sharding.gguf_part(share)),
+            architecture,
+            sharding.local_config(config, share),
+            model,
+        )
+        _quantize_like(model, weights)
+        sharding.shard_common(model, group, share)
+        config["sharded"] = sharding.describe_share(share, group)
+    elif shard == "tensor" and hasattr(model, "shard"):  # read a layer at a time, each cut as mlx-lm's split cuts it
+        cuts = learn_cuts(lambda: _instantiate(config), lambda probe: sharding.shard(probe, group, shard))
+        weights = {}
+        for names, report in _by_layer(gguf_file, progress):
+            weights.update(
+                cuts.apply(_mapped(read(progress=report, wanted=names.__contains__), architecture, config, model))
+            )
+        _quantize_like(model, weights)
+        config["sharded"] = sharding.shard(model, group, shard)
+    else:  # pipeline: split first, so the other ranks' layers are never read (or a line saying it cannot be split)
+        config["sharded"] = sharding.shard(model, group, shard)
+        weights = _mapped(
+            read(progress=progress, wanted=sharding.gguf_pipeline_tensors(model)), architecture, config, model
+        )
+        _quantize_like(model, weights)
+    return weights
+
+
+def _by_layer(gguf_file: GGUFFile, progress: Progress | None) -> Iterator[tuple[set[str], Progress | None]]:
+    """The file's tensor names, those outside the layers first, then each layer's; with progress over them all."""
+    groups: dict[int, set[str]] = {}
+    for name in gguf_file.tensors:
+        layer = re.match(r"blk\.(\d+)\.", name)
+        groups.setdefault(int(layer.group(1)) if layer else -1, set()).add(name)
+    done, total = 0, len(gguf_file.tensors)
+    for _, names in sorted(groups.items()):
+        report = progress and (lambda stage, count, _, done=done: progress(stage, done + count, total))
+        yield names, report
+        done += len(names)
 
 
 def _load_strictly(model: nn.Module, weights: dict[str, mx.array], gguf_file: GGUFFile) -> None:

@@ -6,7 +6,8 @@ the MLP, so a layer ends in two all-sums (attention output, MLP down projection)
 shares (SmolLM2's 3 KV heads over 2 ranks: 2 and 1), which mlx-lm's own `shard()` does not allow. The q, k,
 v, gate and up projections stay the Linear or QuantizedLinear they were, so the CPU backend's kernels still
 run them; the two summing products are mlx's ShardedToAllLinear. Other architectures with an mlx-lm
-`shard()` (MoE, hybrids) use it; those with mlx-lm's pipeline support can run pipeline parallel instead.
+`shard()` (MoE, hybrids) use it (a GGUF file is then cut as `shard_probe` learns it cuts); those with
+mlx-lm's pipeline support can run pipeline parallel instead.
 """
 
 from __future__ import annotations
@@ -218,7 +219,10 @@ def shard(model: nn.Module, group: Any, how: str) -> str:
         shard_common(model, group, share)
         return describe_share(share, group)
     if how == "tensor" and hasattr(model, "shard"):
-        model.shard(group)
+        try:
+            model.shard(group)
+        except (AssertionError, ValueError) as error:  # mlx-lm's checks that the sizes divide
+            raise ModelError(f"mlx-lm cannot split {architecture} across {group.size()} ranks: {error}") from None
         return f"tensor parallel over {group.size()} ranks (mlx-lm's {architecture} split)"
     if how == "pipeline" and hasattr(getattr(model, "model", None), "pipeline"):
         model.model.pipeline(group)
