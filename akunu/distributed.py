@@ -44,13 +44,16 @@ class Traffic:
     """Collective operations and the bytes each rank sends, counted as passes run."""
 
     passes: int = 0  # model passes (each a forward over one or more tokens)
-    collectives: int = 0  # round trips: each all-sum and all-gather, and each pipeline hop (see `pass_traffic`)
-    bytes: int = 0  # what this rank sends in them: its input to each, and the hidden state it passes on
+    collectives: int = 0  # round trips this rank joins: each all-sum, all-gather, send and receive
+    bytes: int = 0  # what this rank gives them: its input to each (a receive gives none)
 
     def add(self, collectives: int, sent: int, *, passes: int = 0) -> None:
         self.passes += passes
         self.collectives += collectives
         self.bytes += sent
+
+    def snapshot(self) -> tuple[int, int]:
+        return self.collectives, self.bytes
 
     def reset(self) -> None:
         self.passes = self.collectives = self.bytes = 0
@@ -71,7 +74,23 @@ def group() -> Any:
     if _group is None and launched():
         joined = mx.distributed.init()
         _group = joined if joined.size() > 1 else False
+        if _group:
+            _count_collectives()
     return _group or None
+
+
+def _count_collectives() -> None:
+    """From now on every collective adds to `traffic`, whoever calls it (mlx's sharded linears, mlx-lm's MoE
+    blocks and pipelines, akunu's kernels and `agree`): one round trip each, with the bytes this rank gives it."""
+    for name in ("all_sum", "all_gather", "send", "recv", "recv_like"):
+        collective = getattr(mx.distributed, name)
+        gives = not name.startswith("recv")  # a receive waits for a message; it sends none
+
+        def counted(x, *args, _collective=collective, _gives=gives, **kwargs):
+            traffic.add(1, x.nbytes if _gives else 0)
+            return _collective(x, *args, **kwargs)
+
+        setattr(mx.distributed, name, counted)
 
 
 def rank() -> int:
@@ -104,7 +123,6 @@ def _all_sum(array: mx.array, seconds: float | None = None) -> mx.array:
     with watchdog("agreeing across the ranks", seconds):
         summed = mx.distributed.all_sum(array, group=group(), stream=mx.cpu)
         mx.eval(summed)
-    traffic.add(1, array.nbytes)
     return summed
 
 
@@ -125,7 +143,6 @@ class RankCheckedDrafter:
         with watchdog("comparing drafts"):
             rows = mx.distributed.all_gather(mx.array([row], mx.int32), group=group(), stream=mx.cpu)
             mx.eval(rows)
-        traffic.add(1, CHECK_WIDTH * 4)
         self.rounds += 1
         for other, seen in enumerate(rows.tolist()):
             if seen != row:
@@ -140,26 +157,23 @@ def _shown(row: Sequence[int]) -> list[int]:
     return list(row[1 : 1 + row[0]])
 
 
-def count_traffic(model: Any) -> int:
-    """Make `model` count each pass's collectives in `traffic` (see `pass_traffic`), and start each pass with
-    the stop agreement while `stop_when` asks for one; how many collectives a pass makes."""
-    collectives, row = pass_traffic(model)
+def count_passes(model: Any) -> None:
+    """Make `model` count its passes in `traffic` (its collectives count themselves), and start each pass with
+    the stop agreement while `stop_when` asks for one."""
     if getattr(type(model), "_akunu_counted", False):
-        return collectives
+        return
     model_class = type(model)
     counted = type(model_class.__name__, (model_class,), {"_akunu_counted": True})
 
     def call(self, inputs, *args, **kwargs):
         go_on_or_stop()
-        if collectives:
-            traffic.add(collectives, row * int(inputs.size), passes=1)
+        traffic.add(0, 0, passes=1)
         beat()  # a pass is built only once the one before it is done: the ranks are still answering
         return model_class.__call__(self, inputs, *args, **kwargs)
 
     counted.__call__ = call
     counted.__module__ = model_class.__module__  # the CPU backend finds the model's mlx-lm module by it
     model.__class__ = counted
-    return collectives
 
 
 _stop_asked: Callable[[], bool] | None = None
@@ -196,37 +210,6 @@ def go_on_or_stop() -> None:
     stop = leads() and _stop_asked()
     if _all_sum(mx.array([int(stop)], mx.int32)).item():
         raise Stopped
-
-
-def pass_traffic(model: Any) -> tuple[int, int]:
-    """A pass's round trips, and the bytes this rank sends in them per token the pass carries.
-
-    Tensor parallel: each sharded-to-all layer all-sums its output row. Pipeline (mlx-lm's pipelined forward):
-    the hidden state goes from the rank running the first layers down to rank 0, each rank sending it on once,
-    then every rank all-gathers it, giving its own. A one-way hop counts as a round trip, as the pass waits for it."""
-    summing = [m for _, m in model.named_modules() if type(m).__name__.endswith("ShardedToAllLinear")]
-    if summing:
-        return len(summing), sum(m["weight"].shape[0] * _output_dtype(m).size for m in summing)
-    inner = getattr(model, "model", None)
-    if getattr(inner, "pipeline_size", 1) == 1:
-        return 0, 0
-    hidden = inner.embed_tokens(mx.zeros((1, 1), mx.int32))  # never evaluated: its width and dtype are h's
-    sends = 2 if inner.pipeline_rank else 1  # its part of the all-gather, and h on to the rank before (not rank 0)
-    return inner.pipeline_size, sends * hidden.shape[-1] * hidden.dtype.size  # size - 1 hops, then the all-gather
-
-
-def _output_dtype(layer: Any) -> Any:
-    """A linear's output dtype: a quantized one's scales', a float one's weights'."""
-    return layer["scales"].dtype if "scales" in layer else layer["weight"].dtype
-
-
-def wire_per_token(model: Any, passes: int, drafted: int, tokens: int) -> tuple[float, float]:
-    """Round trips and bytes this rank sends per generated token, as `count_traffic` counts them, for a decode of
-    `passes` passes carrying `drafted` draft tokens besides their first (a k-token pass sends k rows)."""
-    collectives, row = pass_traffic(model)
-    if not tokens:
-        return 0.0, 0.0
-    return collectives * passes / tokens, row * (passes + drafted) / tokens
 
 
 _deadline: list[tuple[float, str]] = []

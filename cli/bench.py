@@ -208,7 +208,7 @@ def bench(
     result = _run_with_progress(prompts, engine, methods, repeats, check_tokens=temp == 0)
     summaries = _print_tables(result, methods, per_prompt=per_prompt, temp=temp)
     if not runtime.alone():
-        table_console().print(traffic_table(result, loaded.model))
+        table_console().print(traffic_table(result))
     settings = {
         "max_tokens": max_tokens, "repeats": repeats, "temp": temp, "seed": seed, "draft_tokens": draft_tokens,
         "draft_length": draft_length.value, "methods": methods, "workload": str(workload) if workload else "shipped",

@@ -238,22 +238,22 @@ def cost_table(curves, key: str, after: str) -> Table:
     return table
 
 
-def traffic_table(result, model) -> Table:
+def traffic_table(result) -> Table:
     """Under mlx.launch: each method's decode speed, tokens per pass, and what it costs between the ranks."""
     from statistics import median
 
-    from akunu.distributed import size, wire_per_token
+    from akunu.distributed import size
 
     table = Table(title=f"between the ranks ({size()} processes), per generated token", title_justify="left")
     for column in ("method", "tok/s", "tok/pass", "round trips", "bytes rank 0 sends"):
         table.add_column(column, justify="left" if column == "method" else "right")
     for method in dict.fromkeys(m.method for m in result.measurements):
         runs = [m.run for m in result.measurements if m.method == method]
-        passes, drafted = sum(r.forward_passes for r in runs), sum(r.drafted for r in runs)
+        passes = sum(r.forward_passes for r in runs)
         tokens = sum(max(r.generated - 1, 0) for r in runs)  # the first token comes from prefill
-        if not passes:
+        if not passes or not tokens:
             continue
-        trips, sent = wire_per_token(model, passes, drafted, tokens)
+        trips, sent = sum(r.collectives for r in runs) / tokens, sum(r.bytes_sent for r in runs) / tokens
         rate = median(r.decode_tps for r in runs)
         table.add_row(method, f"{rate:.1f}", f"{tokens / passes:.2f}", f"{trips:.1f}", f"{sent / 1024:.1f} KiB")
     return table

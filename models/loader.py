@@ -79,7 +79,7 @@ def load_model(
             loaded = _load_mlx_folder(path, spec, dtype, group, shard)
         backends.apply(loaded.model)  # the CPU backend's faster step where it applies; elsewhere mlx-lm's model
         if group is not None:  # each pass counts its collectives, and may stop where rank 0 asks
-            distributed.count_traffic(loaded.model)
+            distributed.count_passes(loaded.model)
     finally:
         mx.set_cache_limit(cache_limit)
     _return_freed_memory()

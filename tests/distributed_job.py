@@ -46,14 +46,13 @@ def tiny_architectures(cases: list[list[str]], prompt: list[int], max_tokens: in
         model = tiny_model(name)
         split = sharding.shard(model, distributed.group(), how)
         backends.apply(model)
-        distributed.count_traffic(model)
+        distributed.count_passes(model)
         distributed.traffic.reset()
         with called_collectives() as called:
             results[name] = {"split": split, **decodes(model, FakeTokenizer(), prompt, max_tokens)}
         counted = distributed.traffic
-        wire = distributed.wire_per_token(model, counted.passes, called["tokens"] - counted.passes, 1)
         results[name]["traffic"] = [counted.passes, counted.collectives, counted.bytes]
-        results[name]["called"], results[name]["wire"] = called, list(wire)
+        results[name]["called"] = called
     return results
 
 

@@ -26,6 +26,7 @@ import pytest
 from akunu import backends
 from akunu.drafters.specs import DraftLengthPolicy
 from akunu.generate import GenerationConfig, SpecConfig, generate
+from tests import llama_cpp_tiny
 from tests.fakes import FakeTokenizer
 from tests.greedy_checks import assert_same_or_near_tie
 from tests.tiny_archs import SIZES, tiny_model
@@ -105,20 +106,21 @@ def write_tiny_qwen2_gguf(path: Path) -> set[str]:
 
 
 def test_dense_moe_hybrid_and_pipelined_gguf_models_split_across_two_ranks_decode_as_one_process(job_env, tmp_path):
-    gguf = tmp_path / "qwen2.gguf"
+    gguf, moe = tmp_path / "qwen2.gguf", tmp_path / "qwen3moe.gguf"
     names = write_tiny_qwen2_gguf(gguf)
-    cases = [*CASES, [str(gguf), "pipeline"]]
+    llama_cpp_tiny.write(llama_cpp_tiny.ARCHS["qwen3moe"], moe)
+    cases = [*CASES, [str(gguf), "pipeline"], [str(moe), "tensor"]]
     done = run_launched([sys.executable, str(JOB), "archs", json.dumps(cases), json.dumps(PROMPT), "8"], job_env)
     assert done.returncode == 0, done.stderr[-2000:]
     ranks = rank_lines(done.stdout)
     assert sorted(ranks) == [0, 1]
     _check_pipelined_gguf(gguf, names, [ranks[r][str(gguf)] for r in (0, 1)])
+    _check_gguf_split_by_mlx_lm(moe, [ranks[r][str(moe)] for r in (0, 1)])
     for name, how in CASES:
         split = [ranks[r][name] for r in (0, 1)]
         assert split[0]["plain"] == split[1]["plain"] and split[0]["spec"] == split[1]["spec"], name
         assert split[0]["split"].startswith(f"{how} parallel"), split[0]["split"]
-        if how == "pipeline":
-            _check_pipelined_traffic(split)
+        _check_traffic(name, how, split)
         model = tiny_model(name)
         backends.apply(model)
         alone = single_process_decodes(model, FakeTokenizer(), PROMPT, 8)
@@ -126,15 +128,30 @@ def test_dense_moe_hybrid_and_pipelined_gguf_models_split_across_two_ranks_decod
             assert_same_or_near_tie(model, PROMPT, alone["plain"], split[0][mode], why=f"{name} {mode}")
 
 
-def _check_pipelined_traffic(split: list[dict]) -> None:
-    """Every pass, the live counter and the bench formula count what mlx-lm's pipelined forward calls: rank 1
-    sends its hidden state to rank 0 (one message), then both all-gather it (one round trip), each giving its own."""
-    row = SIZES["hidden_size"] * 4  # float32 activations
+def _check_traffic(name: str, how: str, split: list[dict]) -> None:
+    """The counter counts every collective a pass calls, whoever calls it. Tensor parallel: two all-sums per layer
+    (attention, then the MLP or the MoE block), and qwen3_5's all-gather of its vocabulary-split logits. Pipeline:
+    rank 1 sends its hidden state to rank 0 (one message, received there), then both all-gather it."""
+    layers, row = SIZES["num_hidden_layers"], SIZES["hidden_size"] * 4  # float32 activations
+    per_pass = 2 if how == "pipeline" else 2 * layers + (name == "qwen3_5")
     for rank in (0, 1):
         (passes, collectives, sent), called = split[rank]["traffic"], split[rank]["called"]
-        assert passes > 0 and collectives == 2 * passes == called["calls"], (rank, passes, collectives, called)
-        assert sent == called["bytes"] == (1 + rank) * row * called["tokens"] > 0, (rank, sent, called)
-        assert split[rank]["wire"] == [collectives, sent]
+        assert passes > 0 and collectives == per_pass * passes == called["calls"], (name, rank, passes, collectives)
+        assert sent == called["bytes"] > 0, (name, rank, sent, called)
+        if how == "pipeline":
+            assert sent == (1 + rank) * row * called["tokens"], (rank, sent, called)
+
+
+def _check_gguf_split_by_mlx_lm(moe: Path, split: list[dict]) -> None:
+    """A MoE GGUF, read a layer at a time and cut as mlx-lm's qwen3_moe split cuts it, decodes as one process does."""
+    from akunu.models import load_model
+
+    assert "mlx-lm's qwen3_moe split" in split[0]["split"], split[0]["split"]
+    assert split[0]["plain"] == split[1]["plain"] and split[0]["spec"] == split[1]["spec"]
+    loaded = load_model(str(moe), dtype="float32")
+    alone = single_process_decodes(loaded.model, loaded.tokenizer, PROMPT, 8)
+    for mode in ("plain", "spec"):
+        assert_same_or_near_tie(loaded.model, PROMPT, alone["plain"], split[0][mode], why=f"qwen3moe GGUF {mode}")
 
 
 def _check_pipelined_gguf(gguf: Path, names: set[str], split: list[dict]) -> None:

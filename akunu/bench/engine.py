@@ -97,6 +97,7 @@ class ModelEngine:
     def _run_akunu(
         self, prompt_ids: list[int], policy: DraftLengthPolicy | None, drafter=None, exact: bool = False
     ) -> Run:
+        from akunu.distributed import traffic
         from akunu.generate import GenerationConfig, SpecConfig, stream_generate
         from akunu.sampling import SamplingParams
 
@@ -124,14 +125,17 @@ class ModelEngine:
             for response in responses:
                 final["stats"] = response.stats  # each response's own snapshot; the last one has every count
                 if response.token is not None:
+                    final.setdefault("traffic", traffic.snapshot())  # from the first token on: decoding's
                     yield response.token
 
         ids, prefill_seconds, decode_seconds = timed_tokens(start, tokens())
         s = final["stats"]
+        (collectives, sent), (before, sent_before) = traffic.snapshot(), final.get("traffic", traffic.snapshot())
         return Run(
             ids, len(prompt_ids), prefill_seconds, decode_seconds,
             forward_passes=s.forward_passes, drafted=s.drafted, accepted=s.accepted,
             accepted_lengths={int(k): v for k, v in s.accepted_lengths.items()}, drafting_seconds=s.drafting_seconds,
+            collectives=collectives - before, bytes_sent=sent - sent_before,
         )  # fmt: skip
 
     def _run_mlx_lm(self, prompt_ids: list[int]) -> Run:

@@ -43,6 +43,8 @@ class Run:
     accepted: int = 0
     accepted_lengths: dict[int, int] = field(default_factory=dict)  # accepted drafts per verification
     drafting_seconds: float = 0.0  # host time spent in the drafter
+    collectives: int = 0  # under mlx.launch: the round trips between the ranks after the first token
+    bytes_sent: int = 0  # and what this rank gave them
 
     @property
     def generated(self) -> int:
