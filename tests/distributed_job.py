@@ -2,9 +2,9 @@
 
 `archs CASES PROMPT N`: tiny random models (seeded: every rank builds the same weights), or tiny GGUF
 files (a case naming a `.gguf` path), split across the ranks, each decoding N tokens greedily, plain and
-speculative (a tiny model's counted traffic beside the collectives mlx was called for). `model SPEC DTYPE
-PROMPT N [SHARD]`: a model file loaded sharded (each rank reading its part), the same two decodes, and the
-rank's peak memory.
+speculative, and in exact mode where the case asks; a tiny model's counted traffic beside the collectives
+mlx was called for. `model SPEC DTYPE PROMPT N [SHARD]`: a model file loaded sharded (each rank reading its
+part), the same two decodes, and the rank's peak memory.
 """
 
 from __future__ import annotations
@@ -24,12 +24,14 @@ from akunu.drafters.specs import DraftLengthPolicy
 from akunu.generate import GenerationConfig, SpecConfig, generate
 
 
-def decodes(model, tokenizer, prompt: list[int], max_tokens: int) -> dict[str, list[int]]:
+def decodes(model, tokenizer, prompt: list[int], max_tokens: int, *, exact: bool = False) -> dict[str, list[int]]:
+    """Greedy ids, plain and speculative; with `exact`, in exact mode too."""
     ids = {}
-    for spec in (False, True):
-        spec_config = SpecConfig(enabled=spec, draft_tokens=4, draft_length=DraftLengthPolicy.fixed)
+    for mode, spec, exactly in (("plain", False, False), ("spec", True, False), ("exact-plain", False, True),
+                                ("exact-spec", True, True))[: 4 if exact else 2]:  # fmt: skip
+        spec_config = SpecConfig(enabled=spec, draft_tokens=4, draft_length=DraftLengthPolicy.fixed, exact=exactly)
         config = GenerationConfig(max_tokens=max_tokens, spec=spec_config)
-        ids["spec" if spec else "plain"] = generate(model, tokenizer, prompt, config)[1]
+        ids[mode] = generate(model, tokenizer, prompt, config)[1]
     return ids
 
 
@@ -39,7 +41,7 @@ def tiny_architectures(cases: list[list[str]], prompt: list[int], max_tokens: in
     from tests.tiny_archs import tiny_model
 
     results = {}
-    for name, how in cases:
+    for name, how, exact in cases:
         if name.endswith(".gguf"):
             results[name] = tiny_gguf(name, how, prompt, max_tokens)
             continue
@@ -49,7 +51,7 @@ def tiny_architectures(cases: list[list[str]], prompt: list[int], max_tokens: in
         distributed.count_passes(model)
         distributed.traffic.reset()
         with called_collectives() as called:
-            results[name] = {"split": split, **decodes(model, FakeTokenizer(), prompt, max_tokens)}
+            results[name] = {"split": split, **decodes(model, FakeTokenizer(), prompt, max_tokens, exact=exact)}
         counted = distributed.traffic
         results[name]["traffic"] = [counted.passes, counted.collectives, counted.bytes]
         results[name]["called"] = called

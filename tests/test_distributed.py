@@ -37,11 +37,11 @@ BIN = Path(sys.executable).parent
 JOB = ROOT / "tests" / "distributed_job.py"
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
 CASES = [
-    ["llama", "tensor"],
-    ["qwen3_moe", "tensor"],
-    ["qwen3_5", "tensor"],
-    ["qwen2", "pipeline"],
-]  # dense, MoE, hybrid
+    ["llama", "tensor", True],
+    ["qwen3_moe", "tensor", False],
+    ["qwen3_5", "tensor", True],
+    ["qwen2", "pipeline", False],
+]  # dense, MoE, hybrid, pipelined; whether also in exact mode
 KILL_BOUND = 20.0  # seconds from killing rank 1 to the job's end
 
 
@@ -109,16 +109,18 @@ def test_dense_moe_hybrid_and_pipelined_gguf_models_split_across_two_ranks_decod
     gguf, moe = tmp_path / "qwen2.gguf", tmp_path / "qwen3moe.gguf"
     names = write_tiny_qwen2_gguf(gguf)
     llama_cpp_tiny.write(llama_cpp_tiny.ARCHS["qwen3moe"], moe)
-    cases = [*CASES, [str(gguf), "pipeline"], [str(moe), "tensor"]]
+    cases = [*CASES, [str(gguf), "pipeline", False], [str(moe), "tensor", False]]
     done = run_launched([sys.executable, str(JOB), "archs", json.dumps(cases), json.dumps(PROMPT), "8"], job_env)
     assert done.returncode == 0, done.stderr[-2000:]
     ranks = rank_lines(done.stdout)
     assert sorted(ranks) == [0, 1]
     _check_pipelined_gguf(gguf, names, [ranks[r][str(gguf)] for r in (0, 1)])
     _check_gguf_split_by_mlx_lm(moe, [ranks[r][str(moe)] for r in (0, 1)])
-    for name, how in CASES:
+    for name, how, exact in CASES:
         split = [ranks[r][name] for r in (0, 1)]
         assert split[0]["plain"] == split[1]["plain"] and split[0]["spec"] == split[1]["spec"], name
+        if exact:  # exact mode's passes do not depend on the draft: speculative equals plain bit for bit, split too
+            assert split[0]["exact-spec"] == split[0]["exact-plain"] == split[1]["exact-spec"], name
         assert split[0]["split"].startswith(f"{how} parallel"), split[0]["split"]
         _check_traffic(name, how, split)
         model = tiny_model(name)
