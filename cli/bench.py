@@ -175,7 +175,7 @@ def bench(
     per_prompt: PerPrompt = False,
     json_path: JsonPath = None,
     plot_path: PlotPath = None,
-    shard: options.Shard = options.Sharding.tensor,
+    shard: options.Shard = options.Sharding.auto,
     check_ranks: options.CheckRanks = False,
 ) -> None:
     """Measure speculative against plain decoding, and against mlx-lm, on realistic prompts.

@@ -68,7 +68,7 @@ def chat(
             "--force", rich_help_panel=CONVERSATION_PANEL, help="Let --save replace a file that is not a conversation."
         ),
     ] = False,
-    shard: options.Shard = options.Sharding.tensor,
+    shard: options.Shard = options.Sharding.auto,
     check_ranks: options.CheckRanks = False,
 ) -> None:
     """Chat with a model in the terminal; the KV cache carries over, so each turn prefills only what is new.

@@ -106,7 +106,7 @@ def generate(
             help="Highlight accepted draft tokens; print every statistic.",
         ),
     ] = False,
-    shard: options.Shard = options.Sharding.tensor,
+    shard: options.Shard = options.Sharding.auto,
     check_ranks: options.CheckRanks = False,
 ) -> None:
     """Generate text for one prompt, with the model's chat template unless --raw.

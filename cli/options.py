@@ -52,6 +52,7 @@ Dtype = Annotated[
 
 
 class Sharding(str, Enum):
+    auto = "auto"
     tensor = "tensor"
     pipeline = "pipeline"
 
@@ -61,7 +62,8 @@ Shard = Annotated[
     Sharding,
     typer.Option(
         rich_help_panel=DISTRIBUTED_PANEL,
-        help="How the ranks split the model: tensor (each holds part of every layer) or pipeline (each runs some layers).",
+        help="How the ranks split the model: tensor (each holds part of every layer), pipeline (each runs some "
+        "layers), or auto (tensor where the architecture has a tensor split, else pipeline).",
     ),
 ]
 CheckRanks = Annotated[

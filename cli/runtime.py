@@ -55,7 +55,7 @@ class _AmountColumn(ProgressColumn):
         return column.render(task)
 
 
-def load(model: str | None, dtype, draft_models: Sequence[str] = (), shard="tensor", check_ranks: bool = False):
+def load(model: str | None, dtype, draft_models: Sequence[str] = (), shard="auto", check_ranks: bool = False):
     """The LoadedModel for a catalogue name, path or repo id (None: the default model).
 
     Draft models whose tokenizer differs from the target's are refused first, before any weights load.

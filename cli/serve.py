@@ -116,6 +116,8 @@ def serve(
     draft: options.Draft = DEFAULT_SPEC,
     draft_model: options.DraftModel = None,
     tree: options.Tree = None,
+    shard: options.Shard = options.Sharding.auto,
+    check_ranks: options.CheckRanks = False,
 ) -> None:
     """Serve a model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health, /metrics (Prometheus);
     and Anthropic's: /v1/messages, /v1/messages/count_tokens; and a chat page at / for a browser.
@@ -148,7 +150,7 @@ def serve(
         draft_tokens=draft_tokens, draft_length=draft_length, exact=exact,
     )  # fmt: skip
     drafting = Drafting(draft, draft_model, tree)
-    startup = functools.partial(load_for_serving, model, dtype, base_config, drafting)
+    startup = functools.partial(load_for_serving, model, dtype, base_config, drafting, shard, check_ranks)
     if not runtime.leads():
         return ranks.follow(startup, drafting.stream, cache_slots)
     if not runtime.alone():
@@ -240,9 +242,9 @@ def check_port_free(host: str, port: int) -> None:
             raise OptionsError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
 
 
-def load_for_serving(model, dtype, config, drafting: Drafting):
+def load_for_serving(model, dtype, config, drafting: Drafting, shard="auto", check_ranks: bool = False):
     """On the worker thread: the model and its cost curve; a first drafter is built to reject bad options now."""
-    loaded = runtime.load(model, dtype, draft_models=drafting.models())
+    loaded = runtime.load(model, dtype, drafting.models(), shard, check_ranks)
     drafting.drafter(loaded, config)
     return loaded, runtime.costs_for(loaded, config)
 

@@ -21,7 +21,7 @@ from akunu.models.shard_probe import learn_cuts
 
 
 def load_gguf_model(
-    gguf_file: GGUFFile, *, quantized: bool, progress: Progress | None = None, group: Any = None, shard: str = "tensor"
+    gguf_file: GGUFFile, *, quantized: bool, progress: Progress | None = None, group: Any = None, shard: str = "auto"
 ) -> tuple[nn.Module, dict[str, Any]]:
     """The mlx-lm model for a parsed GGUF file (see `gguf_file.read_gguf`), and its mlx-lm config; with a
     distributed `group`, this rank's part of it (`sharding`), `config["sharded"]` saying how."""
@@ -62,6 +62,7 @@ def _read_split(
     """This rank's part of the weights, and `model` split to hold them (`config["sharded"]` says how); no rank
     reads (common layout, pipeline) or holds (mlx-lm's own split) the whole model."""
     read = partial(read_weights, gguf_file, keep_quantized=quantized)
+    shard = sharding.chosen(model, shard)
     if shard == "tensor" and sharding.common_layout(model):  # each tensor cut to this rank's part as it is read
         share = sharding.share_for_model(model, group)
         weights = _mapped(

@@ -59,12 +59,10 @@ class LoadedModel:
         return f"{self.name}: {self.architecture}, {_human_count(self.parameter_count)} params, {self.dtype} weights"
 
 
-def load_model(
-    spec: str, *, dtype: str = "auto", progress: Progress | None = None, shard: str = "tensor"
-) -> LoadedModel:
+def load_model(spec: str, *, dtype: str = "auto", progress: Progress | None = None, shard: str = "auto") -> LoadedModel:
     """Load a model and its tokenizer; every failure a user can cause is a one-line ModelError.
 
-    Under `mlx.launch`, this rank's part of it (`shard`: "tensor" or "pipeline", see `sharding`), before the
+    Under `mlx.launch`, this rank's part of it (`shard`: "auto", "tensor" or "pipeline", see `sharding`), before the
     CPU backend sees it: the backend's kernels then run the projections the rank keeps as plain layers."""
     choose_dtype(dtype)  # reject a bad --dtype before any download
     _map_large_allocations()
@@ -184,7 +182,7 @@ def _agreed(choose: Callable[[], DtypeChoice]) -> DtypeChoice:
     return DtypeChoice(*distributed.agree(list(astuple(choose())) if distributed.leads() else None))
 
 
-def _load_mlx_folder(path: Path, name: str, dtype: str, group: Any = None, shard: str = "tensor") -> LoadedModel:
+def _load_mlx_folder(path: Path, name: str, dtype: str, group: Any = None, shard: str = "auto") -> LoadedModel:
     """An mlx-community style folder (config.json + safetensors), loaded by mlx-lm itself; with a distributed
     `group`, loaded lazily and split first, so a rank reads only the slices it keeps."""
     from mlx_lm.utils import load_model as mlx_lm_load_model

@@ -21,7 +21,7 @@ import mlx.nn as nn
 
 from akunu.errors import ModelError
 
-SHARDINGS = ("tensor", "pipeline")
+SHARDINGS = ("auto", "tensor", "pipeline")
 # GGUF tensor stems of the common layout -> (mlx-lm projection, whether its rows (outputs) or columns are split)
 GGUF_PROJECTIONS = {
     "attn_q": ("q_proj", "rows"),
@@ -211,8 +211,17 @@ def describe_share(share: Share, group: Any) -> str:
     )
 
 
+def chosen(model: nn.Module, how: str) -> str:
+    """`how`, or for "auto": tensor where the architecture has a tensor split (every rank in every pass), else
+    pipeline."""
+    if how != "auto":
+        return how
+    return "tensor" if common_layout(model) or hasattr(model, "shard") else "pipeline"
+
+
 def shard(model: nn.Module, group: Any, how: str) -> str:
     """Split a loaded (or lazily loaded) model across `group`; a line saying how. A ModelError if it cannot be."""
+    how = chosen(model, how)
     architecture = getattr(getattr(model, "args", None), "model_type", type(model).__module__.rsplit(".", 1)[-1])
     if how == "tensor" and common_layout(model):
         share = share_for_model(model, group)

@@ -2,6 +2,7 @@
 rank's weights are bit for bit those of the whole model split after loading, and no rank holds the whole model.
 
 One process plays each rank: the split needs only the group's size and rank (its sums run when the model does).
+Also: which split `--shard auto` picks.
 """
 
 from __future__ import annotations
@@ -95,3 +96,19 @@ def test_sizes_mlx_lm_cannot_split_are_refused_in_one_line(tmp_path):
     path = tiny.write(tiny.ARCHS["qwen3moe"], tmp_path / "qwen3moe.gguf")
     with pytest.raises(ModelError, match="mlx-lm cannot split qwen3_moe across 3 ranks"):
         load_gguf_model(read_gguf(path), quantized=True, group=PlayedRank(0, size=3))
+
+
+@pytest.mark.parametrize(
+    "arch, split", [("llama", "tensor parallel"), ("qwen3_moe", "tensor parallel"), ("qwen3_next", "pipeline parallel")]
+)
+def test_auto_splits_by_tensor_where_the_architecture_has_it_else_by_pipeline(arch, split):
+    from tests.tiny_archs import tiny_model
+
+    assert sharding.shard(tiny_model(arch), PlayedRank(0), "auto").startswith(split)
+
+
+def test_an_architecture_split_neither_way_is_one_line():
+    from tests.tiny_archs import tiny_model
+
+    with pytest.raises(ModelError, match="phi3 can be split across machines neither by tensor nor by pipeline"):
+        sharding.shard(tiny_model("phi3"), PlayedRank(0), "auto")
