@@ -10,7 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter, quants
 from mlx.utils import tree_flatten
 
 from akunu.errors import ModelError
@@ -59,6 +62,41 @@ def test_each_rank_reads_what_the_whole_model_split_after_loading_holds(tmp_path
             assert got[name].dtype == array.dtype and mx.array_equal(got[name], array).item(), (rank, name)
         for (name, module), (_, twin) in zip(split.named_modules(), expected.named_modules(), strict=True):
             assert type(module) is type(twin), name
+
+
+def test_quantized_expert_stacks_are_cut_by_whole_groups(tmp_path):
+    """Q5_0 expert stacks (five 32-bit words per 32 weights) split along their rows and their columns."""
+    experts, ffn = 4, 64
+    moe = {
+        "ffn_gate_inp": (experts, tiny.HIDDEN),
+        "ffn_gate_exps": (experts, ffn, tiny.HIDDEN),
+        "ffn_up_exps": (experts, ffn, tiny.HIDDEN),
+        "ffn_down_exps": (experts, tiny.HIDDEN, ffn),
+    }
+    keys = {"expert_count": experts, "expert_used_count": 2, "expert_feed_forward_length": ffn}
+    arch = tiny.TinyArch("qwen3moe-q5", "qwen3moe", {**tiny.ATTENTION, **tiny.NORMS, **tiny.QK_NORMS, **moe}, keys=keys)
+    path = tmp_path / "moe.gguf"
+    writer = GGUFWriter(str(path), "qwen3moe")
+    tiny._add_hyperparameters(writer, arch)
+    tiny._add_tokenizer(writer)
+    for name, values in tiny._tensors(arch, np.random.default_rng(0)).items():
+        if "_exps." in name:
+            writer.add_tensor(name, quants.quantize(values, Q.Q5_0), raw_dtype=Q.Q5_0)
+        else:
+            writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for rank in (0, 1):
+        split, _ = load_gguf_model(read_gguf(path), quantized=True, group=PlayedRank(rank))
+        got, wanted = (
+            dict(tree_flatten(split.parameters())),
+            dict(tree_flatten(whole_then_split(path, True, PlayedRank(rank)).parameters())),
+        )
+        stacks = [name for name in wanted if ".switch_mlp." in name and name.endswith(".weight")]
+        assert stacks and all(got[name].dtype == mx.uint32 for name in stacks)
+        assert all(mx.array_equal(got[name], array).item() for name, array in wanted.items()), rank
 
 
 def test_no_rank_holds_the_whole_of_a_split_moe_model(tmp_path):
