@@ -133,8 +133,6 @@ def stream_generate(
     """
     _check_prompt(prompt, config, context_length)
     params = config.sampling
-    if params.seed is not None:  # a draft model's own samples still come from the global generator
-        mx.random.seed(params.seed)
     if config.spec.exact:  # plain steps too, so that plain and speculative output compare exactly
         model = exact_model(model, config.spec.draft_tokens)
         costs = flat_costs(model.width)

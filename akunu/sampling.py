@@ -28,6 +28,14 @@ class Draws:
     def __init__(self, seed: int | None = None) -> None:
         self._key = None if seed is None else mx.random.key(seed)
 
+    @classmethod
+    def for_drafts(cls, seed: int | None) -> Draws:
+        """A draft model's own draws: a key apart from `Draws(seed)`'s, as acceptance by min(1, p/q) needs
+        uniforms independent of the drafts."""
+        draws = cls()
+        draws._key = None if seed is None else mx.random.split(mx.random.key(seed), 3)[2]
+        return draws
+
     def key(self) -> mx.array | None:
         if self._key is None:
             return None

@@ -12,6 +12,8 @@ import pytest
 
 from akunu import shared_pass
 from akunu.decode import Pass
+from akunu.drafters.draft_model import model_drafter
+from akunu.drafters.specs import DraftLengthPolicy
 from akunu.generate import GenerationConfig, SpecConfig, generate, stream_generate
 from akunu.sampling import SamplingParams
 from tests.fakes import FakeTokenizer
@@ -23,11 +25,12 @@ from tests.tiny_archs import tiny_model
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2]]
 
 
-def side_by_side(model, prompts, configs, stats: list | None = None) -> list[list[int]]:
+def side_by_side(model, prompts, configs, stats: list | None = None, drafters=None) -> list[list[int]]:
     """Each prompt's generation, all driven as the server drives them: each runs to its next pass, then the
     passes run together. `stats` gets each generation's final statistics."""
-    streams = {i: stream_generate(model, FakeTokenizer(), p, c, share_passes=True)
-               for i, (p, c) in enumerate(zip(prompts, configs))}  # fmt: skip
+    drafters = drafters or [None] * len(prompts)
+    streams = {i: stream_generate(model, FakeTokenizer(), p, c, share_passes=True, drafter=d)
+               for i, (p, c, d) in enumerate(zip(prompts, configs, drafters))}  # fmt: skip
     tokens: list[list[int]] = [[] for _ in prompts]
     while streams:
         passes = []
@@ -103,6 +106,23 @@ def test_a_seeded_request_samples_as_alone_beside_other_sampled_requests(spec):
         generate(model, FakeTokenizer(), PROMPTS[1], replace(seeded, sampling=SamplingParams(temp=1.0, seed=8)))[1]
         != alone
     )
+
+
+def test_a_seeded_request_with_a_draft_model_samples_as_alone_beside_another(shared_widths):
+    """The draft model's own draws come from the request's seed too (apart from its verification's)."""
+    model, drafting = tiny_llama(vocab=16, seed=2), tiny_llama(vocab=16, seed=3)
+    seeded, unseeded = (
+        GenerationConfig(
+            max_tokens=16,
+            sampling=SamplingParams(temp=1.0, seed=seed),
+            spec=SpecConfig(draft_tokens=3, draft_length=DraftLengthPolicy.fixed),
+        )
+        for seed in (7, None)
+    )  # fmt: skip (fixed: the other request's width would lengthen drafts)
+    drafters = [model_drafter(drafting, config.sampling) for config in (seeded, unseeded)]
+    alone = generate(model, FakeTokenizer(), PROMPTS[1], seeded, drafter=model_drafter(drafting, seeded.sampling))[1]
+    assert side_by_side(model, [PROMPTS[1], PROMPTS[0]], [seeded, unseeded], drafters=drafters)[0] == alone
+    assert max(shared_widths) == 2
 
 
 def test_a_request_drafts_into_the_width_a_shared_pass_computes_anyway(shared_widths):

@@ -18,7 +18,7 @@ from akunu.drafters.base import Draft, Drafter
 from akunu.errors import OptionsError
 from akunu.forward import prefill
 from akunu.kv_cache import common_prefix, make_cache, rewind
-from akunu.sampling import SamplingParams, target_logprobs
+from akunu.sampling import Draws, SamplingParams, target_logprobs
 
 Forward = Callable[..., mx.array]  # forward(tokens (1, L) uint32, cache=...) -> logits (1, L, V)
 
@@ -37,6 +37,7 @@ class ModelDrafter(Drafter):
         self.forward = forward
         self.cache = cache
         self.params = params
+        self.draws = Draws.for_drafts(params.seed)  # a seeded request's drafts are its own, beside other requests
         self.cost_per_token = cost_per_token  # one draft step, in 1-token target passes
         self.sequence: list[int] = []  # the committed tokens
         self.fed = 0  # how many of them the cache holds
@@ -82,7 +83,7 @@ class ModelDrafter(Drafter):
         if self.params.greedy:
             return backends.argmax(logits), None
         logprobs = target_logprobs(logits, self.params)
-        return mx.random.categorical(logprobs).astype(mx.uint32), mx.exp(logprobs)
+        return mx.random.categorical(logprobs, key=self.draws.key()).astype(mx.uint32), mx.exp(logprobs)
 
     def _trim_to(self, length: int) -> None:
         held = self.fed + len(self.pending)
