@@ -41,6 +41,19 @@ def whole_then_split(path: Path, quantized: bool, group: PlayedRank):
     return model
 
 
+def qwen3moe(experts: int, ffn: int, layers: int = 2) -> tiny.TinyArch:
+    """A tiny qwen3moe with more or wider experts than llama_cpp_tiny's."""
+    moe = {
+        "ffn_gate_inp": (experts, tiny.HIDDEN),
+        "ffn_gate_exps": (experts, ffn, tiny.HIDDEN),
+        "ffn_up_exps": (experts, ffn, tiny.HIDDEN),
+        "ffn_down_exps": (experts, tiny.HIDDEN, ffn),
+    }
+    keys = {"expert_count": experts, "expert_used_count": 2, "expert_feed_forward_length": ffn}
+    layer = {**tiny.ATTENTION, **tiny.NORMS, **tiny.QK_NORMS, **moe}
+    return tiny.TinyArch(f"qwen3moe-{experts}x{ffn}", "qwen3moe", layer, layers=layers, keys=keys)
+
+
 @pytest.mark.parametrize(
     "arch, matrices, quantized",
     [
@@ -66,15 +79,7 @@ def test_each_rank_reads_what_the_whole_model_split_after_loading_holds(tmp_path
 
 def test_quantized_expert_stacks_are_cut_by_whole_groups(tmp_path):
     """Q5_0 expert stacks (five 32-bit words per 32 weights) split along their rows and their columns."""
-    experts, ffn = 4, 64
-    moe = {
-        "ffn_gate_inp": (experts, tiny.HIDDEN),
-        "ffn_gate_exps": (experts, ffn, tiny.HIDDEN),
-        "ffn_up_exps": (experts, ffn, tiny.HIDDEN),
-        "ffn_down_exps": (experts, tiny.HIDDEN, ffn),
-    }
-    keys = {"expert_count": experts, "expert_used_count": 2, "expert_feed_forward_length": ffn}
-    arch = tiny.TinyArch("qwen3moe-q5", "qwen3moe", {**tiny.ATTENTION, **tiny.NORMS, **tiny.QK_NORMS, **moe}, keys=keys)
+    arch = qwen3moe(experts=4, ffn=64)
     path = tmp_path / "moe.gguf"
     writer = GGUFWriter(str(path), "qwen3moe")
     tiny._add_hyperparameters(writer, arch)
@@ -101,18 +106,7 @@ def test_quantized_expert_stacks_are_cut_by_whole_groups(tmp_path):
 
 def test_no_rank_holds_the_whole_of_a_split_moe_model(tmp_path):
     """8 layers of 64 experts (3 MB per expert stack): a rank's peak is its half plus about one layer."""
-    experts, ffn = 64, 192
-    moe = {
-        "ffn_gate_inp": (experts, tiny.HIDDEN),
-        "ffn_gate_exps": (experts, ffn, tiny.HIDDEN),
-        "ffn_up_exps": (experts, ffn, tiny.HIDDEN),
-        "ffn_down_exps": (experts, tiny.HIDDEN, ffn),
-    }
-    keys = {"expert_count": experts, "expert_used_count": 2, "expert_feed_forward_length": ffn}
-    arch = tiny.TinyArch(
-        "qwen3moe-wide", "qwen3moe", {**tiny.ATTENTION, **tiny.NORMS, **tiny.QK_NORMS, **moe}, layers=8, keys=keys
-    )
-    path = tiny.write(arch, tmp_path / "moe.gguf")
+    path = tiny.write(qwen3moe(experts=64, ffn=192, layers=8), tmp_path / "moe.gguf")
     whole = sum(info.nbytes for info in read_gguf(path).tensors.values())
     mx.clear_cache()
     mx.reset_peak_memory()
