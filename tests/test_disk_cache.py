@@ -7,6 +7,7 @@ import json
 import logging
 import random
 import threading
+import time
 import urllib.request
 
 import mlx.core as mx
@@ -212,8 +213,10 @@ def test_a_restarted_server_loads_the_prompt_from_disk(fake_engine, serve, monke
         server = serve("--disk-cache-size", "1M")
         status, _, answer = raw_request(server.base_url, "POST", "/v1/chat/completions", body)
         assert status == 200, answer
-        server.wait_idle()
-        server.worker.disk.flush()
+        deadline = time.monotonic() + 30  # the worker queues the write just after the answer is out
+        while not server.worker.disk.entries:
+            assert time.monotonic() < deadline, "the prompt was never written to disk"
+            time.sleep(0.01)
         answers.append(json.loads(answer))
     cached = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
     assert cached == [0, answers[1]["usage"]["prompt_tokens"] - 1]
