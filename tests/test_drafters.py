@@ -62,8 +62,9 @@ DRAFTERS = {
     "suffix": lambda target, fn: SuffixDrafter(min_match=1),
     "suffix+ngram": lambda target, fn: make_drafter("suffix+ngram"),
     "tree": lambda target, fn: make_drafter("tree:6"),
-    "model-close": lambda target, fn: model_drafter(perturbed(fn, 1, 0.02)),
-    "model-unrelated": lambda target, fn: model_drafter(fn(seed=9)),
+    # costed against the target, as `make_drafter` costs them: the policy asks only for what acceptance pays for
+    "model-close": lambda target, fn: model_drafter(perturbed(fn, 1, 0.02), target=target),
+    "model-unrelated": lambda target, fn: model_drafter(fn(seed=9), target=target),
     "layer-skip": lambda target, fn: layer_skip_drafter(target, 1),
     "hybrid-layer-skip": lambda target, fn: HybridDrafter(NGramDrafter(), free(layer_skip_drafter(target, 1))),
     "hybrid-model": lambda target, fn: HybridDrafter(NGramDrafter(), model_drafter(perturbed(fn, 1, 0.02))),
@@ -87,7 +88,7 @@ def test_every_drafter_keeps_greedy_output_identical(model_fn, kind):
             assert_same_or_near_tie(target, prompt, plain, fast, f"prompt {i} {spec}")
             accepted += stats.accepted
     if kind in ("model-close", "hybrid-model"):
-        assert accepted > 80  # a close draft model gets many drafts accepted (114 to 196 here)
+        assert accepted > 40  # a close draft model gets many drafts accepted (60 to 196 here; an unrelated one 2)
 
 
 def test_draft_model_cache_holds_exactly_the_committed_sequence():
