@@ -5,7 +5,7 @@ Below the decode loops, so caches, cost curves and draft models can run a model 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,21 +25,29 @@ def run(model, inputs: mx.array, cache) -> mx.array:
     return out
 
 
-def feed(
-    model: nn.Module,
-    cache: list,
-    tokens: Sequence[int],
-    step: int | None = None,
-    between: Callable[[], None] | None = None,
-) -> None:
-    """Feed `tokens` in chunks of `step` (None: `backends.prefill_step()`), keeping no logits; `between()` runs after each chunk and may raise
-    to stop the feed there (a server's client that left), with the cache whole up to that chunk."""
+class PrefillChunk:
+    """What a prefill yields after each chunk: its caller may run other work (another request's turn) there."""
+
+
+PREFILL_CHUNK = PrefillChunk()
+
+
+def feed_chunks(
+    model: nn.Module, cache: list, tokens: Sequence[int], step: int | None = None
+) -> Iterator[PrefillChunk]:
+    """Feed `tokens` in chunks of `step` (None: `backends.prefill_step()`), keeping no logits; a PREFILL_CHUNK is
+    yielded after each, with the cache whole up to that chunk (a caller may stop there)."""
     tokens, step = mx.array(tokens, dtype=mx.uint32), step or backends.prefill_step()
     for start in range(0, tokens.size, step):
         run(model, tokens[start : start + step][None], cache)
         mx.eval([c.state for c in cache])  # bound the graph, as mlx-lm does per chunk
-        if between is not None:
-            between()
+        yield PREFILL_CHUNK
+
+
+def feed(model: nn.Module, cache: list, tokens: Sequence[int], step: int | None = None) -> None:
+    """`feed_chunks` run through."""
+    for _ in feed_chunks(model, cache, tokens, step):
+        pass
 
 
 def prefill(model: nn.Module, cache: list, tokens: Sequence[int], step: int | None = None) -> mx.array:

@@ -22,6 +22,7 @@ from akunu.drafters.specs import DraftLengthPolicy
 from akunu.drafters.tree import check_tree_support
 from akunu.errors import OptionsError, PromptError
 from akunu.exact import exact_model, flat_costs
+from akunu.forward import PrefillChunk
 from akunu.grammar import Constraint
 from akunu.kv_cache import has_state
 from akunu.logprobs import TokenLogprobs, token_logprobs
@@ -120,7 +121,7 @@ def stream_generate(
     constraint: Constraint | None = None,
     between_chunks: Callable[[], None] | None = None,
     share_passes: bool = False,
-) -> Iterator[GenerationResponse | Pass]:
+) -> Iterator[GenerationResponse | Pass | PrefillChunk]:
     """Generate from token ids, yielding a response per token (and a final flush).
 
     `tokenizer` needs `eos_ids` and `detokenizer()`. `prompt_cache` carries the KV cache
@@ -129,7 +130,8 @@ def stream_generate(
     keeps the output inside its grammar, e.g. a JSON schema; without one, `config.grammar` makes one.
     `between_chunks()` runs between the prompt's prefill chunks and may raise to stop the prefill there.
     With `share_passes`, each decode pass is yielded as a `Pass` for the caller to run, maybe beside other
-    generations' (akunu.shared_pass), before it asks for the next response.
+    generations' (akunu.shared_pass), before it asks for the next response, and each prefill chunk ends with a
+    `PrefillChunk` (akunu.forward), where the caller may run other requests' steps.
     """
     _check_prompt(prompt, config, context_length)
     params = config.sampling
@@ -151,7 +153,9 @@ def stream_generate(
     start = time.perf_counter()
     to_feed = prompt_cache.reuse(prompt)
     stats.prefilled_tokens = len(to_feed)
-    logits = prompt_cache.prefill(model, to_feed, config.prefill_step, between_chunks)
+    logits = yield from _prefill(
+        prompt_cache.prefill(model, to_feed, config.prefill_step), between_chunks, share_passes
+    )
     rows = [] if config.logprobs is not None else None  # each token's logits row, appended as it is yielded
     tokens = _decode_loop(
         model, prompt_cache.cache, logits, prompt, config, stats=stats, drafter=drafter, costs=costs, budget=budget,
@@ -188,6 +192,20 @@ def stream_generate(
     if stats.stop_string is None:  # text after a stop string is dropped; anything else still pending is emitted
         tail = stops.feed(detokenizer.flush())[0] + stops.flush()
     yield GenerationResponse(tail, None, False, stats.snapshot(), stats.finish_reason)
+
+
+def _prefill(chunks, between_chunks, share: bool):
+    """Run a prefill's chunks (`yield from`), `between_chunks()` after each; with `share` each PREFILL_CHUNK is
+    handed on too, so the caller may give other requests a turn there. Returns the logits."""
+    while True:
+        try:
+            chunk = next(chunks)
+        except StopIteration as done:
+            return done.value
+        if between_chunks is not None:
+            between_chunks()
+        if share:
+            yield chunk
 
 
 def _decode_loop(

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from akunu.forward import feed, run
+from akunu.forward import PrefillChunk, feed_chunks, run
 from akunu.kv_cache import Snapshot, cache_length, common_prefix, has_state, holds_positions, leaves, make_cache
 
 
@@ -48,16 +48,16 @@ class PromptCache:
         self.tokens = list(prompt)
         return list(prompt[shared:])
 
-    def prefill(self, model, tokens: Sequence[int], step: int | None = None, between=None) -> mx.array:
-        """Feed the tokens `reuse` left, keeping snapshots on the way; return the logits after the last one.
-        `between()` runs after each chunk and may raise to stop there (`akunu.forward.feed`)."""
+    def prefill(self, model, tokens: Sequence[int], step: int | None = None) -> Iterator[PrefillChunk]:
+        """Feed the tokens `reuse` left, keeping snapshots on the way, yielding a PREFILL_CHUNK after each chunk
+        (`akunu.forward.feed_chunks`); return the logits after the last one (`yield from`)."""
         tokens = list(tokens)
         if self.mark is not None and self.mark > self.cache.fed:
             cut = self.mark - self.cache.fed
-            feed(model, self.cache, tokens[:cut], step, between)
+            yield from feed_chunks(model, self.cache, tokens[:cut], step)
             self._keep_snapshot()
             tokens = tokens[cut:]
-        feed(model, self.cache, tokens[:-1], step, between)
+        yield from feed_chunks(model, self.cache, tokens[:-1], step)
         self._keep_snapshot()
         return run(model, mx.array([tokens[-1:]], mx.uint32), self.cache)[0, -1]
 

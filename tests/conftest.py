@@ -54,6 +54,7 @@ def fake_engine(monkeypatch, isolated_home):
     import akunu.generate
     import akunu.models
     from akunu.decode import Pass
+    from akunu.forward import PrefillChunk
     from tests.fakes import FAKE_COSTS, EngineCalls, make_loaded
 
     calls = EngineCalls(loaded=make_loaded())
@@ -71,7 +72,7 @@ def fake_engine(monkeypatch, isolated_home):
         tokens: list[int] = []
         calls.streams.append({"model": model, "prompt": list(prompt), "config": config, "tokens": tokens, **kwargs})
         for response in real_stream_generate(model, tokenizer, prompt, config, **kwargs):
-            if isinstance(response, Pass):  # a pass the server runs (share_passes)
+            if isinstance(response, (Pass, PrefillChunk)):  # a pass the server runs, a turn it gives (share_passes)
                 yield response
                 continue
             if response.token is None:

@@ -116,6 +116,28 @@ def test_a_long_prompt_joining_never_stalls_the_streams_running(fake_engine, ser
     assert longest_gap < (answered - asked) / 4  # never stalled for the prefill (~30 chunks)
 
 
+def test_a_short_request_beside_a_long_prefill_is_admitted_and_answered_first(fake_engine, serve):
+    slow = SlowModel(tiny_llama(vocab=64, seed=4), delay=0.05)
+    fake_engine.loaded = make_loaded(model=slow, context_length=4096)
+    server = serve("--parallel", "2", "--no-spec")
+    client = server.client()
+    long_prompt = [{"role": "user", "content": "the long prompt " * 120}]  # ~30 prefill chunks of 50 ms
+
+    def first_token_of_long() -> float:
+        next(iter(client.chat.completions.create(model="tiny", messages=long_prompt, max_tokens=2, stream=True)))
+        return time.perf_counter()
+
+    with ThreadPoolExecutor(1) as pool:
+        calls = slow.calls
+        long_first = pool.submit(first_token_of_long)
+        while slow.calls < calls + 3:  # its prefill is under way
+            time.sleep(0.005)
+        short = client.chat.completions.create(model="tiny", messages=USER, max_tokens=3)
+        answered = time.perf_counter()
+        assert short.choices[0].message.content
+        assert answered < long_first.result(timeout=60)  # it took turns with the long prefill, not waited for it
+
+
 def test_a_client_that_leaves_frees_its_place_and_the_others_go_on(fake_engine, serve):
     fake_engine.loaded = make_loaded(model=SlowModel(tiny_llama(vocab=64, seed=4), delay=0.005))
     server = serve("--parallel", "2", "--no-spec")

@@ -14,6 +14,7 @@ from akunu import shared_pass
 from akunu.decode import Pass
 from akunu.drafters.draft_model import model_drafter
 from akunu.drafters.specs import DraftLengthPolicy
+from akunu.forward import PrefillChunk
 from akunu.generate import GenerationConfig, SpecConfig, generate, stream_generate
 from akunu.sampling import SamplingParams
 from tests.fakes import FakeTokenizer
@@ -39,7 +40,7 @@ def side_by_side(model, prompts, configs, stats: list | None = None, drafters=No
                 if isinstance(item, Pass):
                     passes.append(item)
                     break
-                if item.token is not None:
+                if not isinstance(item, PrefillChunk) and item.token is not None:
                     tokens[i].append(item.token)
             else:
                 del streams[i]

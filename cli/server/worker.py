@@ -56,18 +56,14 @@ class Job:
     grammar_param: str | None = None  # the request field a grammar error is blamed on
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
-    others_step: Callable[[], None] | None = None  # set by the worker: a step of each other running job
 
     def cancel(self) -> None:
         self.cancelled.set()
 
     def between_chunks(self) -> None:
-        """Between prefill chunks: a job whose client left stops there, not after the whole prompt; else the
-        other running jobs each take a step."""
+        """Between prefill chunks: a job whose client left stops there, not after the whole prompt."""
         if self.cancelled.is_set():
             raise JobCancelled
-        if self.others_step is not None:
-            self.others_step()
 
 
 class JobCancelled(Exception):
@@ -116,9 +112,10 @@ class Worker:
     `max_waiting` jobs, and `submit` says QueueFull past that.
 
     A step runs each job's stream up to its next forward pass (its last token and drafts), then those passes run,
-    as one pass where they can (akunu.shared_pass). A job's prefill runs in chunks, and between chunks the other
-    jobs take a step, so a long prompt never stalls the answers streaming. Each job has a prompt cache of its own
-    and verifies on its own rows, so its output is the output it would have alone (up to near-ties).
+    as one pass where they can (akunu.shared_pass). A job in prefill runs one chunk of its prompt as its step, and
+    jobs are admitted between steps, so a long prompt never stalls the answers streaming nor the requests arriving:
+    a short one beside it waits about a chunk, then prefills in turns with it. Each job has a prompt cache of its
+    own and verifies on its own rows, so its output is the output it would have alone (up to near-ties).
     """
 
     def __init__(
@@ -201,7 +198,7 @@ class Worker:
             self._drop_cancelled_waiting()
             while self._queued and len(self._active) < self.parallel and self._kv_fits(self._queued[0]):
                 self._admit(self._queued.popleft())
-            self._step_all(self._active)
+            self._step_all()
         for running in list(self._active):  # stopping: the running jobs end as cancelled
             running.job.cancel()
             running.finish = "cancelled"
@@ -253,7 +250,6 @@ class Worker:
             job = self.lead.start(job)
         busy = [running.cache for running in self._active]
         running = _Running(job, self.pool.checkout(job.prompt_ids, busy), waited=time.perf_counter() - job.submitted)
-        job.others_step = lambda: self._step_others(running)
         self._active.append(running)
         self._left_queue()
         try:
@@ -263,15 +259,14 @@ class Worker:
         except Exception as error:  # noqa: BLE001  (reported to its client by _end)
             self._end(running, error)
 
-    def _step_all(self, runs: list[_Running]) -> None:
-        """A step of each job: each runs up to its next forward pass, then the passes run, together where they can
-        (akunu.shared_pass)."""
+    def _step_all(self) -> None:
+        """A step of each job: each runs a prefill chunk or up to its next forward pass, then the passes run,
+        together where they can (akunu.shared_pass)."""
         from akunu.shared_pass import run_passes
 
-        for running in list(runs):
-            if not running.stepping and (running.pending is None or running.pending.logits is not None):
-                self._step(running)
-        waiting = [r for r in runs if r in self._active and r.pending is not None and r.pending.logits is None]
+        for running in list(self._active):
+            self._step(running)
+        waiting = [r for r in self._active if r.pending is not None and r.pending.logits is None]
         try:
             self.metrics.passes_shared.inc(run_passes([running.pending for running in waiting]))
         except Exception as error:  # noqa: BLE001  (the pass failed: the requests it carried end with it)
@@ -279,21 +274,19 @@ class Worker:
                 if running.pending.logits is None:
                     self._end(running, error)
 
-    def _step_others(self, current: _Running) -> None:
-        """Between `current`'s prefill chunks: a step of each other job past its own prefill."""
-        self._step_all([r for r in self._active if r is not current and not r.stepping
-                        and (r.pending is not None or r.first_response is not None)])  # fmt: skip
-
     def _step(self, running: _Running) -> None:
-        """Run the job's stream up to its next forward pass (`running.pending`), handing on the responses before
-        it; the job leaves the batch when its stream ends, fails or is cancelled."""
+        """Run the job's stream up to its next forward pass (`running.pending`) or through one prefill chunk,
+        handing on the responses before it; the job leaves the batch when its stream ends, fails or is cancelled."""
         from akunu.decode import Pass
+        from akunu.forward import PrefillChunk
 
         if running not in self._active:  # it ended during another job's step
             return
-        job, running.pending, running.stepping = running.job, None, True
+        job, running.pending = running.job, None
         try:
-            while (response := next(running.responses, None)) is not None and not isinstance(response, Pass):
+            while (response := next(running.responses, None)) is not None and not isinstance(
+                response, (Pass, PrefillChunk)
+            ):
                 running.stats, running.finish = response.stats, response.finish_reason or running.finish
                 running.first_response = running.first_response or time.perf_counter()  # an end token's too
                 if response.text or response.logprobs:
@@ -306,11 +299,9 @@ class Worker:
         except Exception as error:  # noqa: BLE001  (JobCancelled, a bad request, or a fault: see _end)
             self._end(running, error)
             return
-        finally:
-            running.stepping = False
         if isinstance(response, Pass) and not job.cancelled.is_set():
             running.pending = response
-        else:
+        elif not isinstance(response, PrefillChunk):
             running.finish = "cancelled" if job.cancelled.is_set() and running.stats else running.finish
             self._end(running)
 
@@ -379,7 +370,6 @@ class _Running:
     stats: object = None  # the stream's latest GenerationStats
     finish: str | None = None
     first_response: float | None = None
-    stepping: bool = False  # inside its own step (whose prefill steps the others)
     pending: object = None  # the forward pass its stream waits for (akunu.decode.Pass)
 
 
