@@ -8,18 +8,22 @@ begin a newer one's is deleted, so a growing conversation keeps one file.
 
 File layout: magic, sha256 of the rest, header length, JSON header (identity, tokens, array dtypes and
 shapes), then the arrays' bytes. Files are untrusted: one failing its checksum or shape checks is
-reported, deleted and recomputed. Models with state layers (Mamba, gated delta) are not cached on disk:
+reported, deleted and recomputed. The folder is shared with the user: only regular files that begin with the
+magic are counted, evicted or deleted; anything else is named once and left alone, and no file is opened in a
+way that blocks (a FIFO) or follows a symlink. Models with state layers (Mamba, gated delta) are not cached on disk:
 a state cannot be cut back to a shared prefix, so it would need an entry per prefix.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
 import queue
+import stat
 import struct
 import tempfile
 import threading
@@ -52,11 +56,15 @@ class BadEntry(Exception):
     """An entry file that must not be used: torn, truncated, corrupted or of another model."""
 
 
+class NotAnEntry(BadEntry):
+    """A file in the folder that is not akunu's (not a regular file, or without its magic): left alone."""
+
+
 def model_identity(name: str, path: Path, dtype: str) -> str:
     """A short hash of what a KV cache depends on: the model (by name, file size and time), dtype, backend."""
     try:
-        stat = os.stat(path)
-        fingerprint = f"{stat.st_size}:{stat.st_mtime_ns}"
+        info = os.stat(path)
+        fingerprint = f"{info.st_size}:{info.st_mtime_ns}"
     except OSError:
         fingerprint = "-"
     text = "\0".join((name, str(Path(path).resolve()), fingerprint, dtype, backends.revision()))
@@ -142,22 +150,36 @@ class DiskPromptCache:
         self.enabled = False
 
     def _scan(self) -> None:
-        for path in self.directory.glob(f"*{SUFFIX}"):
-            with contextlib.suppress(OSError):
-                stat = path.stat()
-                entry = Entry(path, stat.st_size, stat.st_mtime)
+        foreign = []
+        for path in sorted(self.directory.glob(f"*{SUFFIX}")):
+            try:
+                info = os.lstat(path)
+                if stat.S_ISDIR(info.st_mode):
+                    continue  # a folder is no file of anyone's to count
+                entry = Entry(path, info.st_size, info.st_mtime)
                 if path.name.startswith(f"{self.identity}-"):
-                    try:
-                        entry.tokens = read_header(path, self.identity)[0]["tokens"]
-                    except BadEntry as error:
-                        self._discard(path, error)
-                        continue
+                    entry.tokens = read_header(path, self.identity)[0]["tokens"]
+                else:
+                    read_magic(path)
+            except NotAnEntry:
+                foreign.append(path.name)
+            except BadEntry as error:
+                self._discard(path, error)
+            except OSError:
+                pass  # gone meanwhile, or unreadable: not counted
+            else:
                 self.entries[path.name] = entry
+        if foreign:
+            log.warning("prompt cache folder %s: left alone %d file(s) that are not akunu's entries: %s",
+                        self.directory, len(foreign), ", ".join(foreign[:5]) + (" …" if len(foreign) > 5 else ""))  # fmt: skip
 
     def _discard(self, path: Path, error: Exception) -> None:
-        log.warning("prompt cache entry %s not used (%s); deleted", path.name, error)
         with self._lock:
             self.entries.pop(path.name, None)
+        if isinstance(error, NotAnEntry):  # replaced by something else since the scan
+            log.warning("prompt cache entry %s not used (%s); left alone", path.name, error)
+            return
+        log.warning("prompt cache entry %s not used (%s); deleted", path.name, error)
         with contextlib.suppress(OSError):
             path.unlink()
 
@@ -196,8 +218,8 @@ class DiskPromptCache:
 
     def _touch(self, entry: Entry) -> None:
         entry.used = time.time()
-        with contextlib.suppress(OSError):
-            os.utime(entry.path)
+        with contextlib.suppress(OSError, NotImplementedError):
+            os.utime(entry.path, follow_symlinks=False)
 
     def save(self, prompt_cache, prompt: Sequence[int]) -> None:
         """Queue the KV cache of `prompt` for writing, when the cache holds it and no entry does yet.
@@ -303,18 +325,44 @@ def replace_atomically(path: Path, parts: list) -> None:
         raise
 
 
-def read_header(path: Path, identity: str) -> tuple[dict, int, bytes]:
-    """(header, payload offset, digest) of an entry, checked to be this model's; BadEntry otherwise."""
+def open_entry(path: Path):
+    """`path` opened for reading if it is a regular file: never following a symlink, never blocking on a FIFO."""
     try:
-        with open(path, "rb") as file:
-            magic, digest, length = PREFIX.unpack(file.read(PREFIX.size))
-            if magic != MAGIC or length > MAX_HEADER:
-                raise BadEntry("not an akunu prompt cache entry")
-            header = json.loads(file.read(length))
-    except FileNotFoundError:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise NotAnEntry("a symlink") from None
         raise
-    except (OSError, struct.error, ValueError) as error:
-        raise BadEntry(f"unreadable: {error}") from None
+    file = os.fdopen(descriptor, "rb")
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        file.close()
+        raise NotAnEntry("not a regular file")
+    return file
+
+
+def read_magic(path: Path) -> None:
+    """Nothing if `path` is a regular file beginning with akunu's magic; NotAnEntry otherwise."""
+    with open_entry(path) as file:
+        if file.read(len(MAGIC)) != MAGIC:
+            raise NotAnEntry("not an akunu prompt cache entry")
+
+
+def read_header(path: Path, identity: str) -> tuple[dict, int, bytes]:
+    """(header, payload offset, digest) of an entry, checked to be this model's; NotAnEntry for a file that is no
+    entry, BadEntry for a damaged or foreign one."""
+    with open_entry(path) as file:
+        prefix = file.read(PREFIX.size)
+        if prefix[: len(MAGIC)] != MAGIC:
+            raise NotAnEntry("not an akunu prompt cache entry")
+        if len(prefix) < PREFIX.size:
+            raise BadEntry("truncated")
+        _, digest, length = PREFIX.unpack(prefix)
+        if length > MAX_HEADER:
+            raise BadEntry("header too long")
+        try:
+            header = json.loads(file.read(length))
+        except (OSError, ValueError) as error:
+            raise BadEntry(f"unreadable: {error}") from None
     if not isinstance(header, dict) or header.get("identity") != identity:
         raise BadEntry("another model's entry")
     tokens = header.get("tokens")
@@ -329,7 +377,8 @@ def read_entry(
     """An entry's tokens and (keys, values) per layer, all checked (against `layout` when given): BadEntry if
     anything is off."""
     header, start, digest = read_header(path, identity)
-    data = path.read_bytes()
+    with open_entry(path) as file:
+        data = file.read()
     if hashlib.sha256(memoryview(data)[PREFIX.size :]).digest() != digest:
         raise BadEntry("checksum mismatch: torn, truncated or corrupted")
     tokens, shapes = header["tokens"], header.get("arrays")

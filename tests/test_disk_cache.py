@@ -151,6 +151,55 @@ def test_the_size_bound_evicts_the_least_recently_used_entry(model, tmp_path):
     assert restored_run(model, store(tmp_path), first + [1])[0] == len(first)
 
 
+def test_files_that_are_not_akunus_entries_are_neither_counted_nor_evicted(model, tmp_path):
+    folder = tmp_path / "prompt_cache"
+    folder.mkdir()
+    foreign = {name: bytes(random.Random(name).randrange(256) for _ in range(4096)) for name in
+               ("notes.kv", "model-b-own.kv", "model-a-mine.kv")}  # fmt: skip
+    for name, data in foreign.items():
+        (folder / name).write_bytes(data)
+    first, second = tokens(40, 12), tokens(40, 13)
+    saved(model, store(tmp_path), first)
+    size = (folder / next(p.name for p in entries(tmp_path) if p.name not in foreign)).stat().st_size
+    disk = store(tmp_path, limit=int(2.5 * size))  # room for both entries, not for a foreign file besides
+    assert len(disk.entries) == 1
+    saved(model, disk, second)
+    assert {name: (folder / name).read_bytes() for name in foreign} == foreign
+    assert len(entries(tmp_path)) == 2 + len(foreign)
+
+
+def started_within(seconds: float, start) -> list:
+    """[start()] if it returned within `seconds`, else [] (it still runs, on a daemon thread)."""
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(start()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return result
+
+
+def test_a_fifo_a_symlink_and_a_folder_named_as_entries_are_left_alone(model, tmp_path, caplog):
+    import os
+
+    folder, outside = tmp_path / "prompt_cache", tmp_path / "outside.kv"
+    saved(model, store(tmp_path), tokens(40, 14))
+    entries(tmp_path)[0].rename(outside)  # a real entry, reached through a link
+    os.mkfifo(folder / "model-a-fifo.kv")
+    (folder / "model-a-link.kv").symlink_to(outside)
+    (folder / "model-a-folder.kv").mkdir()
+    before = outside.stat().st_mtime_ns
+    for _ in range(2):  # started twice: nothing deleted at the first, so the same one line at the second
+        with caplog.at_level(logging.INFO, "akunu.disk_cache"):
+            caplog.clear()
+            opened = started_within(10, lambda: store(tmp_path))
+            assert opened, "the cache blocked at start"
+            assert opened[0].restore(PromptCache(model), tokens(40, 14) + [1]) == 0  # the link is not followed
+        lines = [r.message for r in caplog.records]
+        assert len(lines) == 1 and "model-a-fifo.kv" in lines[0] and "model-a-link.kv" in lines[0], lines
+        assert "folder.kv" not in lines[0]  # a folder is no file of anyone's: left alone quietly
+    assert sorted(p.name for p in folder.iterdir()) == ["model-a-fifo.kv", "model-a-folder.kv", "model-a-link.kv"]
+    assert outside.stat().st_mtime_ns == before
+
+
 def copied_arrays(cache, n: int):
     import numpy as np
 
