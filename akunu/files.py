@@ -1,4 +1,5 @@
-"""Writing a file a user named: in one step when it is a regular file, never by replacing what is not one.
+"""Files a user named: read only when a regular file (a FIFO would block), written in one step when a regular
+file, never by replacing what is not one.
 
 An atomic write (a temporary file renamed over the target) keeps an interrupt from leaving half a file,
 but a rename replaces whatever the name pointed at: a device would become a regular file, a symlink a
@@ -31,12 +32,19 @@ def write_atomically(path: Path, data: bytes, what: str) -> None:
 
 def refuse_special(path: Path, doing: str) -> None:
     """An error if `path` names something other than a regular file (following symlinks); nothing if absent."""
+    if (what := special_kind(path)) is not None:
+        raise AkunuError(f"{doing} {path}: it is {what}, not a regular file")
+
+
+def special_kind(path: Path) -> str | None:
+    """What `path` is ("a FIFO", "a device", "a folder", ...) when it exists and is not a regular file (following
+    symlinks); None for a regular file, or when absent or unreadable (the open itself then says why). A stat never
+    blocks, where opening a FIFO does."""
     try:
         mode = os.stat(path).st_mode
     except OSError:
-        return  # absent, or unreadable: the write itself says why
-    if not stat.S_ISREG(mode):
-        raise AkunuError(f"{doing} {path}: it is {kind(mode)}, not a regular file")
+        return None
+    return None if stat.S_ISREG(mode) else kind(mode)
 
 
 def kind(mode: int) -> str:

@@ -68,12 +68,17 @@ def check_length(text: str, limit: int, source: str) -> str:
 
 
 def read_text_file(path: Path, limit: int, source: str, hint: str = "") -> str:
-    """A text file (or a device, a FIFO: anything that opens), read with the bound."""
+    """A regular text file, read with the bound; a device, a FIFO or a folder is refused before it is opened
+    (a FIFO would block the open; text from a pipe comes on stdin)."""
+    from akunu import files
+
+    try:
+        files.refuse_special(path, f"cannot read {source}")
+    except AkunuError as error:
+        raise PromptError(str(error)) from None
     try:
         with open(path, "rb") as stream:
             data = read_limited(stream, limit, f"{source} {path}")
-    except IsADirectoryError:
-        raise PromptError(f"cannot read {source} {path}: it is a folder") from None
     except OSError as error:
         raise PromptError(f"cannot read {source} {path}: {error.strerror or error}") from None
     return decode_utf8(data, f"{source} {path}", hint)

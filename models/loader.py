@@ -16,6 +16,7 @@ import mlx.nn as nn
 
 from akunu import backends, distributed
 from akunu.errors import ModelError
+from akunu.files import special_kind
 from akunu.models import catalogue
 from akunu.models.dtype_policy import DtypeChoice, choose_dtype
 from akunu.models.fetch import Progress
@@ -121,6 +122,8 @@ def locate(spec: str, progress: Progress | None = None) -> Path:
     path = Path(spec).expanduser()
     if path.is_file():
         return path
+    if (what := special_kind(path)) not in (None, "a folder"):  # a FIFO would block the read; a device is no model
+        raise ModelError(f"{spec} is {what}, not a GGUF file or an MLX model folder")
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelError(f"{spec} is a folder without config.json (expected an MLX model folder)")

@@ -16,6 +16,7 @@ from rich.console import Console
 import akunu.cost_curve
 from akunu.cli import display, text_input
 from akunu.cli.chat_view import ChatView
+from akunu.drafters.ngram_cache import NGramCache, UnreadableCache
 from akunu.generate import GenerationResponse
 from akunu.stats import GenerationStats
 from tests.chat_fixtures import HOSTILE, chatml_tokenizer
@@ -38,7 +39,7 @@ def assert_one_line(result, code: int, starts: str) -> None:
 
 
 def test_a_prompt_file_of_dev_zero_ends_at_once_in_little_memory(tmp_path):
-    """Before the fix this grew by 0.7 GB/s until the OOM killer came."""
+    """Before issue 38's fix this grew by 0.7 GB/s until the OOM killer came; since issue 67 no device is read."""
     probe = (
         "import resource, subprocess, sys\n"
         "done = subprocess.run(sys.argv[1:], capture_output=True, text=True, timeout=120)\n"
@@ -50,7 +51,7 @@ def test_a_prompt_file_of_dev_zero_ends_at_once_in_little_memory(tmp_path):
     done = subprocess.run([sys.executable, "-c", probe, *command], capture_output=True, text=True, timeout=150, env=env)
     code, peak_kb = map(int, done.stdout.split())
     assert code == 1
-    assert done.stderr.startswith("error: the prompt file /dev/zero is too long: 8,388,609 bytes read, over the limit")
+    assert done.stderr.startswith("error: cannot read the prompt file /dev/zero: it is a device, not a regular file")
     assert done.stderr.count("\n") == 1, done.stderr
     assert peak_kb < 200_000  # the interpreter and its imports (about 50 MB), plus at most one bound of text
 
@@ -88,6 +89,46 @@ def test_a_conversation_file_is_read_with_a_bound(fake_engine, tmp_path, monkeyp
     talk.write_text(json.dumps([{"role": "user", "content": "x" * 200}]))
     assert_one_line(invoke("chat", "--load", str(talk)), 1, f"the conversation {talk} is too long: 101 bytes read")
     assert fake_engine.loads == []
+
+
+def unblock_later(fifo: Path, seconds: float = 5.0) -> None:
+    """Open the FIFO's writing end after `seconds` and close it, so a reader that opened it (the fault) gets an
+    empty file and the test fails instead of hanging."""
+    import threading
+    import time
+
+    def open_and_close() -> None:
+        time.sleep(seconds)
+        with open(fifo, "wb"):
+            pass
+
+    threading.Thread(target=open_and_close, daemon=True).start()
+
+
+@pytest.mark.parametrize("kind", ["device", "FIFO", "folder"])
+def test_files_named_to_be_read_must_be_regular_files(fake_engine, tmp_path, kind):
+    target = _special_targets(tmp_path)[kind]
+    name = {"device": "a device", "FIFO": "a FIFO", "folder": "a folder"}[kind]
+    reads = {  # what is read: (the command, its exit status: 2 for an option's file)
+        "the conversation": (("chat", "--load", str(target)), 1),
+        "the prompt file": (("generate", "--prompt-file", str(target)), 1),
+        "the JSON schema file": (("generate", "--json-schema", str(target), "hi"), 2),
+    }
+    for source, (command, code) in reads.items():
+        if kind == "FIFO":
+            unblock_later(target)
+        assert_one_line(invoke(*command), code, f"cannot read {source} {target}: it is {name}, not a regular file")
+    assert fake_engine.streams == []
+    if kind != "folder":  # a folder is an MLX model's (test_bad_model_files); fake_engine skips the loader
+        from akunu.errors import ModelError
+        from akunu.models.loader import locate
+
+        with pytest.raises(ModelError, match=f"^{target} is {name}, not a GGUF file or an MLX model folder$"):
+            locate(str(target))
+    if kind == "FIFO":
+        unblock_later(target)
+    with pytest.warns(UnreadableCache, match=f"it is {name}, not a regular file"):
+        assert len(NGramCache.load(target)) == 0
 
 
 # -- 2: saving never replaces what is not a regular file --------------------------------------------

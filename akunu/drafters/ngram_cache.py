@@ -18,6 +18,7 @@ import numpy as np
 
 from akunu.drafters.base import Draft, NGramDrafter
 from akunu.drafters.ngram import fnv1a
+from akunu.files import special_kind
 
 MAGIC = "akunu-ngram-cache-1"
 
@@ -65,6 +66,8 @@ class NGramCache:
     def load(cls, path: Path, **limits) -> NGramCache:
         """The counts saved at `path`; an empty cache if there is no file, or (with a warning) if it cannot be read."""
         try:
+            if (what := special_kind(path)) is not None:  # np.load would block on a FIFO
+                raise ValueError(f"it is {what}, not a regular file")
             with np.load(path, allow_pickle=False) as data:
                 if str(data["magic"]) != MAGIC:
                     raise ValueError("not an akunu n-gram cache")
