@@ -167,6 +167,10 @@ def test_an_api_key_is_required_on_every_request(fake_engine, serve):
     assert raw_request(server.base_url, "GET", "/health")[0] == 200  # load balancers probe without a key
     assert [m.id for m in server.client(api_key="sekret").models.list().data] == ["tiny"]
     assert server.client(api_key="sekret").chat.completions.create(model="tiny", messages=USER, max_tokens=2).usage
+    for header in ("bearer sekret", "BEARER  sekret", "Bearer sekret "):  # the scheme is case-insensitive (RFC 7235)
+        assert raw_request(server.base_url, "GET", "/v1/models", headers={"Authorization": header})[0] == 200
+    for header in ("Basic sekret", "sekret", "Bearer", "bearer sekret2"):
+        assert raw_request(server.base_url, "GET", "/v1/models", headers={"Authorization": header})[0] == 401
 
 
 def test_a_full_queue_answers_429_with_retry_after(fake_engine, serve):

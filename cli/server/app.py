@@ -338,18 +338,25 @@ class _KeyAuth:
     `Authorization: Bearer KEY` or as Anthropic's `x-api-key: KEY` (compared in constant time)."""
 
     def __init__(self, app, api_key: str, open_paths=PROBES) -> None:
-        self.app, self.bearer, self.key = app, f"Bearer {api_key}".encode(), api_key.encode()
+        self.app, self.key = app, api_key.encode()
         self.open_paths = frozenset(open_paths)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:  # probes and the page hold no text
             headers = dict(scope["headers"])
-            bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.bearer)
+            bearer = hmac.compare_digest(_bearer_token(headers.get(b"authorization", b"")), self.key)
             if not (hmac.compare_digest(headers.get(b"x-api-key", b""), self.key) or bearer):
                 error = ApiError(401, "a valid API key is needed: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
                                  kind="invalid_request_error", code="invalid_api_key")  # fmt: skip
                 return await _error_response(scope["path"], error)(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+def _bearer_token(authorization: bytes) -> bytes:
+    """The credentials of an `Authorization: Bearer KEY` header, the scheme in any case (RFC 7235); b"" for
+    another scheme."""
+    scheme, _, credentials = authorization.strip().partition(b" ")
+    return credentials.strip() if scheme.lower() == b"bearer" else b""
 
 
 async def _api_error(request, error: ApiError) -> JSONResponse:
