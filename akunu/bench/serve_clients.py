@@ -30,6 +30,7 @@ class StreamedAnswer:
     first_token: float  # seconds from sending to the first text
     seconds: float  # from sending to the last chunk
     passes: int | None  # forward passes, from akunu's statistics (None from another server)
+    prompt_tokens: int | None = None  # from the usage chunk
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def ask(base_url: str, model: str, prompt: str, max_tokens: int, timeout: float 
     ended = time.perf_counter()
     usage, stats = final.get("usage") or {}, final.get("akunu") or {}
     return StreamedAnswer("".join(text), int(usage.get("completion_tokens", 0)), (first or ended) - started,
-                          ended - started, stats.get("forward_passes"))  # fmt: skip
+                          ended - started, stats.get("forward_passes"), usage.get("prompt_tokens"))  # fmt: skip
 
 
 def run_round(base_url: str, model: str, prompts: Sequence[str], clients: int, max_tokens: int, mode: str) -> Round:

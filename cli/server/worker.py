@@ -250,7 +250,7 @@ class Worker:
             job = self.lead.start(job)
         busy = [running.cache for running in self._active]
         running = _Running(job, self.pool.checkout(job.prompt_ids, busy), waited=time.perf_counter() - job.submitted)
-        self._active.append(running)
+        self._active.insert(0, running)  # its first step comes before the running jobs' next: a prefill chunk each
         self._left_queue()
         try:
             if self.disk is not None:
