@@ -9,6 +9,7 @@ copy. So a symlink is followed to the file it names, and a device, a FIFO or a f
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 from pathlib import Path
@@ -23,11 +24,27 @@ def write_atomically(path: Path, data: bytes, what: str) -> None:
     temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         temporary.write_bytes(data)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        raise AkunuError(f"cannot save {what} to {path}: {_cannot_create(target.parent, error)}") from None
+    try:
         os.replace(temporary, target)
     except OSError as error:
         with contextlib.suppress(OSError):
             temporary.unlink()
         raise AkunuError(f"cannot save {what} to {path}: {error.strerror or error}") from None
+
+
+def _cannot_create(folder: Path, error: OSError) -> str:
+    """Why no file could be made in `folder` (the save writes a new file there first): the folder's fault, named as
+    such, not the bare errno of a name the user never gave."""
+    reason = error.strerror or str(error)
+    if error.errno == errno.ENOENT and folder.is_dir():  # e.g. /proc: a folder that takes no new files
+        return f"the folder {folder} takes no new files"
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"the folder {folder} is not writable ({reason})"
+    return f"cannot write a file in {folder} ({reason})"
 
 
 def refuse_special(path: Path, doing: str) -> None:

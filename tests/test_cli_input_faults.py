@@ -167,6 +167,13 @@ def test_save_and_ngram_cache_options_refuse_what_is_not_a_file_before_loading(f
     assert fake_engine.loads == [] and _kind_of(target) == kind
 
 
+@pytest.mark.skipif(not Path("/proc/version").is_file(), reason="needs Linux's /proc")
+def test_chat_save_into_a_folder_that_takes_no_files_names_the_folder(fake_engine):
+    result = invoke("chat", "--max-tokens", "2", input="hi\n/save /proc/version\n")
+    assert result.exit_code == 0, result.output
+    assert "error: cannot save the conversation to /proc/version: the folder /proc takes no new files" in result.stdout
+
+
 @pytest.mark.parametrize("exists", [True, False], ids=["file", "dangling"])
 def test_saving_through_a_symlink_writes_its_target_and_keeps_the_link(fake_engine, tmp_path, exists):
     real, link = tmp_path / "real.json", tmp_path / "link.json"
