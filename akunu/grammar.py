@@ -82,16 +82,32 @@ def json_schema_grammar(schema: dict, *, lenient: bool = False) -> str:
     if not isinstance(schema, dict):
         raise OptionsError("a JSON schema must be a JSON object")
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={**JSON_LAYOUT, "lenient": lenient})
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={**JSON_LAYOUT, "lenient": lenient})
     except ValueError as error:
         raise GrammarError(f"the JSON schema cannot be used: {_short(str(error))}") from None
+    if lenient:
+        refuse_unenforced_keywords(schema)
+    return grammar
+
+
+def refuse_unenforced_keywords(schema: dict) -> None:
+    """A GrammarError, as strict mode gives, for keywords that constrain a value but llguidance cannot enforce
+    (`not`, `if`, `uniqueItems`, ...): output that ignored them would break the schema. Lenient mode still ignores
+    the rest (unknown keys, unknown formats: annotations)."""
+    import llguidance
+
+    strict = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={**JSON_LAYOUT, "lenient": False})
+    error = llguidance.LLMatcher.validate_grammar(strict)
+    if error.startswith("Unimplemented keys"):
+        raise GrammarError(f"the grammar cannot be used: {_short(error)}")
 
 
 def response_format_grammar(response_format) -> str | None:
     """The grammar an OpenAI `response_format` asks for (None for plain text); a bad one is an OptionsError.
 
-    `json_schema` with `strict: false` ignores schema keywords llguidance does not implement; with
-    `strict: true` they are an error. Either way the output is JSON valid for what is enforced."""
+    `json_schema` with `strict: false` ignores unknown keys and formats, with `strict: true` they are an error;
+    either way a keyword that constrains a value but cannot be enforced (`not`, `if`, ...) is an error, so the
+    output is JSON valid for the whole schema."""
     kind = response_format.get("type") if isinstance(response_format, dict) else None
     if kind == "text":
         return None
@@ -108,9 +124,11 @@ def response_format_grammar(response_format) -> str | None:
 def wrapped_json_grammar(prefix: str, schema: dict, suffix: str, *, separator: str | None = None) -> str:
     """A Lark grammar of `prefix` + JSON valid for `schema` + `suffix` (a forced tool call, e.g. Hermes'
     "<tool_call>\\n" ... "\\n</tool_call>"); with a `separator`, one or more of them separated by it.
-    Schema keywords llguidance does not implement are ignored, as tool parameters often carry some."""
+    Unknown keys and formats are ignored, as tool parameters often carry some; keywords that constrain a value but
+    llguidance cannot enforce are refused (`refuse_unenforced_keywords`)."""
     if not isinstance(schema, dict):
         raise OptionsError("a JSON schema must be a JSON object")
+    refuse_unenforced_keywords(schema)
     body = json.dumps({**schema, "x-guidance": {**JSON_LAYOUT, "lenient": True}})
     start = "item" if separator is None else f"item ({json.dumps(separator)} item)*"
     return lark_grammar(f"start: {start}\nitem: {json.dumps(prefix)} body {json.dumps(suffix)}\nbody: %json {body}\n")

@@ -110,6 +110,18 @@ def test_response_format_strict_refuses_what_lenient_ignores(tokenizer):
     assert response_format_grammar({"type": "text"}) is None
 
 
+@pytest.mark.parametrize("keyword", ["not", "if", "uniqueItems"])
+def test_a_keyword_that_cannot_be_enforced_is_refused_strict_or_not(tokenizer, keyword):
+    value = {"not": {"type": "string"}, "if": {"type": "integer"}, "uniqueItems": True}[keyword]
+    schema = {"type": "object", "properties": {"a": {keyword: value}}}
+    for strict in (True, False, None):
+        spec = {"name": "x", "schema": schema, **({} if strict is None else {"strict": strict})}
+        with pytest.raises(OptionsError, match=f'"{keyword}"'):
+            Constraint(response_format_grammar({"type": "json_schema", "json_schema": spec}), tokenizer)
+    with pytest.raises(OptionsError, match=f'"{keyword}"'):  # a forced tool call's parameters
+        wrapped_json_grammar("<call>", schema, "</call>")
+
+
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "default"])
 def test_greedy_output_is_the_same_with_and_without_speculation(model, tokenizer, exact):
     constraint = Constraint.json_schema(PERSON, tokenizer)

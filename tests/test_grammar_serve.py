@@ -79,3 +79,14 @@ def test_a_bad_response_format_is_a_400_naming_it(client, response_format):
             model="tiny", messages=[{"role": "user", "content": "x"}], response_format=response_format
         )
     assert caught.value.body["param"] == "response_format"
+
+
+def test_a_schema_keyword_that_cannot_be_enforced_is_a_400_without_strict_too(client):
+    schema = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}, "required": ["a"]}
+    for strict in ({}, {"strict": False}, {"strict": True}):
+        response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, **strict}}
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "x"}], response_format=response_format
+            )
+        assert caught.value.body["param"] == "response_format" and '"not"' in caught.value.body["message"]
