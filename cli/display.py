@@ -99,6 +99,26 @@ def histogram(counts) -> str:
     return " ".join(f"{length}:{count}" for length, count in sorted(counts.items()))
 
 
+def split_json(sharded: str, stats, decode_traffic: tuple[int, int] | None) -> dict:
+    """Under mlx.launch, `generate --json`'s "split": the ranks, how the model is split (`loaded.sharded`), and per
+    generated token after the first (decoding's, as `akunu bench` counts them) the round trips between the ranks
+    and the bytes this rank sent."""
+    from akunu import distributed
+
+    collectives, sent = distributed.traffic.snapshot()
+    before, sent_before = decode_traffic or (collectives, sent)
+    tokens = max(stats.generated_tokens - 1, 0)  # the first token comes from prefill
+    return {
+        "ranks": distributed.size(),
+        "kind": "tensor" if sharded.startswith("tensor") else "pipeline",
+        "how": sharded,
+        "per_token": {
+            "round_trips": (collectives - before) / tokens if tokens else None,
+            "bytes_sent": (sent - sent_before) / tokens if tokens else None,
+        },
+    }
+
+
 def result_json(model_name: str, text: str, tokens: list[int], stats, finish_reason: str | None, config) -> dict:
     """`akunu generate --json`: the engine's numbers (GenerationStats.to_dict), flat and per phase."""
     numbers = stats.to_dict()

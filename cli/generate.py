@@ -271,8 +271,10 @@ def run(
 ) -> None:
     """Stream one generation to stdout; Ctrl-C keeps what was generated and exits 130.
     `answer_only`: the model writes harmony, whose markup and reasoning the user does not see."""
+    from akunu import distributed
+
     out = stdout_console()
-    pieces, tokens, stats, finish = [], [], None, None
+    pieces, tokens, stats, finish, decode_traffic = [], [], None, None, None
     try:
         costs = runtime.costs_for(loaded, config)
         responses = runtime.stream(loaded, prompt_ids, config, costs=costs, drafter=drafter, constraint=constraint)
@@ -281,6 +283,7 @@ def run(
             pieces.append(response.text)
             if response.token is not None:
                 tokens.append(response.token)
+                decode_traffic = decode_traffic or distributed.traffic.snapshot()  # from the first token on
             stats, finish = response.stats, response.finish_reason or finish
             if json_output or not response.text:
                 continue
@@ -296,9 +299,10 @@ def run(
         if stats is None and finish == "interrupted":
             raise Interrupted("interrupted")
         if stats is not None:
-            typer.echo(
-                json.dumps(display.result_json(loaded.name, text, tokens, stats, finish, config), ensure_ascii=False)
-            )
+            result = display.result_json(loaded.name, text, tokens, stats, finish, config)
+            if distributed.group() is not None:
+                result["split"] = display.split_json(loaded.sharded, stats, decode_traffic)
+            typer.echo(json.dumps(result, ensure_ascii=False))
     else:
         if not text.endswith("\n"):
             sys.stdout.write("\n")

@@ -207,6 +207,23 @@ def test_chat_takes_rank_zeros_lines_for_three_turns_and_rank_one_prints_nothing
     assert done.stderr.count("tensor parallel over 2 ranks") == 1, done.stderr
 
 
+def test_generate_json_names_the_ranks_the_split_and_the_traffic_per_token(job_env, tmp_path):
+    from tests.tiny_gguf import LAYERS
+
+    model = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model)
+    command = [str(BIN / "akunu"), "generate", "--json", "--no-spec", "--model", str(model), "--dtype", "float32",
+               "--max-tokens", "6", "one two three"]  # fmt: skip
+    done = run_launched(command, job_env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 1, done.stdout  # rank 0's
+    split = results[0]["split"]
+    assert (split["ranks"], split["kind"]) == (2, "tensor") and split["how"].startswith("tensor parallel over 2 ranks")
+    assert split["per_token"]["round_trips"] == 2 * LAYERS + 1  # a pass a token: two all-sums a layer, the stop check
+    assert split["per_token"]["bytes_sent"] > 0
+
+
 def _rank_one(launcher: subprocess.Popen) -> int | None:
     return _rank_with(launcher, b"MLX_RANK=1")
 
