@@ -1,5 +1,5 @@
-"""`akunu bench llama-cpp`, `kernel`, `memory` and `serve-load`: agreement with llama.cpp, the product kernels by
-rows, peak memory, and a concurrent load on `akunu serve`.
+"""`akunu bench llama-cpp`, `kernel`, `memory`, `serve-load` and `long-prompt`: agreement with llama.cpp, the
+product kernels by rows, peak memory, a concurrent load on `akunu serve`, and short requests beside a long prompt.
 
 The measuring lives in `akunu.bench` (agreement, llama_cpp, kernel_rows, memory, serve_load); this module
 parses options and prints. `register` adds the commands to `akunu bench`.
@@ -45,6 +45,7 @@ def register(app: typer.Typer) -> None:
     app.command("serve-load", epilog=SERVE_LOAD_EXAMPLES)(serve_load)
     app.command("serve", epilog=SERVE_EXAMPLES)(serve)
     app.command("prompt-cache", epilog=PROMPT_CACHE_EXAMPLES)(prompt_cache)
+    app.command("long-prompt", epilog=LONG_PROMPT_EXAMPLES)(long_prompt)
 
 
 # akunu bench llama-cpp -------------------------------------------------------------------------
@@ -451,3 +452,48 @@ def _turn_table(turns) -> Table:
                       "–" if per_pass is None else f"{per_pass:.2f}")  # fmt: skip
         previous = turn.prompt_tokens
     return table
+
+
+# akunu bench long-prompt -----------------------------------------------------------------------
+
+
+LONG_PROMPT_EXAMPLES = """[bold]Examples[/]
+  akunu bench long-prompt --model qwen2.5-coder-0.5b        a 7,000-token prompt, then a short request every 5 s
+  akunu bench long-prompt --long-tokens 2000 --shorts 4 --every 2"""
+
+
+def long_prompt(
+    model: ServerModel = None,
+    long_tokens: Annotated[int, typer.Option(min=64, help="About how many tokens the long prompt has.")] = 7000,
+    shorts: Annotated[int, typer.Option(min=2, help="Short requests beside it (and as many alone).")] = 6,
+    every: Annotated[float, typer.Option(min=0.1, help="Seconds between the short requests.")] = 5.0,
+    parallel: Annotated[int, typer.Option(min=2, help="The server's --parallel.")] = 4,
+) -> None:
+    """Short requests beside a long prompt on akunu serve --parallel: their time to first token against the same requests alone (before and after, on the same server).
+
+    A short request is admitted at once and prefills in turns with the long prompt, so it is answered long before
+    the long prompt's first token; the table says how many were.
+    """
+    from akunu.bench import long_prompt_load as lib
+    from akunu.bench import serve_load
+
+    log = serve_load.server_log()
+    try:
+        with stderr_console().status(f"akunu serve --parallel {parallel}: a {long_tokens:,}-token prompt, then "
+                                     f"{shorts} short requests every {every:g} s…"):  # fmt: skip
+            result = lib.run(model, log, long_tokens=long_tokens, shorts=shorts, every=every, parallel=parallel)
+    finally:
+        log.close()
+    out = table_console()
+    out.print(f"[bold]akunu bench long-prompt[/] · {escape(model or 'the default model')} · --parallel {parallel} · "
+              f"long prompt {result.long_prompt_tokens or '?'} tokens, first token after "
+              f"{result.long_first_token:.1f} s")  # fmt: skip
+    table = Table(box=None, header_style="bold")
+    for column in ("short requests", "first token p50", "max"):
+        table.add_column(column, justify="left" if column == "short requests" else "right")
+    for label, seconds in (("alone", result.alone), ("beside the long prompt", result.beside)):
+        table.add_row(label, f"{result.p50(seconds):.2f} s", f"{max(seconds):.2f} s")
+    out.print(table)
+    out.print(
+        f"{result.during_prefill}/{len(result.beside)} short requests answered before the long prompt's first token"
+    )

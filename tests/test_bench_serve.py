@@ -45,3 +45,15 @@ def test_side_by_side_and_one_at_a_time_are_measured_for_each_client_count(isola
 def test_bad_client_counts_are_one_line(counts):
     result = invoke("bench", "serve", "--clients", counts)
     assert result.exit_code == 2 and "client counts" in result.output
+
+
+def test_long_prompt_times_short_requests_alone_and_beside_a_long_prefill(isolated_home, tmp_path):
+    model = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model)  # a context of 256 tokens; its tokens are about bytes: 64 "tokens" are about 170
+    result = invoke("bench", "long-prompt", "--model", str(model), "--long-tokens", "64", "--shorts", "2",
+                    "--every", "0.2")  # fmt: skip
+    output = ANSI.sub("", result.output)
+    assert result.exit_code == 0, output
+    rows = [line.split() for line in output.splitlines() if line.strip().startswith(("alone", "beside"))]
+    assert [row[0] for row in rows] == ["alone", "beside"] and all(row[-1] == "s" for row in rows), output
+    assert "/2 short requests answered before the long prompt's first token" in output
