@@ -44,7 +44,7 @@ def _cannot_create(folder: Path, error: OSError) -> str:
         return f"the folder {folder} takes no new files"
     if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"the folder {folder} is not writable ({reason})"
-    return f"cannot write a file in {folder} ({reason})"
+    return reason  # a missing folder's "No such file or directory" says it
 
 
 def refuse_special(path: Path, doing: str) -> None:
