@@ -243,7 +243,7 @@ def test_the_page_asks_for_the_key_refuses_a_wrong_one_and_then_converses(script
     assert "401" in by_css(browser, "#key-error")[0].text and dialog.is_displayed()
     assert last_message(browser)[0] == "message error" and "401" in last_message(browser)[1]
     by_css(browser, "#key-input")[0].send_keys(KEY + "\n")
-    wait(browser, lambda d: by_css(d, "#model-name")[0].text == "tiny")
+    wait(browser, lambda d: by_css(d, "#model-name")[0].get_attribute("value") == "smollm2-135m")
     assert not dialog.is_displayed() and KEY not in browser.current_url
     send(browser, "hello")
     assert STATS.match(final_stats(browser))
@@ -298,7 +298,7 @@ def test_settings_reach_the_request_and_stay(scripted_server, browser):
     fresh_page(browser, scripted_server.base_url, key=KEY)
     by_css(browser, "#open-settings")[0].click()
     wait(browser, lambda d: by_css(d, "#setting-model option"))
-    assert by_css(browser, "#setting-model")[0].get_attribute("value") == "tiny"
+    assert by_css(browser, "#setting-model")[0].get_attribute("value") == "smollm2-135m"
     by_css(browser, "#setting-max-tokens")[0].send_keys("5")
     by_css(browser, "#setting-speculative")[0].click()
     by_css(browser, "#settings-form button[type='submit']")[0].click()
@@ -313,7 +313,7 @@ def test_settings_reach_the_request_and_stay(scripted_server, browser):
 def test_a_body_too_large_and_a_server_gone_are_lines_and_the_conversation_stays(tmp_path, browser):
     with serving_scripted(tmp_path, "--max-body", "2K") as server:
         fresh_page(browser, server.base_url)
-        wait(browser, lambda d: by_css(d, "#model-name")[0].text == "tiny")
+        wait(browser, lambda d: by_css(d, "#model-name")[0].get_attribute("value") == "smollm2-135m")
         browser.execute_script("document.getElementById('prompt').value = 'y'.repeat(3000)")
         by_css(browser, "#send")[0].click()
         wait(browser, lambda d: last_message(d)[0] == "message error")
