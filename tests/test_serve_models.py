@@ -25,7 +25,9 @@ def models(fake_engine, monkeypatch, tmp_path):
     """`models(*names)` -> the --model options serving those .gguf files; each load builds the model afresh (so an
     unloaded one can be seen to be freed); `gates[name]`, when set, holds that model's load until it is set."""
     import akunu.models
+    from akunu.cli.server import model_pool
 
+    monkeypatch.setattr(model_pool, "resident_bytes", lambda: 0)  # the test process's memory is not the server's
     built: dict[str, list] = {}
     gates: dict[str, threading.Event] = {}
 
@@ -186,3 +188,14 @@ def test_a_loaded_model_answers_while_another_loads(models, serve):
     models.gates["beta"].set()
     waiting.join(30)
     assert listed(server)["beta"]["loaded"]
+
+
+def test_the_servers_resident_memory_counts_toward_max_memory(models, serve, monkeypatch):
+    from akunu.cli.server import model_pool
+
+    server = serve(*models("alpha", "beta"), "--max-memory", "1M")
+    monkeypatch.setattr(model_pool, "resident_bytes", lambda: 3 * 2**20)  # the runtime alone passes the limit
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask(server, "beta")
+    assert "with the server's own memory: 3 MiB resident" in refused.value.body["message"]
+    assert [m["state"] for m in listed(server).values()] == ["unloaded", "unloaded"]  # alpha left to make room

@@ -292,7 +292,8 @@ class ModelPool:
 
     def _make_room(self, slot: _Slot, need: int, wait: bool = True) -> None:
         """Unload idle models, least recently used first, until `need` more bytes fit under max_memory and one
-        more model under max_models; wait for busy ones to go idle (up to ROOM_WAIT_SECONDS)."""
+        more model under max_models; wait for busy ones to go idle (up to ROOM_WAIT_SECONDS). What counts is the
+        larger of the models' own memory and the process's resident memory (the runtime's too) with `need` added."""
         if self.max_memory is not None and (slot.weights_bytes or need) > self.max_memory:
             raise ModelTooLarge(
                 f"the model '{slot.model.name}' needs {_size(slot.weights_bytes or need)} for its weights, more than the "
@@ -302,7 +303,8 @@ class ModelPool:
         while True:
             with self._lock:
                 others = [s for s in self.slots.values() if s is not slot and s.state != UNLOADED]
-                used = sum(s.memory() for s in others) + (slot.memory() if not need else need)
+                accounted = sum(s.memory() for s in others) + (slot.memory() if not need else need)
+                used = max(accounted, (resident_bytes() or 0) + need)
                 fits = self.max_memory is None or used <= self.max_memory
                 if fits and len(others) < self.max_models:
                     return
@@ -310,13 +312,15 @@ class ModelPool:
                 victim = idle[0] if idle else None
                 if victim is not None:
                     self._unload(victim, "to make room for " + slot.model.name)
+                hopeless = victim is None and all(s.state == LOADED and not s.busy() for s in others)
             if victim is not None:
                 victim.freed.wait()
-            elif not wait or time.monotonic() > deadline:
+            elif hopeless or not wait or time.monotonic() > deadline:
+                beside = "with the server's own memory" if hopeless else "next to the models answering requests now"
                 raise ModelTooLarge(
-                    f"the model '{slot.model.name}' does not fit next to the models answering requests now "
-                    f"({_size(used)} with it, --max-memory {_size(self.max_memory or 0)}, --max-models "
-                    f"{self.max_models}); retry when they are done"
+                    f"the model '{slot.model.name}' does not fit {beside}: {_size(used)} resident with it, over "
+                    f"--max-memory {_size(self.max_memory or 0)} (--max-models {self.max_models})"
+                    + ("" if hopeless else "; retry when they are done")
                 )
             else:
                 time.sleep(self.tick)
