@@ -393,7 +393,7 @@ def _print_serve_models(result, first: str, second: str, cpu: str, max_tokens: i
             table.add_row(case, str(len(answers)), f"{result.p50(answers):.2f} s", f"{firsts[-1]:.2f} s",
                           f"{max(a.longest_gap for a in answers):.2f} s")  # fmt: skip
 
-    row("A loaded, nothing loading", result.loaded)
+    row("A loaded, nothing loading (before and after)", result.loaded)
     row("A loaded, while B loads", result.during_load)
     row("B loading (its first request)", [result.loading])
     row("B loaded", result.b_loaded)

@@ -130,6 +130,7 @@ def test_keep_alive_zero_unloads_when_done_and_the_weights_are_freed(models, ser
     with pytest.raises(openai.BadRequestError) as bad:
         ask(server, "alpha", keep_alive="soon")
     assert bad.value.body["param"] == "keep_alive"
+    assert ask(server, "alpha", keep_alive=10**400)  # past any float: for ever, not a 500
 
 
 def test_a_short_keep_alive_unloads_the_idle_model_and_a_request_loads_it_again(models, serve):

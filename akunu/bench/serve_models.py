@@ -2,8 +2,9 @@
 token for a model already loaded, for one loading (and the loaded model's while it loads), and for one loaded again
 after its keep_alive unloaded it; the server's resident memory before, during and after the load and the unload.
 
-Model A stays loaded for ever; model B's requests carry a short keep_alive, so B unloads while A stays. Greedy
-answers of B before and after its unload must be equal.
+Model A stays loaded for ever; model B's last request carries a short keep_alive, so B unloads while A stays. A's
+time to first token with nothing loading is measured before B loads and after it has unloaded. Greedy answers of B
+before and after its unload must be equal.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from akunu.bench.serve_load import ServeLoadError, error_message, start_server, stop_server
 
 PROMPT = "Question {n}: in two sentences, why do rivers bend?"
+HOLD = 600  # B's keep_alive, seconds, until its last request: it must not unload between the measured requests
 
 
 @dataclass(frozen=True)
@@ -99,11 +101,12 @@ def run(first: str, second: str, *, requests: int, max_tokens: int, keep_alive: 
         ask(base_url, a, PROMPT.format(n=next(asked)), max_tokens)  # warm: kernels built, cost curve measured
         result.resident["before"] = resident(process.pid)
         result.loaded = [ask(base_url, a, PROMPT.format(n=next(asked)), max_tokens) for _ in range(requests)]
-        _load_phase(base_url, process.pid, a, b, asked, result, requests, max_tokens, keep_alive)
+        _load_phase(base_url, process.pid, a, b, asked, result, requests, max_tokens)
         result.resident["after load"] = resident(process.pid)
-        for _ in range(requests):  # clients alternating, both loaded
+        for turn in range(requests):  # clients alternating, both loaded; B's last request sets its short keep_alive
             ask(base_url, a, PROMPT.format(n=next(asked)), max_tokens)
-            result.b_loaded.append(ask(base_url, b, PROMPT.format(n=next(asked)), max_tokens, keep_alive))
+            hold = keep_alive if turn == requests - 1 else HOLD
+            result.b_loaded.append(ask(base_url, b, PROMPT.format(n=next(asked)), max_tokens, hold))
         deadline = time.monotonic() + keep_alive + 60
         while models_listed(base_url)[b]["state"] != "unloaded":
             if time.monotonic() > deadline:
@@ -111,6 +114,7 @@ def run(first: str, second: str, *, requests: int, max_tokens: int, keep_alive: 
             time.sleep(0.2)
         time.sleep(0.5)
         result.resident["after unload"] = resident(process.pid)
+        result.loaded += [ask(base_url, a, PROMPT.format(n=next(asked)), max_tokens) for _ in range(requests)]
         result.reloaded = ask(base_url, b, PROMPT.format(n=0), max_tokens, keep_alive)
         result.same_after_reload = result.reloaded.text == result.loading.text  # the first request's, before
         return result
@@ -118,14 +122,14 @@ def run(first: str, second: str, *, requests: int, max_tokens: int, keep_alive: 
         stop_server(process)
 
 
-def _load_phase(base_url, pid, a, b, asked, result: ModelsResult, requests, max_tokens, keep_alive) -> None:
+def _load_phase(base_url, pid, a, b, asked, result: ModelsResult, requests, max_tokens) -> None:
     """B's first request (which loads it) in a thread; meanwhile A's requests one after another, timed; resident
     memory sampled throughout."""
     peak, loading = [0], threading.Event()
 
     def load_b() -> None:
         try:
-            result.loading = ask(base_url, b, PROMPT.format(n=0), max_tokens, keep_alive)
+            result.loading = ask(base_url, b, PROMPT.format(n=0), max_tokens, HOLD)
         finally:
             loading.set()
 

@@ -92,6 +92,8 @@ def parse_keep_alive(value) -> float | None:
     one is FOREVER, 0 unloads as soon as the model is idle. A ValueError for anything else."""
     if isinstance(value, bool):
         raise ValueError(value)
+    if isinstance(value, int) and abs(value) > 2**53:  # past any useful duration, and float() of 10**400 overflows
+        value = -1 if value < 0 else 2**53
     if isinstance(value, (int, float)):
         seconds = float(value)
     else:
