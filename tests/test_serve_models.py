@@ -13,6 +13,7 @@ import weakref
 import openai
 import pytest
 
+from akunu.errors import ModelError
 from tests.fakes import invoke, make_loaded
 from tests.serve_fixtures import USER, raw_request
 from tests.tiny import tiny_llama
@@ -36,6 +37,8 @@ def models(fake_engine, monkeypatch, tmp_path):
         fake_engine.loads.append({"spec": spec})
         if name in gates:
             gates[name].wait(30)
+        if name == "broken":
+            raise ModelError(f"{spec}: the tensor data is cut short")
         hidden = 64 if name == "big" else 32
         loaded = make_loaded(model=tiny_llama(vocab=64, hidden=hidden, seed=SEEDS.get(name, 1)))
         loaded.name = name
@@ -200,3 +203,16 @@ def test_the_servers_resident_memory_counts_toward_max_memory(models, serve, mon
         ask(server, "beta")
     assert "with the server's own memory: 3 MiB resident" in refused.value.body["message"]
     assert [m["state"] for m in listed(server).values()] == ["unloaded", "unloaded"]  # alpha left to make room
+
+
+def test_an_unknown_name_at_start_is_one_line_and_a_model_that_fails_to_load_fails_only_its_requests(models, serve):
+    result = invoke("serve", "--port", "0", "-m", "smollm2-135m", "-m", "nosuch")
+    assert result.exit_code != 0 and "unknown model 'nosuch'" in result.output and "Traceback" not in result.output
+    server = serve(*models("alpha", "broken"))
+    with pytest.raises(openai.InternalServerError) as failed:
+        ask(server, "broken")
+    assert (
+        "the model 'broken' failed to load" in failed.value.body["message"]
+        and "cut short" in failed.value.body["message"]
+    )
+    assert ask(server, "alpha") and listed(server)["broken"]["state"] == "unloaded"

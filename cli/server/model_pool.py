@@ -55,6 +55,7 @@ class Servable:
 def servable(spec: str) -> Servable:
     """The name a model is served by: a catalogue name, a GGUF file's stem, an MLX folder's name, a repo id."""
     from akunu.models import catalogue
+    from akunu.models.loader import HF_REPO_ID
 
     if spec in catalogue.KNOWN:
         known = catalogue.KNOWN[spec]
@@ -67,6 +68,8 @@ def servable(spec: str) -> Servable:
         return Servable(path.resolve().name, spec, frozenset(), weights)
     if spec.endswith(".gguf") or spec.startswith((".", "/", "~")):
         raise ModelError(f"no such model file: {spec}")
+    if not HF_REPO_ID.match(spec):
+        raise catalogue.unknown_model(spec)
     return Servable(spec, spec, frozenset(), 0)  # a repo id: its size is known once it has loaded
 
 
@@ -265,8 +268,11 @@ class ModelPool:
             started = time.perf_counter()
             worker.start()
             weights = _weights_bytes(worker.loaded.model)
-        except AkunuError as error:
+        except ModelTooLarge as error:
             self._failed(slot, future, error)
+            return
+        except AkunuError as error:  # a model file gone bad since the start, a download that failed
+            self._failed(slot, future, ModelLoadFailed(f"the model '{slot.model.name}' failed to load: {error}"))
             return
         except Exception as error:  # noqa: BLE001  (a broken model file: the requests naming it hear why)
             log.error("loading %s failed", slot.model.name, exc_info=error)
