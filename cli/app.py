@@ -18,7 +18,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from akunu import __version__
-from akunu.cli import chat, generate, models_command, serve
+from akunu.cli import chat, generate, models_command, ps, serve
 from akunu.cli.console import debug_enabled, print_error
 from akunu.errors import AkunuError, OptionsError
 
@@ -180,6 +180,7 @@ EXAMPLES = """[bold]Examples[/]
   akunu models                            the catalogue, and what is cached
   akunu bench --max-tokens 64 --limit 2   speculative vs plain, measured here
   akunu serve                             an OpenAI-compatible server on 127.0.0.1:8080
+  akunu ps                                the models a running server has loaded
   akunu COMMAND --help                    options and examples of a command"""
 
 app = typer.Typer(
@@ -222,6 +223,7 @@ def root(
 app.command(epilog=generate.EXAMPLES)(generate.generate)
 app.command(epilog=chat.EXAMPLES)(chat.chat)
 app.command(epilog=serve.EXAMPLES)(serve.serve)
+app.command(epilog=ps.EXAMPLES)(ps.ps)
 app.add_typer(models_command.app, name="models")
 
 

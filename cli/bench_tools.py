@@ -1,5 +1,6 @@
-"""`akunu bench llama-cpp`, `kernel`, `memory`, `serve-load` and `long-prompt`: agreement with llama.cpp, the
-product kernels by rows, peak memory, a concurrent load on `akunu serve`, and short requests beside a long prompt.
+"""`akunu bench llama-cpp`, `kernel`, `memory`, `serve-load`, `long-prompt` and `serve-models`: agreement with
+llama.cpp, the product kernels by rows, peak memory, a concurrent load on `akunu serve`, short requests beside a long
+prompt, and one server's models loading and unloading.
 
 The measuring lives in `akunu.bench` (agreement, llama_cpp, kernel_rows, memory, serve_load); this module
 parses options and prints. `register` adds the commands to `akunu bench`.
@@ -33,6 +34,9 @@ MEMORY_EXAMPLES = """[bold]Examples[/]
 SERVE_LOAD_EXAMPLES = """[bold]Examples[/]
   akunu bench serve-load                                   starts akunu serve on loopback, 16 clients x 4 requests
   akunu bench serve-load --base-url http://127.0.0.1:8080/v1 --clients 4"""
+SERVE_MODELS_EXAMPLES = """[bold]Examples[/]
+  akunu bench serve-models                                 smollm2-135m stays loaded, qwen2.5-coder-0.5b loads
+  akunu bench serve-models --models gemma3-270m,smollm2-135m --keep-alive 5"""
 SERVE_EXAMPLES = """[bold]Examples[/]
   akunu bench serve                                        1, 2, 4 and 8 clients, side by side and one at a time
   akunu bench serve --model qwen2.5-coder-0.5b --clients 4 --categories code-edit"""
@@ -44,6 +48,7 @@ def register(app: typer.Typer) -> None:
     app.command("memory", epilog=MEMORY_EXAMPLES)(memory)
     app.command("serve-load", epilog=SERVE_LOAD_EXAMPLES)(serve_load)
     app.command("serve", epilog=SERVE_EXAMPLES)(serve)
+    app.command("serve-models", epilog=SERVE_MODELS_EXAMPLES)(serve_models)
     app.command("prompt-cache", epilog=PROMPT_CACHE_EXAMPLES)(prompt_cache)
     app.command("long-prompt", epilog=LONG_PROMPT_EXAMPLES)(long_prompt)
 
@@ -332,6 +337,75 @@ def _print_load(result, base_url: str, max_tokens: int) -> None:
         print_note(f"no answer: {line}")
     for c, r in result.mismatched[:5]:
         print_note(f"client {c}, request {r}: its answer under load differs from the same request sent alone")
+
+
+# akunu bench serve-models ----------------------------------------------------------------------
+
+
+def _two_models(value: str) -> list[str]:
+    models = [part.strip() for part in value.split(",") if part.strip()]
+    if len(models) != 2 or models[0] == models[1]:
+        raise typer.BadParameter(f"{value!r} is not two different models, comma-separated")
+    return models
+
+
+def serve_models(
+    models: Annotated[
+        str,
+        typer.Option(help="Two models, comma-separated: the first stays loaded, the second loads and unloads."),
+    ] = "smollm2-135m,qwen2.5-coder-0.5b",
+    requests: Annotated[int, typer.Option(min=1, help="Requests per measured case.")] = 4,
+    max_tokens: AnswerTokens = 24,
+    keep_alive: Annotated[
+        float, typer.Option(min=0.5, help="The second model's keep_alive, seconds: it unloads after this idle.")
+    ] = 3.0,
+) -> None:
+    """One akunu serve with two models, clients alternating: time to first token for a loaded model, for one loading
+    (and for the loaded one while the other loads), and for one loaded again after its keep_alive unloaded it;
+    the server's resident memory before, during and after the load and the unload.
+    """
+    from akunu.bench import serve_load, serve_models
+    from akunu.machine import cpu_name
+
+    first, second = _two_models(models)
+    log = serve_load.server_log()
+    try:
+        with stderr_console().status(f"akunu serve with {first} and {second} on loopback…"):
+            result = serve_models.run(first, second, requests=requests, max_tokens=max_tokens,
+                                      keep_alive=keep_alive, log=log)  # fmt: skip
+    finally:
+        log.close()
+    _print_serve_models(result, first, second, cpu_name(), max_tokens)
+    if not result.same_after_reload:
+        print_note(f"{second}'s greedy answer after its reload differs from before")
+        raise typer.Exit(1)
+
+
+def _print_serve_models(result, first: str, second: str, cpu: str, max_tokens: int) -> None:
+    out = table_console()
+    out.print(f"[bold]akunu bench serve-models[/] · {escape(first)} (A, stays loaded) and {escape(second)} (B) · "
+              f"≤ {max_tokens} tokens, greedy, streamed · {escape(cpu)}")  # fmt: skip
+    table = Table(box=None, header_style="bold")
+    for column in ("case", "requests", "first token p50", "max", "longest stall"):
+        table.add_column(column, justify="left" if column == "case" else "right")
+
+    def row(case: str, answers) -> None:
+        if answers:
+            firsts = sorted(a.first_token for a in answers)
+            table.add_row(case, str(len(answers)), f"{result.p50(answers):.2f} s", f"{firsts[-1]:.2f} s",
+                          f"{max(a.longest_gap for a in answers):.2f} s")  # fmt: skip
+
+    row("A loaded, nothing loading (before and after)", result.loaded)
+    row("A loaded, while B loads", result.during_load)
+    row("B loading (its first request)", [result.loading])
+    row("B loaded", result.b_loaded)
+    row("B loaded again after an unload", [result.reloaded])
+    out.print(table)
+    bound = result.load_seconds + result.p50(result.b_loaded)
+    out.print(f"B's load {result.load_seconds:.2f} s + its loaded first token {result.p50(result.b_loaded):.2f} s = "
+              f"{bound:.2f} s; its first token while loading {result.loading.first_token:.2f} s "
+              f"({result.loading.first_token / bound:.2f}×)")  # fmt: skip
+    out.print("resident memory: " + " · ".join(f"{k} {v / 2**20:,.0f} MiB" for k, v in result.resident.items()))
 
 
 # akunu bench serve -----------------------------------------------------------------------------

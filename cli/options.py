@@ -15,7 +15,7 @@ from akunu.drafters.specs import DraftLengthPolicy
 MODEL_PANEL, SAMPLING_PANEL, SPEC_PANEL = "Model", "Sampling", "Speculative decoding"
 
 
-def _model_name(value: str | None) -> str | None:
+def check_model_name(value: str | None) -> str | None:
     if value is not None and not value.strip():
         raise typer.BadParameter("is empty: give a catalogue name, a .gguf file, an MLX folder or a repo id")
     return value
@@ -27,7 +27,7 @@ Model = Annotated[
         "--model",
         "-m",
         envvar="AKUNU_MODEL",
-        callback=_model_name,
+        callback=check_model_name,
         show_default=False,
         rich_help_panel=MODEL_PANEL,
         help="Catalogue name (see 'akunu models'), a .gguf file, an MLX model folder or a Hugging Face repo id."

@@ -1,4 +1,5 @@
-"""`akunu serve`: an OpenAI-compatible HTTP server over one model, with speculative decoding and prompt-cache reuse."""
+"""`akunu serve`: an OpenAI-compatible HTTP server over the models it is told of, each loaded when a request names
+it and unloaded when idle (cli/server/model_pool.py), with speculative decoding and prompt-cache reuse."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from akunu.errors import OptionsError
 EXAMPLES = """[bold]Examples[/]
   akunu serve                                   the default model on http://127.0.0.1:8080/v1, a chat page at /
   akunu serve --model gemma3-270m --port 9000 --no-spec
+  akunu serve -m qwen2.5-coder-0.5b -m smollm2-135m  two models, each loaded when a request names it
+  akunu serve --keep-alive 30m --max-memory 8G       idle models unload after 30 minutes, or sooner to make room
   akunu serve --api-key sk-local                requests need 'Authorization: Bearer sk-local'
   curl -s localhost:8080/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'"""
 
@@ -29,8 +32,25 @@ SERVER_PANEL = "Server"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+def _model_names(values: list[str] | None) -> list[str] | None:
+    for value in values or ():
+        options.check_model_name(value)
+    return values
+
+
+ServedModels = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--model", "-m", envvar="AKUNU_MODEL", callback=_model_names, show_default=False,
+        rich_help_panel=options.MODEL_PANEL,
+        help="A model to serve (repeat for more): a catalogue name, a .gguf file, an MLX folder or a repo id; "
+        "the first loads at start and is the default. Without any: the default model and every cached one.",
+    ),
+]  # fmt: skip
+
+
 def serve(
-    model: options.Model = None,
+    model: ServedModels = None,
     dtype: options.Dtype = options.WeightsDtype.auto,
     host: Annotated[
         str,
@@ -99,6 +119,26 @@ def serve(
             "e.g. 2G or 500M; 0 turns the disk cache off (as mlx.launch does).",
         ),
     ] = "2G",
+    keep_alive: Annotated[
+        str,
+        typer.Option(
+            rich_help_panel=SERVER_PANEL,
+            help="How long a model stays loaded after its last request, e.g. 30s, 5m, 1h; -1: for ever, 0: unload "
+            "when done. A request's 'keep_alive' field overrides it for that model.",
+        ),
+    ] = "5m",
+    max_memory: Annotated[
+        str | None,
+        typer.Option(
+            show_default=False,
+            rich_help_panel=SERVER_PANEL,
+            help="Weights and KV caches of all loaded models together, e.g. 8G; to load another model, idle ones "
+            "unload, least recently used first. Default: three quarters of the memory.",
+        ),
+    ] = None,
+    max_models: Annotated[
+        int, typer.Option(min=1, rich_help_panel=SERVER_PANEL, help="Models loaded at once, at most.")
+    ] = 3,
     ui: Annotated[
         bool,
         typer.Option("--ui/--no-ui", rich_help_panel=SERVER_PANEL, help="The chat page at / (--no-ui: the API only)."),
@@ -122,12 +162,14 @@ def serve(
     """Serve a model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health, /metrics (Prometheus);
     and Anthropic's: /v1/messages, /v1/messages/count_tokens; and a chat page at / for a browser.
 
-    Up to --parallel requests generate at once, each with its own drafts and cache; each response carries `usage` and an `akunu` object with the speculative statistics.
-    Under mlx.launch rank 0 serves and the other ranks follow it, one request at a time.
+    A request's `model` picks one of the models served (as /v1/models lists them); each loaded model runs up to --parallel requests at once, each with its own drafts and cache; each response carries `usage` and an `akunu` object with the speculative statistics.
+    Under mlx.launch rank 0 serves and the other ranks follow it, one model, one request at a time.
     """
     import uvicorn
 
     from akunu.cli.server import Worker, create_app, ranks
+    from akunu.cli.server.model_pool import FOREVER, ModelPool, parse_keep_alive, servables
+    from akunu.models import catalogue
 
     runtime.join_ranks()
     if api_key is None and os.environ.get("AKUNU_API_KEY") == "":  # click reads an empty variable as unset
@@ -139,6 +181,17 @@ def serve(
     body_limit = parse_size(max_body)
     disk_limit = parse_size(disk_cache_size, "--disk-cache-size", least=0)
     kv_limit = parse_size(max_kv_memory, "--max-kv-memory") if max_kv_memory else half_the_memory()
+    memory_limit = parse_size(max_memory, "--max-memory") if max_memory else share_of_memory(3, 4)
+    try:
+        idle_seconds = parse_keep_alive(keep_alive)
+    except ValueError:
+        raise OptionsError(
+            f"--keep-alive must be seconds or a duration such as 30s, 5m or 1h (got {keep_alive!r})"
+        ) from None
+    if not runtime.alone() and model and len(model) > 1:
+        print_note(f"under mlx.launch the server holds one model: {model[0]} (not {', '.join(model[1:])})")
+    if not runtime.alone():  # every rank holds its part of one model: it never unloads
+        model, idle_seconds = model[:1] if model else [catalogue.DEFAULT_MODEL], FOREVER
     runtime.from_leader(lambda: check_port_free(host, port))  # before the model loads, which may take minutes
     if host not in LOOPBACK:
         print_note(
@@ -150,42 +203,55 @@ def serve(
         draft_tokens=draft_tokens, draft_length=draft_length, exact=exact,
     )  # fmt: skip
     drafting = Drafting(draft, draft_model, tree)
-    startup = functools.partial(load_for_serving, model, dtype, base_config, drafting, shard, check_ranks)
     if not runtime.leads():
+        startup = functools.partial(load_for_serving, model[0], dtype, base_config, drafting, shard, check_ranks)
         return ranks.follow(startup, drafting.stream, cache_slots)
     if not runtime.alone():
         print_note("split across ranks: one request at a time, and no prompt caches on disk (each rank holds a part)")
         disk_limit = 0
-    worker = Worker(
-        startup,
-        drafting.stream,
-        max_waiting=queue_depth,
-        cache_slots=cache_slots,
-        parallel=parallel,
-        max_kv_bytes=kv_limit,
-        disk_cache=functools.partial(open_disk_cache, disk_limit) if disk_limit else None,
-        lead=None if runtime.alone() else ranks.Lead(),
-    )
-    loaded = worker.start()
+    lead = None if runtime.alone() else ranks.Lead()
+
+    def make_worker(servable):
+        return Worker(
+            functools.partial(load_for_serving, servable.spec, dtype, base_config, drafting, shard, check_ranks),
+            drafting.stream,
+            max_waiting=queue_depth,
+            cache_slots=cache_slots,
+            parallel=parallel,
+            max_kv_bytes=kv_limit,
+            disk_cache=functools.partial(open_disk_cache, disk_limit) if disk_limit else None,
+            lead=lead,
+        )
+
+    pool = ModelPool(servables(model), make_worker, keep_alive=idle_seconds, max_memory=memory_limit,
+                     max_models=max_models, max_kv_bytes=kv_limit)  # fmt: skip
+    try:
+        loaded = pool.load(pool.default)
+    except BaseException:
+        pool.stop()
+        raise
     configure_logging()
     page = f" · chat page http://{host}:{port}/" if ui else ""
-    stderr_console().print(f"[bold]akunu serve[/] · {loaded.describe()} · http://{host}:{port}/v1{page} · Ctrl-C stops")
-    if worker.lead is not None:  # SIGTERM: uvicorn shuts down, and the running request stops at its next pass
-        runtime.end_gracefully(worker.lead.stopping.set)
+    others = f" · {len(pool.slots) - 1} more model(s) on demand" if len(pool.slots) > 1 else ""
+    stderr_console().print(
+        f"[bold]akunu serve[/] · {loaded.describe()}{others} · http://{host}:{port}/v1{page} · Ctrl-C stops"
+    )
+    if lead is not None:  # SIGTERM: uvicorn shuts down, and the running request stops at its next pass
+        runtime.end_gracefully(lead.stopping.set)
     try:
         with ending_on_sigterm():
             uvicorn.run(
-                create_app(worker, base_config, api_key=api_key, max_body=body_limit, ui=ui),
+                create_app(pool, base_config, api_key=api_key, max_body=body_limit, ui=ui),
                 host=host,
                 port=port,
                 log_level="warning",
             )
     except KeyboardInterrupt:
-        if worker.lead is None:
+        if lead is None:
             raise
         # under mlx.launch, a rank that exits non-zero has the others ended: Ctrl-C is an ordinary stop there
     finally:
-        worker.stop()  # queued prompt-cache writes reach the disk first; under mlx.launch the other ranks end
+        pool.stop()  # queued prompt-cache writes reach the disk first; under mlx.launch the other ranks end
 
 
 @contextlib.contextmanager
@@ -219,8 +285,13 @@ def parse_size(text: str, option: str = "--max-body", least: int = 1) -> int:
 
 def half_the_memory() -> int | None:
     """Half the machine's physical memory, in bytes (None where the OS does not say)."""
+    return share_of_memory(1, 2)
+
+
+def share_of_memory(numerator: int, denominator: int) -> int | None:
+    """That share of the machine's physical memory, in bytes (None where the OS does not say)."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * numerator // denominator
     except (ValueError, OSError, AttributeError):
         return None
 

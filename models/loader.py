@@ -81,7 +81,7 @@ def load_model(spec: str, *, dtype: str = "auto", progress: Progress | None = No
             distributed.count_passes(loaded.model)
     finally:
         mx.set_cache_limit(cache_limit)
-    _return_freed_memory()
+    return_freed_memory()
     loaded.load_seconds = time.perf_counter() - started
     return loaded
 
@@ -93,7 +93,7 @@ def _map_large_allocations() -> None:
     _glibc_call("mallopt", M_MMAP_THRESHOLD, 128 << 10)
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """Hand the load's freed scratch back to the system: glibc keeps freed heap pages (resident) otherwise."""
     mx.clear_cache()
     _glibc_call("malloc_trim", 0)
@@ -156,7 +156,7 @@ def _load_gguf(path: Path, name: str, dtype: str, progress: Progress | None, gro
     tokenizer = Tokenizer.from_gguf_metadata(gguf_file.metadata, source=str(path))
     for key in VOCABULARY_KEYS:  # the tokenizer has what it needs of them
         gguf_file.metadata.pop(key, None)
-    _return_freed_memory()
+    return_freed_memory()
     model, config = load_gguf_model(
         gguf_file, quantized=choice.dtype == "quantized", progress=progress, group=group, shard=shard
     )

@@ -17,7 +17,7 @@ from openai import OpenAI
 from typer.testing import CliRunner
 
 from akunu.cli.app import app as cli_app
-from akunu.cli.server import Worker
+from akunu.cli.server.model_pool import ModelPool
 
 USER = [{"role": "user", "content": "write the alphabet"}]
 
@@ -40,8 +40,9 @@ class SlowModel:
 @dataclass
 class Running:
     base_url: str  # http://127.0.0.1:PORT
-    worker: object
+    worker: object  # the default model's, as loaded at start
     options: dict  # what the command passed to uvicorn.run (host, port, ...)
+    pool: object = None  # the server's ModelPool
 
     def client(self, api_key: str = "none", **kwargs) -> OpenAI:
         return OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, timeout=60, **kwargs)
@@ -81,11 +82,11 @@ def on_loopback(app):
 
 def run_serve_command(monkeypatch, *args: str) -> tuple[object, dict]:
     """`akunu serve ARGS` as a user runs it, up to the uvicorn.run call: returns (app, its keyword arguments).
-    The caller stops the worker (`app.state.worker.stop()`)."""
+    The caller stops its models (`app.state.pool.stop()`)."""
     captured: dict = {}
-    with monkeypatch.context() as patch:  # the command stops its worker once uvicorn returns; the caller does here
+    with monkeypatch.context() as patch:  # the command stops its models once uvicorn returns; the caller does here
         patch.setattr(uvicorn, "run", lambda app, **options: captured.update(app=app, **options))
-        patch.setattr(Worker, "stop", lambda self, timeout=10.0: None)
+        patch.setattr(ModelPool, "stop", lambda self, timeout=10.0: None)
         result = CliRunner().invoke(cli_app, ["serve", *args])
     assert result.exit_code == 0, result.output
     return captured.pop("app"), captured
@@ -94,9 +95,9 @@ def run_serve_command(monkeypatch, *args: str) -> tuple[object, dict]:
 def start(stack: contextlib.ExitStack, monkeypatch, *args: str) -> Running:
     """Run the command, then its app on loopback; `stack` stops both."""
     app, options = run_serve_command(monkeypatch, *args)
-    worker = app.state.worker
-    stack.callback(worker.stop)
-    return Running(stack.enter_context(on_loopback(app)), worker, options)
+    pool = app.state.pool
+    stack.callback(pool.stop)
+    return Running(stack.enter_context(on_loopback(app)), app.state.worker, options, pool)
 
 
 def raw_request(

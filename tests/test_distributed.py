@@ -317,17 +317,17 @@ def test_serve_split_answers_the_openai_client_as_one_process_and_stopping_rank_
         _wait_until_serving(launcher, port)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
         ask = [{"role": "user", "content": "one two three four"}]
-        answer = client.chat.completions.create(model=str(model), messages=ask, max_tokens=12, temperature=0)
+        answer = client.chat.completions.create(model="tiny", messages=ask, max_tokens=12, temperature=0)
         expected = _single_process_answer(model, ask, 12)
         assert answer.choices[0].message.content == expected  # greedy, split and speculative: one process's text
         # the same prompt again, streamed: both ranks reuse the same cache slot
-        streamed = client.chat.completions.create(model=str(model), messages=ask, max_tokens=12, stream=True)
+        streamed = client.chat.completions.create(model="tiny", messages=ask, max_tokens=12, stream=True)
         assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices) == expected
         # a client that leaves mid-answer stops every rank at the same pass: the next answers still agree
-        with client.completions.create(model=str(model), prompt="a b c", max_tokens=2000, stream=True) as left:
+        with client.completions.create(model="tiny", prompt="a b c", max_tokens=2000, stream=True) as left:
             next(iter(left))
         sampled = [
-            client.chat.completions.create(model=str(model), messages=ask, max_tokens=12, temperature=1, seed=7)
+            client.chat.completions.create(model="tiny", messages=ask, max_tokens=12, temperature=1, seed=7)
             for _ in range(2)
         ]
         assert sampled[0].choices[0].message.content == sampled[1].choices[0].message.content

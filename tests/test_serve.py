@@ -150,7 +150,7 @@ def test_errors_are_openai_error_objects_and_the_server_keeps_serving(fake_engin
     assert "50 tokens" in too_long.value.body["message"] and "40 tokens" in too_long.value.body["message"]
     with pytest.raises(openai.NotFoundError) as unknown:
         client.chat.completions.create(model="gpt-4o", messages=USER)
-    assert unknown.value.body["code"] == "model_not_found" and "tiny" in unknown.value.body["message"]
+    assert unknown.value.body["code"] == "model_not_found" and "serves: smollm2-135m" in unknown.value.body["message"]
     status, _, body = raw_request(server.base_url, "POST", "/v1/chat/completions", b"{not json")
     assert status == 400 and json.loads(body)["error"]["message"] == "the request body is not valid JSON"
     status, _, body = raw_request(server.base_url, "GET", "/v1/nothing")
@@ -165,7 +165,7 @@ def test_an_api_key_is_required_on_every_request(fake_engine, serve):
             server.client(api_key=key).models.list()
         assert caught.value.status_code == 401 and caught.value.body["code"] == "invalid_api_key"
     assert raw_request(server.base_url, "GET", "/health")[0] == 200  # load balancers probe without a key
-    assert [m.id for m in server.client(api_key="sekret").models.list().data] == ["tiny"]
+    assert [m.id for m in server.client(api_key="sekret").models.list().data] == ["smollm2-135m"]
     assert server.client(api_key="sekret").chat.completions.create(model="tiny", messages=USER, max_tokens=2).usage
     for header in ("bearer sekret", "BEARER  sekret", "Bearer sekret "):  # the scheme is case-insensitive (RFC 7235)
         assert raw_request(server.base_url, "GET", "/v1/models", headers={"Authorization": header})[0] == 200
@@ -259,7 +259,7 @@ def test_the_prompt_cache_is_a_bounded_lru(fake_engine, serve):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}])
     assert len(server.worker.pool.caches) == 2
     health = json.loads(raw_request(server.base_url, "GET", "/health")[2])
-    assert health["prompt_cache"] == {"slots": 2, "used": 2} and health["model"] == "tiny"
+    assert health["prompt_cache"] == {"slots": 2, "used": 2} and health["model"] == "smollm2-135m"
 
 
 def test_each_request_logs_its_speed_and_acceptance(fake_engine, serve, caplog):
@@ -269,7 +269,7 @@ def test_each_request_logs_its_speed_and_acceptance(fake_engine, serve, caplog):
         deadline = time.monotonic() + 5
         while not caplog.records and time.monotonic() < deadline:
             time.sleep(0.01)
-    (line,) = [r.getMessage() for r in caplog.records if r.name == "akunu.serve"]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "akunu.serve" and "/v1/" in r.getMessage()]
     assert "/v1/chat/completions" in line and "tok/s" in line and "queued" in line
 
 
@@ -280,11 +280,11 @@ def test_a_non_loopback_host_warns(fake_engine, monkeypatch):
     notes = []
     monkeypatch.setattr(akunu.cli.serve, "print_note", notes.append)
     app, options = run_serve_command(monkeypatch, "--host", "0.0.0.0", "--port", "9001")
-    app.state.worker.stop()
+    app.state.pool.stop()
     assert (options["host"], options["port"]) == ("0.0.0.0", 9001)
     assert "0.0.0.0" in notes[0] and "--api-key" in notes[0]
     app, options = run_serve_command(monkeypatch)
-    app.state.worker.stop()
+    app.state.pool.stop()
     assert (options["host"], options["port"], len(notes)) == ("127.0.0.1", 8080, 1)
 
 

@@ -98,8 +98,8 @@ def test_a_draft_model_with_another_tokenizer_is_refused_before_the_model_loads(
     import akunu.models
 
     monkeypatch.setattr(akunu.models, "load_tokenizer", lambda spec, progress=None: fake_tokenizer_of(spec))
-    result = invoke("serve", "--port", "0", "--model", "tiny-model", "--draft-model", "other")
-    assert result.exit_code != 0 and "draft model other uses a different tokenizer" in result.output, result.output
+    result = invoke("serve", "--port", "0", "--model", "org/other", "--draft-model", "tiny-model")  # a repo id
+    assert result.exit_code != 0 and "draft model tiny-model uses a different tokenizer" in result.output, result.output
     assert "Traceback" not in result.output and fake_engine.loads == []
 
 

@@ -16,10 +16,14 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 
 class Scrape(dict):
-    """/metrics as {(sample name, labels): value}; calling it reads one sample, which must be there."""
+    """/metrics as {(sample name, labels): value}; calling it sums the samples with those labels (and others,
+    such as each model's `model`), which must be there."""
 
     def __call__(self, name: str, **labels: str) -> float:
-        return self[name, frozenset(labels.items())]
+        wanted = frozenset(labels.items())
+        found = [value for (sample, held), value in self.items() if sample == name and wanted <= held]
+        assert found, (name, labels)
+        return sum(found)
 
     def requests(self, endpoint: str, outcome: str) -> float:
         return self("akunu_requests_total", endpoint=endpoint, outcome=outcome)

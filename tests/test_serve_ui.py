@@ -243,7 +243,7 @@ def test_the_page_asks_for_the_key_refuses_a_wrong_one_and_then_converses(script
     assert "401" in by_css(browser, "#key-error")[0].text and dialog.is_displayed()
     assert last_message(browser)[0] == "message error" and "401" in last_message(browser)[1]
     by_css(browser, "#key-input")[0].send_keys(KEY + "\n")
-    wait(browser, lambda d: by_css(d, "#model-name")[0].text == "tiny")
+    wait(browser, lambda d: by_css(d, "#model-name")[0].get_attribute("value") == "smollm2-135m")
     assert not dialog.is_displayed() and KEY not in browser.current_url
     send(browser, "hello")
     assert STATS.match(final_stats(browser))
@@ -298,7 +298,7 @@ def test_settings_reach_the_request_and_stay(scripted_server, browser):
     fresh_page(browser, scripted_server.base_url, key=KEY)
     by_css(browser, "#open-settings")[0].click()
     wait(browser, lambda d: by_css(d, "#setting-model option"))
-    assert by_css(browser, "#setting-model")[0].get_attribute("value") == "tiny"
+    assert by_css(browser, "#setting-model")[0].get_attribute("value") == "smollm2-135m"
     by_css(browser, "#setting-max-tokens")[0].send_keys("5")
     by_css(browser, "#setting-speculative")[0].click()
     by_css(browser, "#settings-form button[type='submit']")[0].click()
@@ -313,7 +313,7 @@ def test_settings_reach_the_request_and_stay(scripted_server, browser):
 def test_a_body_too_large_and_a_server_gone_are_lines_and_the_conversation_stays(tmp_path, browser):
     with serving_scripted(tmp_path, "--max-body", "2K") as server:
         fresh_page(browser, server.base_url)
-        wait(browser, lambda d: by_css(d, "#model-name")[0].text == "tiny")
+        wait(browser, lambda d: by_css(d, "#model-name")[0].get_attribute("value") == "smollm2-135m")
         browser.execute_script("document.getElementById('prompt').value = 'y'.repeat(3000)")
         by_css(browser, "#send")[0].click()
         wait(browser, lambda d: last_message(d)[0] == "message error")
@@ -323,3 +323,35 @@ def test_a_body_too_large_and_a_server_gone_are_lines_and_the_conversation_stays
     kinds = [m.get_attribute("class") for m in by_css(browser, ".message")]
     assert kinds == ["message user", "message error", "message user", "message error"]
     assert by_css(browser, "#send")[0].is_displayed()  # ready for the next try
+
+
+def test_the_model_picker_lists_the_servers_models_and_shows_one_loading(tmp_path, browser):
+    import threading
+
+    from selenium.webdriver.support.select import Select
+
+    import akunu.models
+
+    loaded, gate = scripted_page_model(), threading.Event()
+
+    def load_model(spec, **kwargs):
+        if spec.endswith("coder.gguf"):
+            gate.wait(30)  # the second model loads only when the test lets it
+        return loaded
+
+    (tmp_path / "coder.gguf").write_bytes(b"GGUF")
+    with pytest.MonkeyPatch.context() as patch, contextlib.ExitStack() as stack:
+        patch.setenv("AKUNU_HOME", str(tmp_path / "home"))
+        patch.setattr(akunu.models, "load_model", load_model)
+        server = start(stack, patch, "-m", "smollm2-135m", "-m", str(tmp_path / "coder.gguf"), *FAST)
+        fresh_page(browser, server.base_url)
+        read = "return [...document.querySelectorAll('#model-name option')].map((o) => o.textContent)"
+        options = lambda d: d.execute_script(read)  # noqa: E731  (the picker's options are remade as it refreshes)
+        wait(browser, lambda d: options(d) == ["smollm2-135m", "coder · not loaded"])
+        Select(by_css(browser, "#model-name")[0]).select_by_value("coder")
+        send(browser, "hello")
+        wait(browser, lambda d: "coder · loading…" in options(d))
+        gate.set()
+        assert final_stats(browser) and by_css(browser, ".message.assistant .body")[0].text == "Hello there."
+        wait(browser, lambda d: options(d) == ["smollm2-135m", "coder"])
+        assert json.loads(browser.execute_script("return localStorage.getItem('akunu.settings')"))["model"] == "coder"

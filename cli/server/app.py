@@ -1,5 +1,5 @@
-"""The Starlette app: OpenAI and Anthropic routes over the worker, server-sent events, errors in each API's shape;
-the chat page (ui_route.py)."""
+"""The Starlette app: OpenAI and Anthropic routes over the worker of the model each request names (model_pool.py),
+server-sent events, errors in each API's shape; the chat page (ui_route.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from akunu.cli.server import anthropic_api, responses_api, tool_calls, ui_route
-from akunu.cli.server.metrics import RequestCounter, note_failure
+from akunu.cli.server.metrics import RequestCounter, RequestMetrics, note_failure
+from akunu.cli.server.model_pool import (
+    SERVER_DEFAULT,
+    ModelLoadFailed,
+    ModelPool,
+    ModelTooLarge,
+    UnknownModel,
+    parse_keep_alive,
+    resident_bytes,
+)
 from akunu.cli.server.openai_api import (
     ApiError,
     chunk_body,
@@ -59,11 +68,11 @@ class ClientLeft(Exception):
 
 
 def create_app(
-    worker: Worker, base_config, *, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY, ui: bool = True
+    pool: ModelPool, base_config, *, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY, ui: bool = True
 ) -> Starlette:
-    """The app for a started worker; `base_config` holds the server's speculation settings and default max_tokens;
-    request bodies over `max_body` bytes get a 413 before they are read whole; `ui`: the chat page at `/`."""
-    model_name = worker.loaded.name
+    """The app over a pool of models (its default one loaded); `base_config` holds the server's speculation settings
+    and default max_tokens; request bodies over `max_body` bytes get a 413 before they are read whole; `ui`: the chat
+    page at `/`."""
     stored = responses_api.ResponseStore()  # for previous_response_id
 
     async def chat_completions(request: Request):
@@ -74,17 +83,17 @@ def create_app(
 
     async def generate(request: Request, parse):
         body = await _json_body(request, max_body)
-        _check_model(body, model_name)
-        # Tokenizing and compiling a grammar take long enough to stall every other request: off the loop.
-        parsed = await asyncio.to_thread(parse, body, worker.loaded, base_config)
-        request_id = new_id(parsed.kind)
-        events = _submitted(request, worker, parsed, request_id)
+        async with _model_for(pool, body) as (worker, loaded, model_name):
+            # Tokenizing and compiling a grammar take long enough to stall every other request: off the loop.
+            parsed = await asyncio.to_thread(parse, body, loaded, base_config)
+            request_id = new_id(parsed.kind)
+            events = _submitted(request, worker, parsed, request_id)
         if parsed.stream:
-            answer = Answer(parsed, worker.loaded.tokenizer)
+            answer = Answer(parsed, loaded.tokenizer)
             return _event_stream(_server_sent_events(parsed, answer, request_id, model_name, events))
         pieces, final = await _gathered(events)
         content, calls = _read_answer(parsed, pieces, final)
-        logprobs = logprobs_body(parsed.kind, [e for piece in pieces for e in piece.logprobs], worker.loaded.tokenizer)
+        logprobs = logprobs_body(parsed.kind, [e for piece in pieces for e in piece.logprobs], loaded.tokenizer)
         finish = finish_reason(final.finish_reason, bool(calls))
         return JSONResponse(
             completion_body(
@@ -95,12 +104,12 @@ def create_app(
     async def messages(request: Request):
         """Anthropic's Messages API, run as the chat request it translates to (anthropic_api.py)."""
         body = await _json_body(request, max_body)
-        _check_model(body, model_name)
-        parsed = await asyncio.to_thread(anthropic_api.parse_messages, body, worker.loaded, base_config)
-        message_id = anthropic_api.new_message_id()
-        events = _submitted(request, worker, parsed.chat, message_id)
+        async with _model_for(pool, body) as (worker, loaded, model_name):
+            parsed = await asyncio.to_thread(anthropic_api.parse_messages, body, loaded, base_config)
+            message_id = anthropic_api.new_message_id()
+            events = _submitted(request, worker, parsed.chat, message_id)
         if parsed.chat.stream:
-            answer = Answer(parsed.chat, worker.loaded.tokenizer)
+            answer = Answer(parsed.chat, loaded.tokenizer)
             return _event_stream(anthropic_api.message_events(parsed, answer, message_id, model_name, events))
         pieces, final = await _gathered(events)
         content, calls = _read_answer(parsed.chat, pieces, final)
@@ -109,12 +118,12 @@ def create_app(
     async def responses(request: Request):
         """OpenAI's Responses API, run as the chat request it translates to (responses_api.py)."""
         body = await _json_body(request, max_body)
-        _check_model(body, model_name)
-        parsed = await asyncio.to_thread(responses_api.parse_responses, body, worker.loaded, base_config, stored)
-        response_id = responses_api.new_response_id()
-        events = _submitted(request, worker, parsed.chat, response_id)
+        async with _model_for(pool, body) as (worker, loaded, model_name):
+            parsed = await asyncio.to_thread(responses_api.parse_responses, body, loaded, base_config, stored)
+            response_id = responses_api.new_response_id()
+            events = _submitted(request, worker, parsed.chat, response_id)
         if parsed.chat.stream:
-            answer = Answer(parsed.chat, worker.loaded.tokenizer)
+            answer = Answer(parsed.chat, loaded.tokenizer)
             return _event_stream(responses_api.response_events(parsed, answer, response_id, model_name, events, stored))
         pieces, final = await _gathered(events)
         content, calls = _read_answer(parsed.chat, pieces, final)
@@ -122,24 +131,29 @@ def create_app(
 
     async def count_tokens(request: Request):
         body = await _json_body(request, max_body)
-        _check_model(body, model_name)
-        count = await asyncio.to_thread(anthropic_api.count_tokens, body, worker.loaded)
+        async with _model_for(pool, body) as (worker, loaded, model_name):
+            count = await asyncio.to_thread(anthropic_api.count_tokens, body, loaded)
         return JSONResponse({"input_tokens": count})
 
     async def models(request: Request):
-        return JSONResponse(
-            {"object": "list", "data": [{"id": model_name, "object": "model", "created": started, "owned_by": "akunu"}]}
-        )
+        """Every model this server may serve, with whether it is loaded, its memory and when it unloads (unix time)."""
+        listed = [{"object": "model", "created": started, "owned_by": "akunu", **row} for row in pool.status()]
+        return JSONResponse({"object": "list", "data": listed, "memory": _memory(pool)})
 
     async def health(request: Request):
+        workers = pool.workers()
         return JSONResponse({
-            "status": "ok", "model": model_name,
-            "queue": {"waiting": worker.waiting, "running": worker.running, "max_waiting": worker.max_waiting},
-            "prompt_cache": {"slots": worker.cache_slots, "used": len(worker.pool.caches)},
+            "status": "ok", "model": pool.default,
+            "models": [{key: row[key] for key in ("id", "state", "size_bytes", "expires_at")} for row in pool.status()],
+            "memory": _memory(pool),
+            "queue": {"waiting": sum(w.waiting for w in workers), "running": sum(w.running for w in workers),
+                      "max_waiting": max((w.max_waiting for w in workers), default=0)},
+            "prompt_cache": {"slots": sum(w.cache_slots for w in workers),
+                             "used": sum(len(w.pool.caches) for w in workers if w.pool is not None)},
         })  # fmt: skip
 
     async def prometheus_metrics(request: Request):
-        body, content_type = worker.metrics.exposition()
+        body, content_type = metrics.exposition()
         return Response(body, media_type=content_type)
 
     started = int(time.time())
@@ -156,12 +170,16 @@ def create_app(
     handlers = {ApiError: _api_error, HTTPException: _http_error, ClientLeft: _client_left, Exception: _internal_error}
     page = ui_route.page_routes() if ui else []
     app = Starlette(routes=routes + page, exception_handlers=handlers)
-    app.state.worker = worker
+    app.state.pool, app.state.worker = pool, pool.slots[pool.default].worker  # the default model's, as loaded first
     if api_key:  # the page's files hold no answers: the page loads without the key, then asks for it
         app.add_middleware(_KeyAuth, api_key=api_key, open_paths={*PROBES, *(route.path for route in page)})
     counted = [route.path for route in routes if route.path not in PROBES]
-    worker.metrics.expect_endpoints(counted)
-    app.add_middleware(RequestCounter, metrics=worker.metrics, endpoints=counted)  # outermost: 401s count too
+    metrics = RequestMetrics(
+        lambda: [(row["id"], source, row["loaded"], row["size_bytes"])
+                 for row, (_, source) in zip(pool.status(), pool.metric_sources(), strict=True)]
+    )  # fmt: skip
+    metrics.expect_endpoints(counted)
+    app.add_middleware(RequestCounter, metrics=metrics, endpoints=counted)  # outermost: 401s count too
     return app
 
 
@@ -214,10 +232,37 @@ async def _until_disconnect(request: Request, job: Job, channel: EventChannel):
         job.cancel()  # a no-op once the job is done; stops it if this stream was abandoned
 
 
-def _check_model(body: dict, model_name: str) -> None:
-    if body.get("model") not in (None, model_name):
-        raise ApiError(404, f"the model '{body['model']}' is not served here; this server has '{model_name}'",
-                       param="model", code="model_not_found")  # fmt: skip
+@contextlib.asynccontextmanager
+async def _model_for(pool: ModelPool, body: dict):
+    """(worker, LoadedModel, name answers give) of the model the request names, loaded first if it is not (awaited,
+    off the loop); the request holds it until it has reached the worker's queue, or failed before. Answers name the
+    model as the request did (an alias too), as ollama's do."""
+    requested = body.get("model")
+    try:
+        slot = pool.find(None if requested is None else str(requested))
+    except UnknownModel as unknown:
+        raise ApiError(404, str(unknown), param="model", code="model_not_found") from None
+    keep_alive = SERVER_DEFAULT
+    if body.get("keep_alive") is not None:
+        try:
+            keep_alive = parse_keep_alive(body["keep_alive"])
+        except ValueError:
+            raise ApiError(400, "'keep_alive' must be seconds or a duration such as '5m' or '1h' (-1: for ever, "
+                           "0: unload when done)", param="keep_alive") from None  # fmt: skip
+    try:
+        worker = await pool.acquire(slot, keep_alive)
+    except ModelTooLarge as error:
+        raise ApiError(400, str(error), param="model", code="model_too_large") from None
+    except ModelLoadFailed as error:
+        raise ApiError(500, str(error), kind="server_error") from None
+    try:
+        yield worker, worker.loaded, str(requested) if requested else slot.model.name
+    finally:
+        pool.release(slot)
+
+
+def _memory(pool: ModelPool) -> dict:
+    return {"used_bytes": pool.memory_used(), "max_bytes": pool.max_memory, "resident_bytes": resident_bytes()}
 
 
 def _submitted(request: Request, worker: Worker, parsed, request_id: str):

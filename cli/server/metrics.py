@@ -1,12 +1,14 @@
-"""`GET /metrics`: the server's counters in Prometheus' text format, kept in a registry of the worker's own
-(a process-global one would mix the figures of every server a process starts, as tests do)."""
+"""`GET /metrics`: the server's counters in Prometheus' text format, kept in registries of the server's own
+(a process-global one would mix the figures of every server a process starts, as tests do): each model's
+(ServerMetrics), shown with a `model` label, and the app's requests by endpoint (RequestMetrics)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from starlette.requests import ClientDisconnect
 
@@ -19,7 +21,7 @@ EXCHANGE = "akunu.exchange"  # the scope key RequestCounter keeps a request's Ex
 
 
 class ServerMetrics:
-    """The figures `/metrics` exposes; `waiting()` and `running()` are read from the worker at each scrape."""
+    """One model's figures; `waiting()` and `running()` are read from its worker at each scrape."""
 
     def __init__(self, waiting: Callable[[], int], running: Callable[[], int]) -> None:
         self.registry = registry = CollectorRegistry()
@@ -27,8 +29,6 @@ class ServerMetrics:
         def counter(name: str, documentation: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(name, documentation, labels, registry=registry)
 
-        self.requests = counter("akunu_requests_total", "API requests, by endpoint and how they ended",
-                                ("endpoint", "outcome"))  # fmt: skip
         self.prompt_tokens = counter("akunu_prompt_tokens_total", "Prompt tokens of generations")
         self.generated_tokens = counter("akunu_generated_tokens_total", "Tokens generated")
         self.prefill_saved = counter("akunu_prefill_tokens_saved_total",
@@ -54,12 +54,6 @@ class ServerMetrics:
         for cache in (MEMORY_CACHE, DISK_CACHE):  # shown as 0 from the start, so rate() has a first point
             self.prefill_saved.labels(cache=cache)
 
-    def expect_endpoints(self, endpoints: Iterable[str]) -> None:
-        """Every endpoint's outcomes shown as 0 before its first request."""
-        for endpoint in endpoints:
-            for outcome in OUTCOMES:
-                self.requests.labels(endpoint=endpoint, outcome=outcome)
-
     def generation_finished(self, stats, first_token_seconds: float, from_disk: int = 0) -> None:
         """One generation's GenerationStats (also a cancelled one's: its tokens were computed all the same);
         `from_disk` of the prompt tokens not prefilled came from a prompt cache on disk."""
@@ -74,9 +68,51 @@ class ServerMetrics:
         self.first_token.observe(first_token_seconds)
         self.decode.observe(stats.decode_seconds)
 
+
+class RequestMetrics:
+    """The server's own figures: API requests by endpoint and outcome, the process's memory, each model's
+    ServerMetrics with a `model` label, and whether each model is loaded and its memory; `models()` -> rows of
+    (name, its ServerMetrics, loaded, bytes in memory), read at each scrape."""
+
+    def __init__(self, models: Callable[[], list[tuple[str, ServerMetrics, bool, int]]]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("akunu_requests_total", "API requests, by endpoint and how they ended",
+                                ("endpoint", "outcome"), registry=self.registry)  # fmt: skip
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes among them
+        self.registry.register(_PerModel(models))
+
+    def expect_endpoints(self, endpoints: Iterable[str]) -> None:
+        """Every endpoint's outcomes shown as 0 before its first request."""
+        for endpoint in endpoints:
+            for outcome in OUTCOMES:
+                self.requests.labels(endpoint=endpoint, outcome=outcome)
+
     def exposition(self) -> tuple[bytes, str]:
         """The scrape's body and content type: Prometheus' text format (version 0.0.4, which every scraper reads)."""
         return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4
+
+
+class _PerModel:
+    """Each model's series under one family per name, told apart by a `model` label."""
+
+    def __init__(self, models: Callable[[], list[tuple[str, ServerMetrics, bool, int]]]) -> None:
+        self.models = models
+
+    def collect(self):
+        families: dict[str, Metric] = {}
+        loaded = GaugeMetricFamily("akunu_model_loaded", "1 while the model is loaded", labels=["model"])
+        memory = GaugeMetricFamily("akunu_model_memory_bytes", "The model's weights and prompt caches in memory",
+                                   labels=["model"])  # fmt: skip
+        for name, metrics, is_loaded, size in self.models():
+            loaded.add_metric([name], int(is_loaded))
+            memory.add_metric([name], size if is_loaded else 0)
+            for family in metrics.registry.collect():
+                into = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                for sample in family.samples:
+                    into.add_sample(sample.name, {**sample.labels, "model": name}, sample.value, sample.timestamp)
+        yield from families.values()
+        yield loaded
+        yield memory
 
 
 @dataclass

@@ -41,9 +41,10 @@ async function errorOf(response) {
   return new ServerError(response.status, message, { code, retryAfter: response.headers.get("Retry-After") });
 }
 
+// [{id, state}], state "loaded", "loading", "unloading" or "unloaded" (another server's models: "loaded")
 export async function listModels(key) {
   const response = await request("/v1/models", { headers: headers(key) });
-  return (await response.json()).data.map((model) => model.id);
+  return (await response.json()).data.map((model) => ({ id: model.id, state: model.state || "loaded" }));
 }
 
 // Yields {text, drafted} for each piece of the answer, then {done: true, stats, usage, finish}; throws ServerError.

@@ -10,7 +10,7 @@ const state = {
   conversations: store.loadConversations(),
   current: store.newConversation(),
   settings: store.loadSettings(),
-  models: [],
+  models: [], // [{id, state}] as /v1/models lists them
   streaming: null, // {controller, conversation, message, view, live}
 };
 
@@ -81,6 +81,7 @@ async function answer(conversation) {
   renderConversation();
   streaming.view = $("messages").lastElementChild;
   showStreaming(true);
+  if (state.models.find((model) => model.id === body.model)?.state !== "loaded") setTimeout(loadModels, 300);
   let failure = null;
   try {
     for await (const event of streamChat(body, { key: store.apiKey.get(), signal: streaming.controller.signal })) {
@@ -297,15 +298,27 @@ async function loadModels() {
   try {
     state.models = await listModels(store.apiKey.get());
   } catch (error) {
+    if (state.models.length) return; // a refresh while models load: the next one may answer
     const problem = describe(error);
     if (!(error instanceof ServerError && error.status === 401)) return addError(problem);
     if (store.apiKey.get()) addError(problem);
     askForKey(store.apiKey.get() ? problem : "");
     return;
   }
-  if (!state.models.includes(state.settings.model)) state.settings.model = state.models[0] || "";
-  $("model-name").textContent = state.settings.model;
+  const ids = state.models.map((model) => model.id);
+  if (!ids.includes(state.settings.model)) state.settings.model = ids[0] || "";
   fillSettings();
+  // while a model loads (or the answer waits for one), the picker shows it, refreshed until it is done
+  const waiting = state.streaming && !state.streaming.live.firstAt;
+  clearTimeout(state.refresh);
+  if (waiting || state.models.some((model) => model.state === "loading")) state.refresh = setTimeout(loadModels, 1000);
+}
+
+function modelOptions() {
+  const label = { loading: " · loading…", unloading: " · unloading", unloaded: " · not loaded" };
+  return state.models.map(({ id, state: now }) =>
+    Object.assign(element("option"), { value: id, textContent: id + (label[now] || "") }),
+  );
 }
 
 function askForKey(problem) {
@@ -318,10 +331,11 @@ function askForKey(problem) {
 }
 
 function fillSettings() {
-  const select = $("setting-model");
-  select.replaceChildren(...state.models.map((id) => Object.assign(element("option"), { value: id, textContent: id })));
   const { system, temperature, topP, maxTokens, speculative, model } = state.settings;
-  select.value = model;
+  for (const select of [$("setting-model"), $("model-name")]) {
+    select.replaceChildren(...modelOptions());
+    select.value = model;
+  }
   $("setting-system").value = system;
   $("setting-temperature").value = temperature;
   $("setting-top-p").value = topP;
@@ -339,7 +353,14 @@ function readSettings() {
     speculative: $("setting-speculative").checked,
   };
   store.saveSettings(state.settings);
-  $("model-name").textContent = state.settings.model;
+  $("model-name").value = state.settings.model;
+}
+
+function pickModel() {
+  state.settings = { ...state.settings, model: $("model-name").value };
+  store.saveSettings(state.settings);
+  fillSettings();
+  loadModels();
 }
 
 // --- wiring ---
@@ -364,6 +385,7 @@ function wire() {
   $("toggle-sidebar").addEventListener("click", () => document.body.classList.toggle("show-sidebar"));
   $("open-settings").addEventListener("click", () => (fillSettings(), $("settings").showModal()));
   $("settings-form").addEventListener("input", readSettings);
+  $("model-name").addEventListener("change", pickModel);
   $("messages").addEventListener("click", copyCode);
   $("key-form").addEventListener("submit", (event) => {
     event.preventDefault();
