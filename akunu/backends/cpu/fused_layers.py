@@ -31,7 +31,8 @@ modes or group sizes), and weights replaced since `fuse` (a loaded adapter) take
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,6 +207,8 @@ class AttentionRows:
         qkv, o = held["qkv"], held["o"]
         shape = (B, self.n_heads, self.n_kv_heads, self.rope.traditional, self.scale)
         buffers = (cache.cos, cache.sin, cache.keys, cache.values, cache.offset)
+        if cache.parents is not None:  # a tree pass: its one-node halves run in a layer stack, not here
+            return o(built.attention_rows(qkv(norm(x)), *buffers, *shape, cache.parents), x)
         if _sgemm(qkv) and _sgemm(o):
             return built.attention_half(x, norm["weight"], norm.eps, qkv.transposed, o.transposed, *buffers, *shape)
         if _quantized(qkv) and _quantized(o):
@@ -366,6 +369,9 @@ class ModelRows:
             return super().__call__(inputs, cache, input_embeddings)
         L = inputs.shape[1]
         binding = self._binding(L, cache)
+        parents = self.__dict__.get(_TREE)
+        if parents is not None:  # `takes_tree` said yes just before
+            return compiled_pass.run(self, inputs, cache, binding, parents)
         if binding is None:
             return super().__call__(inputs, cache, input_embeddings)
         if self._compiles(cache, L, binding):
@@ -376,6 +382,23 @@ class ModelRows:
         if getattr(self, "swa_idx", None) is not None:
             masks[True] = mask(h, cache[self.swa_idx], window_size=self.sliding_window)
         return self.rows_through(h, cache, masks)
+
+    def takes_tree(self, L: int, cache: Sequence[Any]) -> bool:
+        """Whether an L-token tree pass runs compiled on the kernels (`tree_pass`), its tree in the attention kernel."""
+        if getattr(self, "pipeline_size", 1) != 1:
+            return False
+        binding = self._binding(L, cache)
+        return binding is not None and self._compiles(cache, L, binding)
+
+    @contextmanager
+    def tree_pass(self, parents: mx.array) -> Iterator[None]:
+        """Calls of the model meanwhile are tree passes with these parents (int32 (L,), each row's parent row or
+        -1), where `takes_tree` said yes."""
+        self.__dict__[_TREE] = parents
+        try:
+            yield
+        finally:
+            del self.__dict__[_TREE]
 
     def _binding(self, L: int, cache: Sequence[Any]) -> Binding | None:
         """What an L-token pass rests on where every block it runs takes the fused path, else None. A pass runs
@@ -643,6 +666,7 @@ _STACKED = {  # a block's module -> its stacks -> the projections each one stack
     "mlp": {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)},
 }
 _COMPILES = "_akunu_compiles"
+_TREE = "_akunu_tree_parents"  # the parents of the tree pass under way (`ModelRows.tree_pass`)
 
 
 def stacks(module: nn.Module) -> dict[str, Stacked | None]:
