@@ -44,13 +44,14 @@ def takes_one_row(model: Any) -> bool:
 
 def tree_pass(model: Any, inputs: Any, cache: list, parents: Any) -> Any | None:
     """A tree pass as one compiled pass, its tree in the attention kernel, where the model's fused path runs
-    compiled (`fused_layers.ModelRows.takes_tree`); else None."""
+    compiled (`fused_layers.ModelRows.tree_binding`); else None."""
     from akunu.backends.cpu import fused_layers
 
     rows = model.get("model") if isinstance(model, dict) else None  # mlx-lm's Model holds its LlamaModel as "model"
-    if not isinstance(rows, fused_layers.ModelRows) or not rows.takes_tree(inputs.shape[1], cache):
+    binding = rows.tree_binding(inputs.shape[1], cache) if isinstance(rows, fused_layers.ModelRows) else None
+    if binding is None:
         return None
-    with rows.tree_pass(parents):
+    with rows.tree_pass(parents, binding):
         return model(inputs, cache=cache)
 
 

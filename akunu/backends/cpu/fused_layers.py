@@ -367,11 +367,11 @@ class ModelRows:
     def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: mx.array | None = None) -> mx.array:
         if input_embeddings is not None or cache is None or getattr(self, "pipeline_size", 1) != 1:
             return super().__call__(inputs, cache, input_embeddings)
+        tree = self.__dict__.get(_TREE)
+        if tree is not None:  # (parents, binding): `tree_binding` said yes just before
+            return compiled_pass.run(self, inputs, cache, tree[1], tree[0])
         L = inputs.shape[1]
         binding = self._binding(L, cache)
-        parents = self.__dict__.get(_TREE)
-        if parents is not None:  # `takes_tree` said yes just before
-            return compiled_pass.run(self, inputs, cache, binding, parents)
         if binding is None:
             return super().__call__(inputs, cache, input_embeddings)
         if self._compiles(cache, L, binding):
@@ -383,18 +383,18 @@ class ModelRows:
             masks[True] = mask(h, cache[self.swa_idx], window_size=self.sliding_window)
         return self.rows_through(h, cache, masks)
 
-    def takes_tree(self, L: int, cache: Sequence[Any]) -> bool:
-        """Whether an L-token tree pass runs compiled on the kernels (`tree_pass`), its tree in the attention kernel."""
+    def tree_binding(self, L: int, cache: Sequence[Any]) -> Binding | None:
+        """What an L-token tree pass rests on where it runs compiled on the kernels (`tree_pass`), else None."""
         if getattr(self, "pipeline_size", 1) != 1:
-            return False
+            return None
         binding = self._binding(L, cache)
-        return binding is not None and self._compiles(cache, L, binding)
+        return binding if binding is not None and self._compiles(cache, L, binding) else None
 
     @contextmanager
-    def tree_pass(self, parents: mx.array) -> Iterator[None]:
+    def tree_pass(self, parents: mx.array, binding: Binding) -> Iterator[None]:
         """Calls of the model meanwhile are tree passes with these parents (int32 (L,), each row's parent row or
-        -1), where `takes_tree` said yes."""
-        self.__dict__[_TREE] = parents
+        -1), on the `binding` that `tree_binding` gave for this pass."""
+        self.__dict__[_TREE] = (parents, binding)
         try:
             yield
         finally:
@@ -666,7 +666,7 @@ _STACKED = {  # a block's module -> its stacks -> the projections each one stack
     "mlp": {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)},
 }
 _COMPILES = "_akunu_compiles"
-_TREE = "_akunu_tree_parents"  # the parents of the tree pass under way (`ModelRows.tree_pass`)
+_TREE = "_akunu_tree_pass"  # the parents and binding of the tree pass under way (`ModelRows.tree_pass`)
 
 
 def stacks(module: nn.Module) -> dict[str, Stacked | None]:

@@ -389,7 +389,8 @@ struct View {
 template <typename KV>
 void score_extra(const float* q, const KV* keys, int64_t step, int prefix, const int* extra, int count, int dims,
                  float scale, float* scores) {
-  std::vector<KV> gathered(size_t(W) * dims, KV(0.0f));
+  thread_local std::vector<KV> gathered;  // every row of every layer gathers: no allocation each time
+  gathered.resize(size_t(W) * dims);
   float block[W];
   for (int g = 0; g < count; g += W) {
     const int n = count - g < W ? count - g : W;
