@@ -92,11 +92,12 @@ def measure_passes(
                 if on_pass is not None:
                     on_pass()
     chain = _filled(dict(zip(timed, non_decreasing([min(samples["chain", w]) for w in timed]))), max_width)
-    if not trees:
-        return chain, None
-    # below TREE_FROM a tree is a chain (tree_forward runs it as one): the chain's samples
-    fastest = [min(samples["tree", w] if w in shapes else samples["chain", w]) for w in timed]
-    return chain, _filled(dict(zip(timed, non_decreasing(fastest))), max_width)
+    if not trees or not shapes:
+        return chain, list(chain) if trees else None
+    fastest = non_decreasing([min(samples["tree", w]) for w in shapes])
+    tree = _filled(dict(zip(shapes, fastest)), max_width)
+    # Below TREE_FROM a tree is a chain (tree_forward runs it as one); a wider tree does all that chain does.
+    return chain, chain[: TREE_FROM - 1] + [max(s, chain[TREE_FROM - 2]) for s in tree[TREE_FROM - 1 :]]
 
 
 TREE_FROM = 3  # the narrowest pass whose measured tree branches (the root with two children)
