@@ -1,11 +1,14 @@
-"""The cost curve: how long a forward pass of k = 1..33 tokens takes on this backend.
+"""The cost curve: how long a forward pass of k = 1..33 tokens takes on this backend, as a chain and as a token tree.
 
 Adaptive drafting weighs expected accepted tokens against it, so it is measured once per
 model, dtype and backend and kept on disk (`akunu bench cost-curve` measures it afresh).
 It is measured out to the widest pass the policy may choose (32 drafts and the last token),
 after a short, a middling and a long context, since longer contexts make wide passes
 relatively dearer; a generation
-reads the curve at its own context (`CostCurves.at`).
+reads the curve at its own context (`CostCurves.at`, and `CostCurves.tree_at` for tree passes).
+A tree pass of k tokens is the root and k - 1 nodes in a binary tree (`measured_tree`), run by
+`drafters.tree.tree_forward`: where the backend's attention kernel does not take the tree, its mask
+goes through MLX's generic attention, and the tree curve shows what that costs.
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ import json
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from akunu import backends
+from akunu.drafters.base import TokenTree
+from akunu.drafters.tree import tree_forward
 from akunu.forward import feed
 from akunu.home import home
 from akunu.kv_cache import make_cache, rewind
@@ -44,7 +49,21 @@ def measure(
     on_pass: Callable[[], None] | None = None,
 ) -> list[float]:
     """Seconds of a k-token pass, k = 1..max_width, after `context` tokens (only `widths` timed, if given;
-    the rest read off straight lines between them). `on_pass` is called after each timed pass.
+    the rest read off straight lines between them). `on_pass` is called after each timed pass."""
+    return measure_passes(model, max_width, sweeps, context, widths, on_pass, trees=False)[0]
+
+
+def measure_passes(
+    model: nn.Module,
+    max_width: int = MAX_WIDTH,
+    sweeps: int = 7,
+    context: int = CONTEXT,
+    widths: Sequence[int] | None = None,
+    on_pass: Callable[[], None] | None = None,
+    trees: bool = True,
+) -> tuple[list[float], list[float] | None]:
+    """`measure`'s seconds for chains, and for tree passes of the same widths (None unless `trees`), each tree timed
+    right after the chain of its width.
 
     Each sweep times every width once, alternating direction, so a burst of load from another
     process lands on all widths alike; the fastest sample of each width is kept, since load
@@ -56,19 +75,38 @@ def measure(
     feed(model, cache, mx.zeros((context,), mx.uint32))  # the cache filled, no logits for every position
     timed = timed_widths(max_width, widths)
     inputs = {width: mx.zeros((1, width), mx.uint32) for width in timed}
-    samples: dict[int, list[float]] = {width: [] for width in inputs}
+    shapes = {width: measured_tree(width) for width in timed if trees and width >= TREE_FROM}
+    passes = {("chain", w): lambda w=w: model(inputs[w], cache=cache) for w in timed}
+    passes.update({("tree", w): lambda w=w: tree_forward(model, cache, 0, shapes[w]) for w in shapes})
+    samples: dict[tuple[str, int], list[float]] = {kind: [] for kind in passes}
     for sweep in range(sweeps + 1):  # sweep 0 warms every width up
-        order = list(inputs) if sweep % 2 == 0 else list(reversed(inputs))
-        for width in order:
-            start = time.perf_counter()
-            mx.eval(model(inputs[width], cache=cache))
-            if sweep:
-                samples[width].append(time.perf_counter() - start)
-            rewind(cache, width)
-            if on_pass is not None:
-                on_pass()
-    fastest = non_decreasing([min(samples[width]) for width in inputs])
-    return _filled(dict(zip(inputs, fastest)), max_width)
+        for width in timed if sweep % 2 == 0 else reversed(timed):
+            for kind in ("chain", "tree"):
+                if (kind, width) not in passes:
+                    continue
+                start = time.perf_counter()
+                mx.eval(passes[kind, width]())
+                if sweep:
+                    samples[kind, width].append(time.perf_counter() - start)
+                rewind(cache, width)
+                if on_pass is not None:
+                    on_pass()
+    chain = _filled(dict(zip(timed, non_decreasing([min(samples["chain", w]) for w in timed]))), max_width)
+    if not trees or not shapes:
+        return chain, list(chain) if trees else None
+    fastest = non_decreasing([min(samples["tree", w]) for w in shapes])
+    tree = _filled(dict(zip(shapes, fastest)), max_width)
+    # Below TREE_FROM a tree is a chain (tree_forward runs it as one); a wider tree does all that chain does.
+    return chain, chain[: TREE_FROM - 1] + [max(s, chain[TREE_FROM - 2]) for s in tree[TREE_FROM - 1 :]]
+
+
+TREE_FROM = 3  # the narrowest pass whose measured tree branches (the root with two children)
+
+
+def measured_tree(width: int) -> TokenTree:
+    """The tree a k-token tree pass times: the root and k - 1 nodes, each row's parent row (r - 1) // 2, so the
+    root has two children and so does every node until the rows run out (depth about log2 k)."""
+    return TokenTree([0] * (width - 1), [(row - 1) // 2 - 1 for row in range(1, width)])
 
 
 def timed_widths(max_width: int, widths: Sequence[int] | None = None) -> list[int]:
@@ -120,13 +158,20 @@ def curve_path(key: str, directory: Path) -> Path:
 
 @dataclass(frozen=True)
 class CostCurves:
-    """Seconds of a k-token pass, k = 1..n, after each measured context; `at` reads between them."""
+    """Seconds of a k-token pass, k = 1..n, after each measured context, as a chain and (where measured) as a token
+    tree; `at` and `tree_at` read between them."""
 
     seconds: dict[int, list[float]]  # context -> seconds by width
+    tree_seconds: dict[int, list[float]] = field(default_factory=dict)  # the same for tree passes (`measured_tree`)
 
     @property
     def widths(self) -> int:
         return min(len(s) for s in self.seconds.values())
+
+    @property
+    def has_trees(self) -> bool:
+        """Whether tree passes were measured after every context the chains were."""
+        return set(self.tree_seconds) >= set(self.seconds)
 
     def at(self, context: int) -> list[float]:
         """Relative pass costs after `context` tokens.
@@ -134,13 +179,32 @@ class CostCurves:
         A pass's time grows linearly with the context (attention reads every cached token), so
         the seconds are interpolated linearly, and extrapolated past the longest measured
         context (never below it); below the shortest they are the shortest's."""
-        points = sorted(self.seconds)
-        lo, hi = (points[0], points[0]) if len(points) == 1 or context <= points[0] else _bracket(points, context)
-        t = (context - lo) / (hi - lo) if hi != lo else 0.0
-        seconds = [a + t * (b - a) for a, b in zip(self.seconds[lo][: self.widths], self.seconds[hi])]
-        if context > points[-1]:
-            seconds = [max(s, last) for s, last in zip(seconds, self.seconds[hi])]
-        return relative_costs(non_decreasing(seconds))
+        return relative_costs(_seconds_at(self.seconds, context, self.widths))
+
+    def tree_at(self, context: int) -> list[float]:
+        """Relative costs of tree passes of k = 1..n tokens (the root and k - 1 nodes) after `context` tokens, in
+        units of a 1-token pass, as `at` reads chains; the chains' costs where trees were not measured."""
+        chain = _seconds_at(self.seconds, context, self.widths)
+        if not self.has_trees:
+            return relative_costs(chain)
+        widths = min(self.widths, *(len(s) for s in self.tree_seconds.values()))
+        return [s / chain[0] for s in _seconds_at(self.tree_seconds, context, widths)]
+
+    def tree_cost(self, width: int, context: int) -> float:
+        """What a tree pass of `width` tokens (the root and width - 1 nodes) costs after `context` tokens, in units of
+        a 1-token pass (within the measured widths)."""
+        return self.tree_at(context)[width - 1]
+
+
+def _seconds_at(seconds: dict[int, list[float]], context: int, widths: int) -> list[float]:
+    """Seconds by width after `context` tokens, between the measured contexts (`CostCurves.at`), non-decreasing."""
+    points = sorted(seconds)
+    lo, hi = (points[0], points[0]) if len(points) == 1 or context <= points[0] else _bracket(points, context)
+    t = (context - lo) / (hi - lo) if hi != lo else 0.0
+    read = [a + t * (b - a) for a, b in zip(seconds[lo][:widths], seconds[hi][:widths])]
+    if context > points[-1]:
+        read = [max(s, last) for s, last in zip(read, seconds[hi])]
+    return non_decreasing(read)
 
 
 def _bracket(points: list[int], context: int) -> tuple[int, int]:
@@ -173,7 +237,8 @@ def measure_curves(
     progress: Progress | None = None,
 ) -> CostCurves:
     """`measure` after each of `contexts`; `progress(done, total)` hears of every timed pass."""
-    total = len(contexts) * (sweeps + 1) * len(timed_widths(max_width, widths))
+    timed = timed_widths(max_width, widths)
+    total = len(contexts) * (sweeps + 1) * (len(timed) + sum(w >= TREE_FROM for w in timed))
     done = 0
 
     def on_pass() -> None:
@@ -184,7 +249,8 @@ def measure_curves(
 
     if progress is not None:
         progress(0, total)
-    return CostCurves({context: measure(model, max_width, sweeps, context, widths, on_pass) for context in contexts})
+    measured = {context: measure_passes(model, max_width, sweeps, context, widths, on_pass) for context in contexts}
+    return CostCurves({c: chain for c, (chain, _) in measured.items()}, {c: tree for c, (_, tree) in measured.items()})
 
 
 def save(key: str, curves: CostCurves, directory: Path) -> Path:
@@ -192,7 +258,11 @@ def save(key: str, curves: CostCurves, directory: Path) -> Path:
     path = curve_path(key, directory)
     directory.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    record = {"key": key, "seconds_by_context": {str(c): list(s) for c, s in sorted(curves.seconds.items())}}
+    record = {
+        "key": key,
+        "seconds_by_context": {str(c): list(s) for c, s in sorted(curves.seconds.items())},
+        "tree_seconds_by_context": {str(c): list(s) for c, s in sorted(curves.tree_seconds.items())},
+    }
     tmp.write_text(json.dumps(record))
     tmp.replace(path)
     return path
@@ -201,7 +271,11 @@ def save(key: str, curves: CostCurves, directory: Path) -> Path:
 def read_curves(path: Path) -> CostCurves:
     """The curves a record written by `save` holds, unchecked (a bad file raises)."""
     record = json.loads(Path(path).read_text())
-    return CostCurves({int(c): seconds for c, seconds in record["seconds_by_context"].items()})
+    trees = record.get("tree_seconds_by_context", {})
+    return CostCurves(
+        {int(c): seconds for c, seconds in record["seconds_by_context"].items()},
+        {int(c): seconds for c, seconds in trees.items()},
+    )
 
 
 def cached(
@@ -216,14 +290,17 @@ def cached(
     read from disk.
 
     A first measurement is the quick one (QUICK_WIDTHS, few sweeps), so it takes seconds; a saved record
-    that lacks a context or is too short for `max_width` (or was saved in an older format) is measured again.
+    that lacks a context or is too short for `max_width` (or was saved in an older format, or without tree
+    passes) is measured again.
     """
     try:
-        saved = read_curves(curve_path(key, directory)).seconds
-        chosen = {c: saved[c] for c in contexts}
-        valid = all(isinstance(s, (int, float)) and 0 < s < float("inf") for curve in chosen.values() for s in curve)
-        if valid and all(len(curve) >= max_width for curve in chosen.values()):  # zeros or text: measure again
-            return CostCurves(chosen)
+        saved = read_curves(curve_path(key, directory))
+        chosen = {c: saved.seconds[c] for c in contexts}
+        trees = {c: saved.tree_seconds[c] for c in contexts}
+        every = [*chosen.values(), *trees.values()]
+        valid = all(isinstance(s, (int, float)) and 0 < s < float("inf") for curve in every for s in curve)
+        if valid and all(len(curve) >= max_width for curve in every):  # zeros or text: measure again
+            return CostCurves(chosen, trees)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
     curves = measure_curves(model, max_width, QUICK_SWEEPS, contexts, widths=QUICK_WIDTHS, progress=progress)

@@ -228,13 +228,18 @@ def cost_table(curves, key: str, after: str) -> Table:
 
     contexts = sorted(curves.seconds)
     table = Table(
-        title=f"forward-pass time by width k, after {after} tokens of context", caption=key, title_justify="left"
+        title=f"forward-pass time by width k (a chain; a tree of the root and k - 1 nodes), after {after} tokens of context",
+        caption=key,
+        title_justify="left",
     )
     table.add_column("k", justify="right")
-    for name in [f"ms @{c}" for c in contexts] + [f"relative @{c}" for c in contexts]:
+    trees = contexts if curves.has_trees else []
+    names = [f"ms @{c}" for c in contexts] + [f"tree ms @{c}" for c in trees]
+    for name in names + [f"relative @{c}" for c in contexts] + [f"tree @{c}" for c in trees]:
         table.add_column(name, justify="right")
-    for k, ms, relative in cost_table_rows(curves):
-        table.add_row(str(k), *(f"{m:.1f}" for m in ms), *(f"{r:.2f}" for r in relative))
+    for k, ms, relative, tree_ms, tree_relative in cost_table_rows(curves):
+        times = (f"{m:.1f}" for m in [*ms, *tree_ms])
+        table.add_row(str(k), *times, *(f"{r:.2f}" for r in [*relative, *tree_relative]))
     return table
 
 

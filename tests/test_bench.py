@@ -260,8 +260,14 @@ def test_best_draft_length_follows_acceptance_and_cost():
     steep = [1.0 + k for k in range(16)]  # a k-token pass costs k plain steps
     assert best_draft_length(0.9, steep, 8) == 0
     rows = cost_table_rows(CostCurves({512: [0.2, 0.3, 0.5], 64: [0.1, 0.15, 0.2]}))
-    assert [(k, pytest.approx(ms), pytest.approx(relative)) for k, ms, relative in rows] == [
-        (1, [100.0, 200.0], [1.0, 1.0]),
-        (2, [150.0, 300.0], [1.5, 1.5]),
-        (3, [200.0, 500.0], [2.0, 2.5]),
-    ]  # k, then ms and relative cost by ascending context
+    assert [(k, pytest.approx(ms), pytest.approx(relative), tree) for k, ms, relative, tree, _ in rows] == [
+        (1, [100.0, 200.0], [1.0, 1.0], []),
+        (2, [150.0, 300.0], [1.5, 1.5], []),
+        (3, [200.0, 500.0], [2.0, 2.5], []),
+    ]  # k, then ms and relative cost by ascending context; no trees measured
+    trees = cost_table_rows(CostCurves({64: [0.1, 0.15, 0.2]}, {64: [0.1, 0.15, 0.3]}))
+    assert [(pytest.approx(ms), pytest.approx(relative)) for *_, ms, relative in trees] == [
+        ([100.0], [1.0]),
+        ([150.0], [1.5]),
+        ([300.0], [3.0]),
+    ]  # a tree pass's ms, and its cost in 1-token (chain) passes

@@ -225,33 +225,36 @@ def test_plot_draws_a_png(fake_engine, workload, tmp_path):
 def test_cost_curve_is_measured_shown_and_stored_where_adaptive_drafting_reads_it(fake_engine, monkeypatch):
     fake_engine.loaded = make_loaded(context_length=4096)  # room for every usual context
 
-    def measure(
-        model, max_width=33, sweeps=7, context=512, widths=None, on_pass=None
-    ):  # a longer context makes every pass dearer
-        return [0.05 * (1 + context / 1024) + 0.005 * k for k in range(max_width)]
+    def measure(model, max_width=33, sweeps=7, context=512, widths=None, on_pass=None, trees=True):
+        chain = [0.05 * (1 + context / 1024) + 0.005 * k for k in range(max_width)]  # dearer after more context
+        return chain, [s + 0.001 * k for k, s in enumerate(chain)]  # a tree a little dearer than a chain
 
-    monkeypatch.setattr(akunu.cost_curve, "measure", measure)
-    result = invoke("bench", "cost-curve")
+    monkeypatch.setattr(akunu.cost_curve, "measure_passes", measure)
+    result = invoke("bench", "cost-curve", env={"COLUMNS": "250"})  # room for every column
     text = ANSI.sub("", result.output)
     assert result.exit_code == 0, text
-    # k, ms after 64 / 512 / 2048 tokens, relative cost after each
-    assert re.search(r"│\s+1 │\s+53\.1 │\s+75\.0 │\s+150\.0 │\s+1\.00 │\s+1\.00 │\s+1\.00 │", text)
-    assert re.search(r"│\s+16 │\s+128\.1 │\s+150\.0 │\s+225\.0 │\s+2\.41 │\s+2\.00 │\s+1\.50 │", text)
+    # k, ms after 64 / 512 / 2048 tokens, a tree's ms after each, relative cost after each, a tree's after each
+    row = r"│\s+16 │\s+128\.1 │\s+150\.0 │\s+225\.0 │\s+143\.1 │\s+165\.0 │\s+240\.0 │\s+2\.41 │\s+2\.00 │\s+1\.50 │"
+    assert re.search(r"│\s+1 │\s+53\.1 │\s+75\.0 │\s+150\.0 │\s+53\.1 │\s+75\.0 │\s+150\.0 │\s+1\.00 │", text)
+    assert re.search(row + r"\s+2\.69 │\s+2\.20 │\s+1\.60 │", text)
     assert all(f"after {c} tokens, adaptive drafting" in text for c in CONTEXTS)
     key = curve_key("tiny", "float32")
     curves = real_cached(None, key, default_dir())  # read from disk: no model needed
     for c in CONTEXTS:
-        assert curves.at(c) == pytest.approx(relative_costs(measure(None, context=c)))
+        chain, tree = measure(None, context=c)
+        assert curves.at(c) == pytest.approx(relative_costs(chain))
+        assert curves.tree_at(c) == pytest.approx([s / chain[0] for s in tree])
+        assert curves.tree_cost(16, c) == pytest.approx(tree[15] / chain[0])
 
 
 def test_cost_curve_at_another_context_is_shown_but_not_stored(fake_engine, monkeypatch):
     contexts = []
 
-    def measure(model, max_width=33, sweeps=7, context=512, widths=None, on_pass=None):
+    def measure(model, max_width=33, sweeps=7, context=512, widths=None, on_pass=None, trees=True):
         contexts.append(context)
-        return [0.05 + 0.005 * k for k in range(33)]
+        return [0.05 + 0.005 * k for k in range(33)], [0.05 + 0.006 * k for k in range(33)]
 
-    monkeypatch.setattr(akunu.cost_curve, "measure", measure)
+    monkeypatch.setattr(akunu.cost_curve, "measure_passes", measure)
     result = invoke("bench", "cost-curve", "--context", "100")
     text = ANSI.sub("", result.output)
     assert result.exit_code == 0, text
@@ -270,9 +273,19 @@ def test_a_context_option_out_of_place_is_one_line(fake_engine, args, message):
 
 
 def test_saved_cost_curve_round_trips_through_the_engine_cache(tmp_path):
-    save("some model/float32 cpu", CostCurves({c: [0.1] + [0.2] * 32 for c in CONTEXTS}), tmp_path)
+    chains, trees = ({c: [0.1] + [s] * 32 for c in CONTEXTS} for s in (0.2, 0.25))
+    save("some model/float32 cpu", CostCurves(chains, trees), tmp_path)
     curves = akunu.cost_curve.cached(None, "some model/float32 cpu", tmp_path)
     assert curves.at(512) == pytest.approx([1.0] + [2.0] * 32)
+    assert curves.tree_at(512) == pytest.approx([1.0] + [2.5] * 32)
+
+
+def test_a_saved_curve_without_tree_passes_is_measured_again(tmp_path):
+    from tests.tiny import tiny_llama
+
+    save("tiny", CostCurves({8: [0.1, 0.2, 0.3, 0.4]}), tmp_path)
+    curves = akunu.cost_curve.cached(tiny_llama(), "tiny", tmp_path, max_width=4, contexts=(8,))
+    assert curves.has_trees and len(curves.tree_seconds[8]) == 4
 
 
 def test_a_saved_curve_too_short_for_the_draft_length_is_measured_again(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx
 import pytest
 
 import akunu.generate
@@ -60,3 +61,23 @@ def test_a_record_in_the_old_one_context_format_is_measured_again(tmp_path):
     record = json.loads(cost_curve.curve_path("k", tmp_path).read_text())
     assert sorted(record["seconds_by_context"]) == ["16", "8"]
     assert cost_curve.cached(None, "k", tmp_path, max_width=3, contexts=(8, 16)) == curves  # read back, not measured
+
+
+def test_a_tree_curve_is_the_chain_below_a_branching_tree_and_never_cheaper_than_the_chain_it_contains(monkeypatch):
+    clock = [0.0]
+
+    def model(inputs, cache):  # every chain pass takes 1 s
+        clock[0] += 1.0
+        return mx.zeros(1)
+
+    def tree_forward(model, cache, root, tree):  # the 3-token tree (2 nodes) 0.5 s, as load could make it seem
+        clock[0] += 0.5 if len(tree) == 2 else 1.0
+        return mx.zeros(1)
+
+    monkeypatch.setattr(cost_curve.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(cost_curve, "tree_forward", tree_forward)
+    for name in ("make_cache", "feed", "rewind"):
+        monkeypatch.setattr(cost_curve, name, lambda *args: None)
+    chain, tree = cost_curve.measure_passes(model, max_width=4, sweeps=1, context=8)
+    assert chain == [1.0] * 4
+    assert tree == [1.0] * 4  # widths 1 and 2 are the chain's; the 3-token tree holds a 2-token chain

@@ -65,6 +65,16 @@ def argmax(x: Any) -> Any:
     return mx.argmax(x, axis=-1).astype(mx.uint32)
 
 
+def tree_pass(model: Any, inputs: Any, cache: list, parents: Any) -> Any | None:
+    """A token tree's pass (`drafters.tree.tree_forward`: `inputs` (1, L), `parents` int32 (L,), each row's parent
+    row or -1) on the CPU backend's kernels: the model's output, or None where they do not take it (then the caller
+    runs the tree's mask through mlx-lm's attention)."""
+    cpu = sys.modules.get(_CPU_PACKAGE)
+    if cpu is None or not cpu_backend_applies():
+        return None
+    return cpu.tree_pass(model, inputs, cache, parents)
+
+
 def prefill_step() -> int:
     """The prompt chunk prefill feeds per pass: on the CPU backend the widest pass its kernels take (a wider one
     runs MLX's attention over the float16 cache: 2,048 tokens took 45.6 s in 512-token chunks, 25.6 s in 64s)."""

@@ -10,13 +10,25 @@ from pathlib import Path
 
 from akunu import cost_curve
 
+Row = tuple[int, list[float], list[float], list[float], list[float]]
 
-def cost_table_rows(curves: cost_curve.CostCurves) -> Iterator[tuple[int, list[float], list[float]]]:
-    """(k, ms of a k-token pass, its cost relative to a 1-token pass), each by context, ascending."""
+
+def cost_table_rows(curves: cost_curve.CostCurves) -> Iterator[Row]:
+    """(k, ms of a k-token pass, its cost relative to a 1-token pass, then the same two for a k-token tree pass),
+    each by context, ascending (the tree's lists empty where trees were not measured)."""
     contexts = sorted(curves.seconds)
     relative = {c: cost_curve.relative_costs(curves.seconds[c]) for c in contexts}
+    trees = sorted(curves.tree_seconds) if curves.has_trees else []
     for i in range(curves.widths):
-        yield i + 1, [curves.seconds[c][i] * 1000 for c in contexts], [relative[c][i] for c in contexts]
+        tree_ms = [curves.tree_seconds[c][i] * 1000 for c in trees]
+        tree_relative = [curves.tree_seconds[c][i] / curves.seconds[c][0] for c in trees]
+        yield (
+            i + 1,
+            [curves.seconds[c][i] * 1000 for c in contexts],
+            [relative[c][i] for c in contexts],
+            tree_ms,
+            tree_relative,
+        )
 
 
 def measure_and_save(model, key: str, directory: Path, contexts: Sequence[int]) -> tuple[cost_curve.CostCurves, Path]:

@@ -8,9 +8,12 @@ from the root, keeping the child the target agrees with: the longest accepted pa
 Afterwards the accepted path's keys and values are moved next to each other in the cache
 and everything else the tree wrote is trimmed.
 
-Per-node positions go through mlx-lm's own attention: each layer gets a cache view whose
-`offset` is the position vector and whose `make_mask` returns the tree mask, and the RoPE
-modules are wrapped for the pass so a position vector rotates each node by its own position.
+On the CPU backend the pass is a chain's compiled pass with the tree's parents as one more input
+(`backends.tree_pass`): akunu's attention kernel follows the tree itself, each row getting the bits
+a chain holding its visible keys would give it. Elsewhere per-node positions go through mlx-lm's own
+attention: each layer gets a cache view whose `offset` is the position vector and whose `make_mask`
+returns the tree mask, and the RoPE modules are wrapped for the pass so a position vector rotates
+each node by its own position.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from akunu.kv_cache import rewind
 from akunu.sampling import Draws, SamplingParams, target_logprobs
 
 # mlx-lm architectures whose internals akunu reaches into (layers, self_attn.rope, zip(layers, cache)).
-SUPPORTED = ("llama", "gemma3_text")
+SUPPORTED = ("llama", "qwen2", "gemma3_text")
 
 
 def model_kind(model: nn.Module) -> str:
@@ -180,6 +183,9 @@ def tree_forward(model: nn.Module, cache: list, root: int, tree: TokenTree) -> m
     inputs = mx.array([[root, *tree.tokens]], mx.uint32)
     if tree.chain_length() == len(tree):  # a plain linear draft: the ordinary causal pass
         return model(inputs, cache=cache)[0]
+    on_kernels = backends.tree_pass(model, inputs, cache, pass_parents(tree))
+    if on_kernels is not None:
+        return on_kernels[0]
     prefix = cache[0].offset
     positions = prefix + mx.array([0, *tree.depths()], dtype=mx.int32)
     windows = {None, *(getattr(model.args, "sliding_window", None),)}
@@ -187,6 +193,11 @@ def tree_forward(model: nn.Module, cache: list, root: int, tree: TokenTree) -> m
     views = [_TreeCacheView(c, positions, masks) for c in cache]
     with _node_positions(model):
         return model(inputs, cache=views)[0]
+
+
+def pass_parents(tree: TokenTree) -> mx.array:
+    """Each row's parent row in a tree pass (the root's row first, -1), as the CPU backend's kernels take them."""
+    return mx.array([-1, *(parent + 1 for parent in tree.parents)], mx.int32)
 
 
 def keep_path(cache: list, prefix: int, written: int, path: list[int]) -> None:

@@ -7,7 +7,8 @@
   passes of them as one `layer_stack` node (or a compiled trace);
 - `quantized` (`quantized.cpp`): products over MLX affine-quantized weights for decode steps, built on first use.
 
-The rest of akunu sees only `apply`, `takes_one_row`, `unpatched`, `describe` and `REVISION`, through `akunu.backends`.
+The rest of akunu sees only `apply`, `takes_one_row`, `tree_pass`, `unpatched`, `describe` and `REVISION`, through
+`akunu.backends`.
 This module must not import MLX at the top: `blas.preload()` runs before MLX is first imported.
 """
 
@@ -39,6 +40,19 @@ def takes_one_row(model: Any) -> bool:
     from akunu.backends.cpu import fast_step
 
     return fast_step.takes_one_row(model)
+
+
+def tree_pass(model: Any, inputs: Any, cache: list, parents: Any) -> Any | None:
+    """A tree pass as one compiled pass, its tree in the attention kernel, where the model's fused path runs
+    compiled (`fused_layers.ModelRows.tree_binding`); else None."""
+    from akunu.backends.cpu import fused_layers
+
+    rows = model.get("model") if isinstance(model, dict) else None  # mlx-lm's Model holds its LlamaModel as "model"
+    binding = rows.tree_binding(inputs.shape[1], cache) if isinstance(rows, fused_layers.ModelRows) else None
+    if binding is None:
+        return None
+    with rows.tree_pass(parents, binding):
+        return model(inputs, cache=cache)
 
 
 @contextmanager

@@ -10,7 +10,9 @@ nodes beside it. Float32 layers with biases keep their products as nodes around 
 (`attention_rows`): those passes are traced with `mx.compile`, once per (width, capacity), and replayed.
 The position goes in as an int32 array: the attention halves write the pass's keys and values into the
 cache's buffers in place at it, read them up to it, and read RoPE's rows from tables as long as the
-buffers. The kernels and products are the eager fused path's, so the bits are too.
+buffers. The kernels and products are the eager fused path's, so the bits are too. A token tree's pass
+(drafters/tree.py) runs the same way with its rows' parents as one more input: each row then sits at the
+position of its depth and sees the cache and its ancestors (kernels.cpp's `PassTree`).
 
 The halves and traces are made for one `fused_layers.Binding`, the model's identities as its fused path
 was last checked: a replaced projection turns the fused path off (its stack no longer holds), and a
@@ -53,6 +55,7 @@ class CacheBuffers:
     cos: mx.array
     sin: mx.array
     offset: mx.array
+    parents: mx.array | None = None  # a tree pass's: each row's parent row (int32, -1 under the cache alone)
 
 
 def has_room(caches: Sequence[Any], L: int) -> bool:
@@ -77,6 +80,7 @@ class _Trace:
     new function (the old traces would never be used again)."""
 
     function: Callable
+    tree_function: Callable  # the same for tree passes, which take their parents too
     constants: tuple[mx.array, ...]  # the norms' arrays it was traced with
     batch: int  # the layers' kernels take it as a constant
     capacity: int  # the caches' capacity when traced
@@ -100,15 +104,17 @@ class _LayerStack:
     sins: list[mx.array]
 
 
-def run(model: nn.Module, inputs: mx.array, caches: Sequence[KVCache], binding: Any) -> mx.array:
+def run(
+    model: nn.Module, inputs: mx.array, caches: Sequence[KVCache], binding: Any, parents: mx.array | None = None
+) -> mx.array:
     """The model's (B, L, D) output for `inputs` (B, L), `has_room` having said yes, for the model's current
-    `fused_layers.Binding`; the caches advance by L."""
+    `fused_layers.Binding`; the caches advance by L. `parents` (int32 (L,)) makes it a tree pass."""
     offset = mx.array([caches[0].offset], mx.int32)
     embedded = model["embed_tokens"](inputs)  # outside the trace: a quantized embedding's ops need their shapes
     if binding.one_node:
-        hidden = _through_layer_stack(model, embedded, offset, caches, binding)
+        hidden = _through_layer_stack(model, embedded, offset, caches, binding, parents)
     else:
-        hidden = _through_trace(model, embedded, offset, caches, binding.constants)
+        hidden = _through_trace(model, embedded, offset, caches, binding.constants, parents)
     # The cache's new rows are written by the pass, not by arrays the cache holds: queue the pass now, so
     # they are written even if its output is dropped (prefill's chunks), before any later pass reads them.
     if _queue_passes:
@@ -119,19 +125,22 @@ def run(model: nn.Module, inputs: mx.array, caches: Sequence[KVCache], binding: 
 
 
 def _through_trace(model: nn.Module, embedded: mx.array, offset: mx.array, caches: Sequence[KVCache],
-                   constants: tuple[mx.array, ...]) -> mx.array:  # fmt: skip
+                   constants: tuple[mx.array, ...], parents: mx.array | None) -> mx.array:  # fmt: skip
     capacity, batch = caches[0].keys.shape[2], embedded.shape[0]
     compiled = model.__dict__.get(_TRACE)
     if compiled is None or not compiled.serves(constants, batch, capacity):
         function = mx.compile(partial(_traced, model))  # traced per width and capacity: products are graph nodes
+        tree_function = mx.compile(partial(_traced_tree, model))
         tables = _tables(model, capacity, caches[0].keys.shape[3])
-        compiled = model.__dict__[_TRACE] = _Trace(function, constants, batch, capacity, *tables)
+        compiled = model.__dict__[_TRACE] = _Trace(function, tree_function, constants, batch, capacity, *tables)
     keys, values = [c.keys for c in caches], [c.values for c in caches]
+    if parents is not None:
+        return compiled.tree_function(embedded, offset, parents, keys, values, compiled.coss, compiled.sins)
     return compiled.function(embedded, offset, keys, values, compiled.coss, compiled.sins)
 
 
 def _through_layer_stack(model: nn.Module, embedded: mx.array, offset: mx.array, caches: Sequence[KVCache],
-                         binding: Any) -> mx.array:  # fmt: skip
+                         binding: Any, parents: mx.array | None) -> mx.array:  # fmt: skip
     """Every half-layer in one kernels.cpp `layer_stack` node, then the final norm: one node to build and dispatch
     instead of two a layer (each costs the thread that builds passes several microseconds)."""
     capacity, stacks = caches[0].keys.shape[2], model.__dict__.setdefault(_STACKS, {})
@@ -145,7 +154,7 @@ def _through_layer_stack(model: nn.Module, embedded: mx.array, offset: mx.array,
         stack = stacks[binding.count] = replace(stack, capacity=capacity, coss=coss, sins=sins)
     buffers = [a for c, cos, sin in zip(caches, stack.coss, stack.sins) for a in (cos, sin, c.keys, c.values)]
     B, L, D = embedded.shape
-    rows = kernels.load().layer_stack(embedded.flatten(0, 1), offset, stack.layers, buffers, B)
+    rows = kernels.load().layer_stack(embedded.flatten(0, 1), offset, stack.layers, buffers, B, parents)
     return model["norm"](rows).reshape(B, L, D)
 
 
@@ -172,6 +181,11 @@ def constants(model: nn.Module) -> tuple[mx.array, ...]:
 def _traced(model: nn.Module, embedded, offset, keys, values, coss, sins) -> mx.array:
     buffers = [CacheBuffers(*layer, offset) for layer in zip(keys, values, coss, sins)]
     return model.rows_through(embedded, buffers, {False: None})  # the halves are causal themselves
+
+
+def _traced_tree(model: nn.Module, embedded, offset, parents, keys, values, coss, sins) -> mx.array:
+    buffers = [CacheBuffers(*layer, offset, parents) for layer in zip(keys, values, coss, sins)]
+    return model.rows_through(embedded, buffers, {False: None})  # the halves follow the tree themselves
 
 
 def _tables(model: nn.Module, capacity: int, head_dim: int) -> tuple[list[mx.array], list[mx.array]]:

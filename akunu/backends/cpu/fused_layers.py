@@ -31,7 +31,8 @@ modes or group sizes), and weights replaced since `fuse` (a loaded adapter) take
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,6 +207,8 @@ class AttentionRows:
         qkv, o = held["qkv"], held["o"]
         shape = (B, self.n_heads, self.n_kv_heads, self.rope.traditional, self.scale)
         buffers = (cache.cos, cache.sin, cache.keys, cache.values, cache.offset)
+        if cache.parents is not None:  # a tree pass: its one-node halves run in a layer stack, not here
+            return o(built.attention_rows(qkv(norm(x)), *buffers, *shape, cache.parents), x)
         if _sgemm(qkv) and _sgemm(o):
             return built.attention_half(x, norm["weight"], norm.eps, qkv.transposed, o.transposed, *buffers, *shape)
         if _quantized(qkv) and _quantized(o):
@@ -364,6 +367,9 @@ class ModelRows:
     def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: mx.array | None = None) -> mx.array:
         if input_embeddings is not None or cache is None or getattr(self, "pipeline_size", 1) != 1:
             return super().__call__(inputs, cache, input_embeddings)
+        tree = self.__dict__.get(_TREE)
+        if tree is not None:  # (parents, binding): `tree_binding` said yes just before
+            return compiled_pass.run(self, inputs, cache, tree[1], tree[0])
         L = inputs.shape[1]
         binding = self._binding(L, cache)
         if binding is None:
@@ -376,6 +382,23 @@ class ModelRows:
         if getattr(self, "swa_idx", None) is not None:
             masks[True] = mask(h, cache[self.swa_idx], window_size=self.sliding_window)
         return self.rows_through(h, cache, masks)
+
+    def tree_binding(self, L: int, cache: Sequence[Any]) -> Binding | None:
+        """What an L-token tree pass rests on where it runs compiled on the kernels (`tree_pass`), else None."""
+        if getattr(self, "pipeline_size", 1) != 1:
+            return None
+        binding = self._binding(L, cache)
+        return binding if binding is not None and self._compiles(cache, L, binding) else None
+
+    @contextmanager
+    def tree_pass(self, parents: mx.array, binding: Binding) -> Iterator[None]:
+        """Calls of the model meanwhile are tree passes with these parents (int32 (L,), each row's parent row or
+        -1), on the `binding` that `tree_binding` gave for this pass."""
+        self.__dict__[_TREE] = (parents, binding)
+        try:
+            yield
+        finally:
+            del self.__dict__[_TREE]
 
     def _binding(self, L: int, cache: Sequence[Any]) -> Binding | None:
         """What an L-token pass rests on where every block it runs takes the fused path, else None. A pass runs
@@ -643,6 +666,7 @@ _STACKED = {  # a block's module -> its stacks -> the projections each one stack
     "mlp": {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)},
 }
 _COMPILES = "_akunu_compiles"
+_TREE = "_akunu_tree_pass"  # the parents and binding of the tree pass under way (`ModelRows.tree_pass`)
 
 
 def stacks(module: nn.Module) -> dict[str, Stacked | None]:

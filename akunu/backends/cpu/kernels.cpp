@@ -18,6 +18,7 @@
 
 #include <dlfcn.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
 #include <cmath>
@@ -25,6 +26,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <vector>
 
@@ -235,10 +237,42 @@ inline vf lane_sums(const vf v[W]) {
 #endif
 }
 
+// A token tree's pass (drafters/tree.py): row p's parent row, -1 for a row under the prefix alone (parents[p] < p).
+// Row p sits at position prefix + depth[p] and sees the prefix and its ancestors: path[p], root first, itself last.
+struct PassTree {
+  std::vector<int> depth;
+  std::vector<std::vector<int>> path;
+  bool valid = true;
+
+  explicit PassTree(const array& parents) {
+    const int32_t* parent = parents.data<int32_t>();
+    const int rows = parents.size();
+    depth.resize(rows), path.resize(rows);
+    for (int p = 0; p < rows; p++) {
+      if (parent[p] < -1 || parent[p] >= p) {
+        valid = false;
+        return;
+      }
+      depth[p] = parent[p] < 0 ? 0 : depth[parent[p]] + 1;
+      if (parent[p] >= 0) path[p] = path[parent[p]];
+      path[p].push_back(p);
+    }
+  }
+};
+
 struct AttentionShape {
   int batch, heads, queries, dims, kv_heads, keys, value_dims;
   bool causal;  // query i of the pass sits at position keys - queries + i and sees keys up to it
   bool rows;    // output (B * L, H * Dv), the layout the output projection reads; else (B, H, L, Dv)
+  const PassTree* tree = nullptr;  // causal over a tree instead: the pass's query p sees the prefix and path[p]
+};
+
+// The keys one query row sees, in the order a chain would hold them: key slots 0..contiguous-1, then the slots
+// contiguous + extra[k] (a tree row's ancestors); n in all.
+struct RowKeys {
+  int n, contiguous;
+  const int* extra;
+  int64_t slot(int j) const { return j < contiguous ? j : contiguous + extra[j - contiguous]; }
 };
 
 constexpr int ROW_BLOCK = 8;  // query rows that share one read of a KV head's keys and values
@@ -265,48 +299,62 @@ void score_tail(const float* q, const KV* keys, int64_t step, int count, int dim
   std::memcpy(scores, block, count * sizeof(float));
 }
 
-// For R rows: out_r[d0, d0 + T * W) = sum over j < n_r of weights_r[j] * value j, added in order
-// of j, so a row's result does not depend on the rows beside it. Each value is read once for all
-// the rows that still want it.
+// For R rows: out_r[d0, d0 + T * W) = sum over j < n_r of weights_r[j] * the value at slot j of row r, added in order
+// of j, so a row's result does not depend on the rows beside it (nor on whether its keys sit in a chain or a tree).
+// Each value is read once for all the rows that still want it.
 template <int R, int T, typename KV>
-inline void weigh_tile(float* const* weights, const int* n, const KV* values, int64_t step, int d0, float* const* outs) {
+inline void weigh_tile(float* const* weights, const RowKeys* rows, const KV* values, int64_t step, int d0, float* const* outs) {
   vf acc[R][T] = {};
-  int common = n[0];
-  for (int r = 1; r < R; r++) common = n[r] < common ? n[r] : common;
-  for (int j = 0; j < common; j++) {
+  int direct = rows[0].contiguous, common = rows[0].n;
+  for (int r = 1; r < R; r++) {
+    direct = rows[r].contiguous < direct ? rows[r].contiguous : direct;
+    common = rows[r].n < common ? rows[r].n : common;
+  }
+  direct = direct < common ? direct : common;
+  int shared = direct;  // past the slots every row reads directly, the slots all rows still have in common
+  while (shared < common) {
+    bool same = true;
+    for (int r = 1; r < R; r++) same = same && rows[r].slot(shared) == rows[0].slot(shared);
+    if (!same) break;
+    shared++;
+  }
+  for (int j = 0; j < shared; j++) {
+    const KV* row = values + (j < direct ? j : rows[0].slot(j)) * step + d0;
     vf v[T];
-    for (int t = 0; t < T; t++) v[t] = load(values + j * step + d0 + t * W);
+    for (int t = 0; t < T; t++) v[t] = load(row + t * W);
     for (int r = 0; r < R; r++) {
       const vf w = splat(weights[r][j]);
       for (int t = 0; t < T; t++) acc[r][t] += w * v[t];
     }
   }
   for (int r = 0; r < R; r++) {
-    for (int j = common; j < n[r]; j++) {
+    for (int j = shared; j < rows[r].n; j++) {
       const vf w = splat(weights[r][j]);
-      for (int t = 0; t < T; t++) acc[r][t] += w * load(values + j * step + d0 + t * W);
+      const KV* row = values + rows[r].slot(j) * step + d0;
+      for (int t = 0; t < T; t++) acc[r][t] += w * load(row + t * W);
     }
     for (int t = 0; t < T; t++) store(outs[r] + d0 + t * W, acc[r][t]);
   }
 }
 
 template <int R, typename KV>
-void weigh_rows(float* const* weights, const int* n, const KV* values, int64_t step, int dims, float* const* outs) {
+void weigh_rows(float* const* weights, const RowKeys* rows, const KV* values, int64_t step, int dims, float* const* outs) {
   int d0 = 0;
   constexpr int tiles = W == 16 ? 4 : 2;  // R x tiles accumulators and the tiles' values fit the 32 or 16 registers
-  for (; d0 + tiles * W <= dims; d0 += tiles * W) weigh_tile<R, tiles>(weights, n, values, step, d0, outs);
-  for (; d0 < dims; d0 += W) weigh_tile<R, 1>(weights, n, values, step, d0, outs);
+  for (; d0 + tiles * W <= dims; d0 += tiles * W) weigh_tile<R, tiles>(weights, rows, values, step, d0, outs);
+  for (; d0 < dims; d0 += W) weigh_tile<R, 1>(weights, rows, values, step, d0, outs);
 }
 
 // weights[i] @ values for `count` rows, up to 4 at a time.
 template <typename KV>
-void weigh_values(float* const* weights, const int* n, int count, const KV* values, int64_t step, int dims, float* const* outs) {
+void weigh_values(float* const* weights, const RowKeys* rows, int count, const KV* values, int64_t step, int dims,
+                  float* const* outs) {
   for (int i = 0; i < count; i += 4) {
     switch (count - i < 4 ? count - i : 4) {
-      case 1: weigh_rows<1>(weights + i, n + i, values, step, dims, outs + i); break;
-      case 2: weigh_rows<2>(weights + i, n + i, values, step, dims, outs + i); break;
-      case 3: weigh_rows<3>(weights + i, n + i, values, step, dims, outs + i); break;
-      default: weigh_rows<4>(weights + i, n + i, values, step, dims, outs + i);
+      case 1: weigh_rows<1>(weights + i, rows + i, values, step, dims, outs + i); break;
+      case 2: weigh_rows<2>(weights + i, rows + i, values, step, dims, outs + i); break;
+      case 3: weigh_rows<3>(weights + i, rows + i, values, step, dims, outs + i); break;
+      default: weigh_rows<4>(weights + i, rows + i, values, step, dims, outs + i);
     }
   }
 }
@@ -336,41 +384,70 @@ struct View {
   }
 };
 
+// The scores of a tree row's ancestors' keys (slots prefix + extra[0..count)), gathered W at a time into a copy
+// so each gets the bits score_block gives it in a chain.
+template <typename KV>
+void score_extra(const float* q, const KV* keys, int64_t step, int prefix, const int* extra, int count, int dims,
+                 float scale, float* scores) {
+  thread_local std::vector<KV> gathered;  // every row of every layer gathers: no allocation each time
+  gathered.resize(size_t(W) * dims);
+  float block[W];
+  for (int g = 0; g < count; g += W) {
+    const int n = count - g < W ? count - g : W;
+    for (int j = 0; j < n; j++)
+      std::memcpy(gathered.data() + j * dims, keys + (prefix + extra[g + j]) * step, dims * sizeof(KV));
+    for (int j = n; j < W; j++) std::memset(static_cast<void*>(gathered.data() + j * dims), 0, dims * sizeof(KV));
+    score_block(q, gathered.data(), dims, dims, scale, block);
+    std::memcpy(scores + g, block, n * sizeof(float));
+  }
+}
+
 // Rows [first, last) of KV head `kv` in batch `b`; row r is query head kv * repeats + r / queries,
 // pass position r % queries. Dims are multiples of W and key and value rows contiguous (checked).
 template <typename KV>
 void attention_block(const View<>& q, const View<KV>& k, const View<KV>& v, float* out, float scale,
                      const AttentionShape& s, int b, int kv, int first, int last) {
-  const int repeats = s.heads / s.kv_heads, count = last - first;
+  const int repeats = s.heads / s.kv_heads, count = last - first, prefix = s.keys - s.queries;
   const KV* keys = k.data + b * k.strides[0] + kv * k.strides[1];
   const KV* values = v.data + b * v.strides[0] + kv * v.strides[1];
   std::vector<float> rows(count * s.dims), scores(size_t(count) * s.keys);
-  int limit[ROW_BLOCK], widest = 0;
+  RowKeys seen[ROW_BLOCK];
+  int widest = 0;
   float* outs[ROW_BLOCK];
   for (int i = 0; i < count; i++) {
     int r = first + i, head = kv * repeats + r / s.queries, position = r % s.queries;
     const float* src = q.data + b * q.strides[0] + head * q.strides[1] + position * q.strides[2];
     for (int d = 0; d < s.dims; d++) rows[i * s.dims + d] = src[d * q.strides[3]];
-    limit[i] = s.causal ? s.keys - s.queries + position + 1 : s.keys;
-    widest = limit[i] > widest ? limit[i] : widest;
+    if (s.tree) {
+      const std::vector<int>& path = s.tree->path[position];
+      seen[i] = {prefix + int(path.size()), prefix, path.data()};
+    } else {
+      const int n = s.causal ? prefix + position + 1 : s.keys;
+      seen[i] = {n, n, nullptr};
+    }
+    widest = seen[i].contiguous > widest ? seen[i].contiguous : widest;
     outs[i] = out + (s.rows ? (int64_t(b) * s.queries + position) * s.heads + head
                             : (int64_t(b) * s.heads + head) * s.queries + position) * s.value_dims;
   }
   for (int j = 0; j < widest; j += W)  // a block of W keys sits in L1 while every row reads it
     for (int i = 0; i < count; i++)
-      if (j + W <= limit[i])
+      if (j + W <= seen[i].contiguous)
         score_block(rows.data() + i * s.dims, keys + j * k.strides[2], k.strides[2], s.dims, scale,
                     scores.data() + size_t(i) * s.keys + j);
-      else if (j < limit[i])
-        score_tail(rows.data() + i * s.dims, keys + j * k.strides[2], k.strides[2], limit[i] - j, s.dims, scale,
-                   scores.data() + size_t(i) * s.keys + j);
+      else if (j < seen[i].contiguous)
+        score_tail(rows.data() + i * s.dims, keys + j * k.strides[2], k.strides[2], seen[i].contiguous - j, s.dims,
+                   scale, scores.data() + size_t(i) * s.keys + j);
+  for (int i = 0; i < count; i++)
+    if (seen[i].n > seen[i].contiguous)
+      score_extra(rows.data() + i * s.dims, keys, k.strides[2], prefix, seen[i].extra, seen[i].n - seen[i].contiguous,
+                  s.dims, scale, scores.data() + size_t(i) * s.keys + seen[i].contiguous);
   float* weights[ROW_BLOCK];
   float totals[ROW_BLOCK];
   for (int i = 0; i < count; i++) {
     weights[i] = scores.data() + size_t(i) * s.keys;
-    totals[i] = exponentiate(weights[i], limit[i]);
+    totals[i] = exponentiate(weights[i], seen[i].n);
   }
-  weigh_values(weights, limit, count, values, v.strides[2], s.value_dims, outs);
+  weigh_values(weights, seen, count, values, v.strides[2], s.value_dims, outs);
   for (int i = 0; i < count; i++)
     for (int d = 0; d < s.value_dims; d++) outs[i][d] /= totals[i];
 }
@@ -404,8 +481,8 @@ void attention_tasks(const void* context, int begin, int end) {
 // keys: how many of k's and v's first positions to read (a cache buffer holds more than it has filled).
 template <typename KV>
 void attention_over(const array& q, const array& k, const array& v, array& out, float scale, bool causal, int keys,
-                    bool rows_out) {
-  AttentionShape s{q.shape(0), q.shape(1), q.shape(2), q.shape(3), k.shape(1), keys, v.shape(3), causal, rows_out};
+                    bool rows_out, const PassTree* tree) {
+  AttentionShape s{q.shape(0), q.shape(1), q.shape(2), q.shape(3), k.shape(1), keys, v.shape(3), causal, rows_out, tree};
   const int rows = s.heads / s.kv_heads * s.queries, blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
   const int tasks = s.batch * s.kv_heads * blocks;
   const int64_t work = int64_t(s.batch) * s.heads * s.queries * s.keys * (s.dims + s.value_dims);
@@ -417,11 +494,12 @@ void attention_over(const array& q, const array& k, const array& v, array& out, 
   Pool::get().run(attention_tasks<KV>, &call, tasks, 1, work > 200000);
 }
 
-// Keys and values float16 (a CPU cache's buffers) or float32, both alike (checked).
+// Keys and values float16 (a CPU cache's buffers) or float32, both alike (checked). A tree (one per pass, as
+// the batch's rows share it) replaces the causal rule.
 void attention_kernel(const array& q, const array& k, const array& v, array& out, float scale, bool causal, int keys,
-                      bool rows_out) {
-  if (k.dtype() == float16) return attention_over<float16_t>(q, k, v, out, scale, causal, keys, rows_out);
-  attention_over<float>(q, k, v, out, scale, causal, keys, rows_out);
+                      bool rows_out, const PassTree* tree = nullptr) {
+  if (k.dtype() == float16) return attention_over<float16_t>(q, k, v, out, scale, causal, keys, rows_out, tree);
+  attention_over<float>(q, k, v, out, scale, causal, keys, rows_out, tree);
 }
 
 // ---- SwiGLU and RMSNorm --------------------------------------------------------------------------
@@ -528,10 +606,12 @@ struct HeadsOut {
 // Splits rows (B * L, (H + 2 KV) * D) of the stacked q|k|v product into queries (B, H, L, D), keys
 // and values (B, KV, L, D) at `out`, rotating queries and keys: x * cos + partner(x) * sin, the tables'
 // rows table_first.. (D wide) laid out like x (rope.py), partner(d) = d ^ 1 when traditional,
-// else d +- D/2. No fused multiply-adds here, so the rotation rounds as mx.fast.rope's does.
+// else d +- D/2. No fused multiply-adds here, so the rotation rounds as mx.fast.rope's does. A tree pass's
+// row p takes table row table_first + depth[p] (its own position), not table_first + p.
 __attribute__((optimize("fp-contract=off"))) void split_heads_kernel(const array& qkv, const array& cos, const array& sin,
                                                                      int table_first, int length, int batch, int heads,
-                                                                     int kv_heads, bool traditional, const HeadsOut (&out)[3]) {
+                                                                     int kv_heads, bool traditional, const HeadsOut (&out)[3],
+                                                                     const int* depth = nullptr) {
   const int dims = cos.shape(1), half = dims / 2;
   const int64_t qs0 = qkv.strides()[0], qs1 = qkv.strides()[1];
   const int64_t cs0 = cos.strides()[0], cs1 = cos.strides()[1], ss0 = sin.strides()[0], ss1 = sin.strides()[1];
@@ -539,7 +619,7 @@ __attribute__((optimize("fp-contract=off"))) void split_heads_kernel(const array
   for (int b = 0; b < batch; b++)
     for (int p = 0; p < length; p++) {
       const float* row = qkv.data<float>() + (int64_t(b) * length + p) * qs0;
-      const int64_t t = table_first + p;
+      const int64_t t = table_first + (depth ? depth[p] : p);
       for (int d = 0; d < dims; d++) cp[d] = cos.data<float>()[t * cs0 + d * cs1], sp[d] = sin.data<float>()[t * ss0 + d * ss1];
       for (int h = 0; h < heads + 2 * kv_heads; h++) {
         for (int d = 0; d < dims; d++) x[d] = row[(int64_t(h) * dims + d) * qs1];
@@ -671,14 +751,22 @@ int outputs(const Operand& op, const array* w) {
 }
 
 // The rotated heads of the q|k|v product's rows, the keys and values written into the cache's buffers at
-// `first`, and causal attention over its first + L positions: rows (B * L, H * hd) at `out`.
+// `first`, and causal attention over its first + L positions: rows (B * L, H * hd) at `out`. With a tree, row p
+// sits at position first + depth[p] and sees the cache's first `first` positions and its ancestors' rows.
 void attend_over_cache(const array& qkv, const array& cos, const array& sin, const array& keys, const array& values,
-                       int first, int batch, int heads, int kv_heads, bool traditional, float scale, array& out) {
+                       int first, int batch, int heads, int kv_heads, bool traditional, float scale, array& out,
+                       const PassTree* tree = nullptr) {
   const int length = qkv.shape(0) / batch;
   array queries = scratch({batch, heads, length, cos.shape(1)});
   const HeadsOut targets[3] = {{queries, 0}, {keys, first}, {values, first}};
-  split_heads_kernel(qkv, cos, sin, first, length, batch, heads, kv_heads, traditional, targets);
-  attention_kernel(queries, keys, values, out, scale, true, first + length, true);
+  split_heads_kernel(qkv, cos, sin, first, length, batch, heads, kv_heads, traditional, targets,
+                     tree ? tree->depth.data() : nullptr);
+  attention_kernel(queries, keys, values, out, scale, true, first + length, true, tree);
+}
+
+// The tree a pass's parents input gives, or null for a chain; a malformed one is not `valid`.
+std::unique_ptr<PassTree> tree_of(const array* parents) {
+  return parents ? std::make_unique<PassTree>(*parents) : nullptr;
 }
 
 // x + attention(rotated heads of rms_norm(x) @ wqkv, over the cache) @ wo. The pass's keys and values are
@@ -686,30 +774,34 @@ void attend_over_cache(const array& qkv, const array& cos, const array& sin, con
 // input breaks MLX's rule that arrays do not change; it is safe here because the buffers are the cache's
 // own (dense, written by nothing else) and every reader of the rows written runs after this node on the one
 // CPU stream (compiled_pass queues each pass as it is built). Inputs: x, norm weight, the q|k|v product's
-// weights, the output projection's, cos, sin, keys, values, offset.
+// weights, the output projection's, cos, sin, keys, values, offset, and for a tree pass its parents (L,).
 void attention_half(const std::vector<array>& in, array& out, float eps, const Operand& wqkv, const Operand& wo,
                     int batch, int heads, int kv_heads, bool traditional, float scale) {
   const array *qkv_weights = &in[2], *o_weights = qkv_weights + wqkv.inputs(), *buffers = o_weights + wo.inputs();
   const array &x = in[0], &cos = buffers[0], &sin = buffers[1], &keys = buffers[2], &values = buffers[3];
   const int first = first_position(buffers[4]), rows = x.shape(0), length = rows / batch;
-  if (first < 0 || first + length > keys.shape(2) || first + length > cos.shape(0)) return fill_nan(out);
+  const auto tree = tree_of(buffers + 5 < in.data() + in.size() ? buffers + 5 : nullptr);
+  if (first < 0 || first + length > keys.shape(2) || first + length > cos.shape(0) || (tree && !tree->valid))
+    return fill_nan(out);
   array normed = scratch(x.shape()), qkv = scratch({rows, outputs(wqkv, qkv_weights)});
   array attended = scratch({rows, heads * values.shape(3)});
   rms_norm_kernel(x, in[1], eps, normed);
   apply(wqkv, qkv_weights, normed, nullptr, qkv);
-  attend_over_cache(qkv, cos, sin, keys, values, first, batch, heads, kv_heads, traditional, scale, attended);
+  attend_over_cache(qkv, cos, sin, keys, values, first, batch, heads, kv_heads, traditional, scale, attended, tree.get());
   apply(wo, o_weights, attended, &x, out);
 }
 
 // attention_half's middle, for layers whose products are not float32 sgemms (quantized, biased): rows
 // (B * L, H * hd) from the q|k|v product's rows, the keys and values written into the cache in place as
-// there. Inputs: qkv, cos, sin, keys, values, offset.
+// there. Inputs: qkv, cos, sin, keys, values, offset, and for a tree pass its parents.
 void attention_rows(const std::vector<array>& in, array& out, int batch, int heads, int kv_heads, bool traditional,
                     float scale) {
   const array &keys = in[3], &values = in[4];
   const int first = first_position(in[5]), length = in[0].shape(0) / batch;
-  if (first < 0 || first + length > keys.shape(2) || first + length > in[1].shape(0)) return fill_nan(out);
-  attend_over_cache(in[0], in[1], in[2], keys, values, first, batch, heads, kv_heads, traditional, scale, out);
+  const auto tree = tree_of(in.size() > 6 ? &in[6] : nullptr);
+  if (first < 0 || first + length > keys.shape(2) || first + length > in[1].shape(0) || (tree && !tree->valid))
+    return fill_nan(out);
+  attend_over_cache(in[0], in[1], in[2], keys, values, first, batch, heads, kv_heads, traditional, scale, out, tree.get());
 }
 
 // x + swiglu(rms_norm(x) @ wgate_up) @ wdown. Inputs: x, norm weight, the gate|up product's weights, the down's.
@@ -758,8 +850,9 @@ const T& from_capsule(const nb::capsule& capsule, const char* name) {
 }
 
 // Every sublayer in turn over x's rows, each half as its own node computes it (the same functions, so the same
-// bits), into `out`. Inputs: x, offset, then cos, sin, keys, values for each attention half.
-void layer_stack(const std::vector<array>& in, array& out, const std::vector<Half>& halves, int batch) {
+// bits), into `out`. Inputs: x, offset, then cos, sin, keys, values for each attention half, then a tree pass's
+// parents if `tree`.
+void layer_stack(const std::vector<array>& in, array& out, const std::vector<Half>& halves, int batch, bool tree) {
   array current = in[0];
   size_t buffer = 2;
   for (size_t i = 0; i < halves.size(); i++) {
@@ -770,6 +863,7 @@ void layer_stack(const std::vector<array>& in, array& out, const std::vector<Hal
     if (half.attention) {
       args.insert(args.end(), in.begin() + buffer, in.begin() + buffer + 4);
       args.push_back(in[1]);
+      if (tree) args.push_back(in.back());
       buffer += 4;
       attention_half(args, next, half.eps, half.first, half.second, batch, half.heads, half.kv_heads, half.traditional,
                      half.scale);
@@ -888,7 +982,9 @@ class Attention : public CpuPrimitive {
  protected:
   Kernel kernel() const override {
     return [scale = scale_, causal = causal_, keys = keys_, rows = rows_out_](const std::vector<array>& in, std::vector<array>& out) {
-      attention_kernel(in[0], in[1], in[2], out[0], scale, causal, keys, rows);
+      const auto tree = tree_of(in.size() > 3 ? &in[3] : nullptr);  // a tree pass's parents
+      if (tree && !tree->valid) return fill_nan(out[0]);
+      attention_kernel(in[0], in[1], in[2], out[0], scale, causal, keys, rows, tree.get());
     };
   }
 
@@ -1055,21 +1151,23 @@ class MLPHalf : public CpuPrimitive {
 // A whole pass's layers as one node: one graph node to build and dispatch instead of two a layer.
 class LayerStack : public CpuPrimitive {
  public:
-  LayerStack(Stream stream, Layers layers, int batch) : CpuPrimitive(stream), layers_(std::move(layers)), batch_(batch) {}
+  LayerStack(Stream stream, Layers layers, int batch, bool tree)
+      : CpuPrimitive(stream), layers_(std::move(layers)), batch_(batch), tree_(tree) {}
   const char* name() const override { return "AkunuLayerStack"; }
   std::vector<Shape> output_shapes(const std::vector<array>& in) override { return {in[0].shape()}; }
   bool is_equivalent(const Primitive&) const override { return false; }  // it writes the cache: never merged
 
  protected:
   Kernel kernel() const override {
-    return [halves = layers_.halves, b = batch_](const std::vector<array>& in, std::vector<array>& out) {
-      layer_stack(in, out[0], *halves, b);
+    return [halves = layers_.halves, b = batch_, tree = tree_](const std::vector<array>& in, std::vector<array>& out) {
+      layer_stack(in, out[0], *halves, b, tree);
     };
   }
 
  private:
   Layers layers_;
   int batch_;
+  bool tree_;
 };
 
 Stream cpu_stream() {
@@ -1087,8 +1185,15 @@ void require_keys_values(const array& keys, const array& values, const char* wha
     throw std::invalid_argument(std::string(what) + ": keys and values must both be float32 or both float16");
 }
 
+// A tree pass's parents: one int32 per row of the pass (each row's parent row, -1 under the prefix alone).
+void require_parents(const std::optional<array>& parents, int length) {
+  if (parents && (parents->dtype() != int32 || parents->ndim() != 1 || parents->shape(0) != length))
+    throw std::invalid_argument("parents must be one int32 per row of the pass");
+}
+
 // keys < 0: all of k's positions; else its first `keys` (a cache buffer and how far it is filled).
-array attention(const array& q, const array& k, const array& v, float scale, bool causal, int keys, bool rows_out) {
+array attention(const array& q, const array& k, const array& v, float scale, bool causal, int keys, bool rows_out,
+                const std::optional<array>& parents) {
   require_float32(q, "attention inputs");
   require_keys_values(k, v, "attention inputs");
   if (keys < 0) keys = k.ndim() == 4 ? k.shape(2) : 0;
@@ -1097,8 +1202,11 @@ array attention(const array& q, const array& k, const array& v, float scale, boo
       q.shape(0) != k.shape(0) || q.shape(2) > keys || keys > k.shape(2))
     throw std::invalid_argument("attention expects q (B, H, L, D), k (B, KVH, S, D), v (B, KVH, S, Dv), L <= keys <= S");
   if (q.shape(3) % 16 || v.shape(3) % 16) throw std::invalid_argument("attention's head dimensions must be multiples of 16");
+  require_parents(parents, q.shape(2));
   Shape shape = rows_out ? Shape{q.shape(0) * q.shape(2), q.shape(1) * v.shape(3)} : Shape{q.shape(0), q.shape(1), q.shape(2), v.shape(3)};
-  return array(shape, float32, std::make_shared<Attention>(cpu_stream(), scale, causal, keys, rows_out), {q, k, v});
+  std::vector<array> inputs{q, k, v};
+  if (parents) inputs.push_back(*parents);
+  return array(shape, float32, std::make_shared<Attention>(cpu_stream(), scale, causal, keys, rows_out), std::move(inputs));
 }
 
 array swiglu(const array& gate, const array& x) {
@@ -1248,7 +1356,8 @@ array attention_half_quantized_op(const array& x, const array& norm_weight, floa
 }
 
 array attention_rows_op(const array& qkv, const array& cos, const array& sin, const array& keys, const array& values,
-                        const array& offset, int batch, int heads, int kv_heads, bool traditional, float scale) {
+                        const array& offset, int batch, int heads, int kv_heads, bool traditional, float scale,
+                        const std::optional<array>& parents) {
   for (auto* a : {&qkv, &cos, &sin}) require_float32(*a, "attention_rows inputs");
   require_keys_values(keys, values, "attention_rows inputs");
   require_offset(offset);
@@ -1258,9 +1367,11 @@ array attention_rows_op(const array& qkv, const array& cos, const array& sin, co
       keys.shape() != values.shape() || keys.shape(0) != batch || keys.shape(1) != kv_heads || keys.shape(3) != dims ||
       kv_heads < 1 || heads % kv_heads)
     throw std::invalid_argument("attention_rows expects q|k|v rows (B * L, (H + 2 KV) * hd), tables (S', hd) and buffers (B, KV, S, hd)");
+  require_parents(parents, batch > 0 ? qkv.shape(0) / batch : 0);
+  std::vector<array> inputs{qkv, cos, sin, keys, values, offset};
+  if (parents) inputs.push_back(*parents);
   return array({qkv.shape(0), heads * dims}, float32,
-               std::make_shared<AttentionRows>(cpu_stream(), batch, heads, kv_heads, traditional, scale),
-               {qkv, cos, sin, keys, values, offset});
+               std::make_shared<AttentionRows>(cpu_stream(), batch, heads, kv_heads, traditional, scale), std::move(inputs));
 }
 
 array make_mlp_half(const array& x, const array& norm_weight, float eps, const Operand& gate_up_op,
@@ -1345,7 +1456,7 @@ nb::capsule layers_of(const std::vector<nb::capsule>& halves) {
 
 // x (N, D) through every half of `layers`; `buffers` holds cos, sin, keys, values for each attention half.
 array layer_stack_op(const array& x, const array& offset, const nb::capsule& capsule, const std::vector<array>& buffers,
-                     int batch) {
+                     int batch, const std::optional<array>& parents) {
   const Layers& layers = from_capsule<Layers>(capsule, LAYERS);
   require_float32(x, "a layer's rows");
   require_offset(offset);
@@ -1362,9 +1473,12 @@ array layer_stack_op(const array& x, const array& offset, const nb::capsule& cap
     buffer += 4;
   }
   if (buffer != buffers.size()) throw std::invalid_argument("layer_stack takes cos, sin, keys, values per attention half");
+  require_parents(parents, batch > 0 ? x.shape(0) / batch : 0);
   std::vector<array> inputs{x, offset};
   inputs.insert(inputs.end(), buffers.begin(), buffers.end());
-  return array(x.shape(), float32, std::make_shared<LayerStack>(cpu_stream(), layers, batch), std::move(inputs));
+  if (parents) inputs.push_back(*parents);
+  return array(x.shape(), float32, std::make_shared<LayerStack>(cpu_stream(), layers, batch, parents.has_value()),
+               std::move(inputs));
 }
 
 }  // namespace
@@ -1379,17 +1493,21 @@ NB_MODULE(akunu_cpu_kernels, m) {
   m.def("mlp_half_spec", &mlp_half_spec, nb::arg("norm_weight"), nb::arg("eps"), nb::arg("wgate_up"),
         nb::arg("gate_up_bits"), nb::arg("wdown"), nb::arg("down_bits"), "an MLP half for layer_stack, as attention_half_spec");
   m.def("layer_stack", &layer_stack_op, nb::arg("x"), nb::arg("offset"), nb::arg("layers"), nb::arg("buffers"),
-        nb::arg("batch"),
+        nb::arg("batch"), nb::arg("parents") = nb::none(),
         "x's rows through every half of `layers` in order, one node; `buffers` holds cos, sin, keys, values for each "
-        "attention half, whose keys and values are written in place as attention_half writes them");
+        "attention half, whose keys and values are written in place as attention_half writes them; `parents` (int32, "
+        "one per row, -1 or an earlier row) makes it a tree pass: row p at offset + its depth, seeing the cache's "
+        "first offset positions and its ancestors' rows");
   m.doc() = "akunu's fused CPU decode kernels (akunu/backends/cpu/kernels.cpp)";
   m.def("pool_runner_address", []() { return reinterpret_cast<uintptr_t>(&run_on_pool); },
         "the address of a C function that runs a parallel loop on this module's pool (for quantized.cpp, _matvec.c)");
   m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"), nb::arg("causal"),
-        nb::arg("keys") = -1, nb::arg("rows") = false,
+        nb::arg("keys") = -1, nb::arg("rows") = false, nb::arg("parents") = nb::none(),
         "softmax(scale * q @ k^T, causal from the last query) @ v: q (B, H, L, D), k (B, KVH, S, D), v (B, KVH, S, Dv) "
         "(k and v float32 or float16), "
-        "over k's and v's first `keys` positions (all if negative); (B, H, L, Dv), or (B * L, H * Dv) if `rows`");
+        "over k's and v's first `keys` positions (all if negative); (B, H, L, Dv), or (B * L, H * Dv) if `rows`. "
+        "`parents` (int32 (L,): each query's parent query, -1 or an earlier one) replaces the causal rule by a tree's: "
+        "query p sees the first keys - L positions and the keys of its ancestors and itself");
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"), "silu(gate) * x");
   m.def("swiglu_halves", &swiglu_halves, nb::arg("gate_up"), "silu(gate) * up for rows (..., 2n) holding gate | up");
   m.def("split_heads", &split_heads, nb::arg("qkv"), nb::arg("cos"), nb::arg("sin"), nb::arg("batch"),
@@ -1402,8 +1520,8 @@ NB_MODULE(akunu_cpu_kernels, m) {
         "times wo: one node; the pass's keys and values written into the cache buffers (B, KV, S, hd) in place");
   m.def("attention_rows", &attention_rows_op, nb::arg("qkv"), nb::arg("cos"), nb::arg("sin"), nb::arg("keys"),
         nb::arg("values"), nb::arg("offset"), nb::arg("batch"), nb::arg("heads"), nb::arg("kv_heads"),
-        nb::arg("traditional"), nb::arg("scale"),
-        "attention_half's middle: causal attention rows (B * L, H * hd) of the q|k|v product's rotated heads over the "
+        nb::arg("traditional"), nb::arg("scale"), nb::arg("parents") = nb::none(),
+        "attention_half's middle (a tree pass with `parents`, as layer_stack): causal attention rows (B * L, H * hd) of the q|k|v product's rotated heads over the "
         "cache's first offset + L positions, the pass's keys and values written into the buffers in place");
   m.def("attention_half_quantized", &attention_half_quantized_op, nb::arg("x"), nb::arg("norm_weight"), nb::arg("eps"),
         nb::arg("wqkv"), nb::arg("qkv_bits"), nb::arg("wo"), nb::arg("o_bits"), nb::arg("cos"), nb::arg("sin"),
