@@ -32,14 +32,14 @@ class ApiError(Exception):
 
 
 class ContextTooLong(ApiError):
-    """A prompt of `tokens` (`at_least`: a lower bound) that leaves no room in a context of `context` tokens,
-    in OpenAI's words; anthropic_api words it as Anthropic does."""
+    """A prompt of `tokens` (at least, when counted from its `size` in bytes before tokenizing) that leaves no
+    room in a context of `context` tokens, in OpenAI's words; anthropic_api words it as Anthropic does."""
 
-    def __init__(self, tokens: int, context: int, param: str, *, at_least: bool = False) -> None:
-        self.tokens, self.context, self.at_least = tokens, context, at_least
-        more = "at least " if at_least else ""
+    def __init__(self, tokens: int, context: int, param: str, *, size: int | None = None) -> None:
+        self.tokens, self.context = tokens, context
+        counted = f"{size:,} bytes of text, at least {tokens}" if size is not None else f"{tokens}"
         message = (f"This model's maximum context length is {context} tokens. However, your {param} resulted in "
-                   f"{more}{tokens} tokens. Please reduce the length of the {param}.")  # fmt: skip
+                   f"{counted} tokens. Please reduce the length of the {param}.")  # fmt: skip
         super().__init__(400, message, param=param, code="context_length_exceeded")
 
 
@@ -207,7 +207,7 @@ def _check_fits(texts: list[str], context: int | None, param: str) -> None:
 
     size = sum(len(text.encode("utf-8")) for text in texts)
     if context and size > text_limit(context):
-        raise ContextTooLong(size // BYTES_PER_TOKEN, context, param, at_least=True)
+        raise ContextTooLong(size // BYTES_PER_TOKEN, context, param, size=size)
 
 
 def _messages(messages) -> list[dict]:
