@@ -177,3 +177,44 @@ def _encode_pieces(tokenizer, rendered: str, plain_spans: list[tuple[int, int]])
     if tokenizer.add_bos and tokenizer.bos_id is not None and (not ids or ids[0] != tokenizer.bos_id):
         ids.insert(0, tokenizer.bos_id)
     return ids
+
+
+def placed_system_messages(tokenizer, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with those from the system (or developer) after the first turn where the chat template can
+    put them: in place when it writes a system message there, else joined to the user's text next to them."""
+    first_turn = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    later = [i for i in range(first_turn, len(messages)) if messages[i]["role"] == "system"]
+    if not later or _writes_system_mid_conversation(tokenizer):
+        return messages
+    placed = [dict(m) for m in messages]
+    for i in reversed(later):  # from the end, so a later one lands after an earlier one in the same message
+        target = _user_beside(placed, i)
+        text = placed.pop(i)["content"]
+        if target is None:
+            placed.append({"role": "user", "content": text})
+            continue
+        target -= target > i
+        user = placed[target]["content"]
+        placed[target]["content"] = f"{text}\n\n{user}" if target >= i else f"{user}\n\n{text}"
+    return placed
+
+
+def _user_beside(messages: list[dict[str, Any]], i: int) -> int | None:
+    """The user message that takes the system message at `i`: the next one, or the one before when nothing but
+    system messages follows it (the model's turn comes next)."""
+    after = next((j for j in range(i + 1, len(messages)) if messages[j]["role"] == "user"), None)
+    if after is not None:
+        return after
+    before = next((j for j in range(i - 1, -1, -1) if messages[j]["role"] != "system"), None)
+    return before if before is not None and messages[before]["role"] == "user" else None
+
+
+def _writes_system_mid_conversation(tokenizer) -> bool:
+    """Whether the template renders a system message between turns (some refuse it, some drop it)."""
+    mark = "\U000f0000system-probe\U000f0001"
+    probe = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+             {"role": "system", "content": mark}, {"role": "user", "content": "c"}]  # fmt: skip
+    try:
+        return mark in tokenizer.apply_chat_template(probe)
+    except Exception:  # noqa: BLE001 - a template may raise on any role order it does not take
+        return False

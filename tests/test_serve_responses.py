@@ -158,7 +158,8 @@ def test_stored_responses_are_bounded_and_store_false_keeps_none(fake_engine, se
 
 IMAGE = [{"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}]
 BAD_REQUESTS = [  # (body, status, the field its message names)
-    ({"input": ALPHABET, "tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
+    ({"input": ALPHABET, "tools": [{"type": "namespace", "name": "ns", "tools": []}]}, 400, "tools[0].tools"),
+    ({"input": ALPHABET, "previous_response_id": 5}, 400, "previous_response_id"),
     ({"input": ALPHABET, "include": ["file_search_call.results"]}, 400, "include"),
     ({"input": ALPHABET, "background": True}, 400, "background"),
     ({"input": IMAGE}, 400, "input[0].content[0].type"),

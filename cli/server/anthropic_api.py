@@ -2,20 +2,25 @@
 request the OpenAI routes build (messages with tool calls and results, tools, tool_choice, stops), and the
 answer and its stream go back in Anthropic's shapes.
 
-Unknown fields are ignored; a known one this server does not implement and that would change the answer (image
-and document blocks, server tools, MCP servers, containers, output formats, a prefilled answer) is a 400 naming
-it. `thinking` is accepted: the answer comes without thinking blocks, which the API allows. Sampling defaults to
-greedy, as on the OpenAI routes.
+Unknown fields are ignored, as are those the real API would leave unseen by the model (`cache_control`,
+`metadata`, `context_management`, `output_config.effort`); a known one this server does not implement and that
+would change the answer (image and document blocks, MCP servers, containers, output formats, a prefilled answer)
+is a 400 naming it. Tools the server cannot run (server tools such as web_search) and deferred ones
+(`defer_loading`, shown to the model only once a tool search finds them) are left out of the prompt and named in
+the answer's `akunu.tools_left_out`, as Claude Code sends them with every request. `thinking` is accepted: the
+answer comes without thinking blocks, which the API allows. Sampling defaults to greedy, as on the OpenAI routes.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from dataclasses import dataclass
 
 from akunu.cli.server.openai_api import (
     ApiError,
+    ContextTooLong,
     ParsedRequest,
     akunu_stats,
     chat_prompt_ids,
@@ -25,6 +30,7 @@ from akunu.cli.server.openai_api import (
 from akunu.cli.server.tool_calls import TOOL_NAME, ToolRequest
 from akunu.cli.server.worker import Finished, Piece
 
+log = logging.getLogger("akunu.serve")
 PATH = "/v1/messages"
 OVERLOADED = 529  # Anthropic's status for a server too busy to take the request
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -40,6 +46,7 @@ CHOICES = {"auto": "auto", "any": "required", "tool": "named"}  # Anthropic's to
 class MessagesRequest:
     chat: ParsedRequest
     stop_sequences: tuple[str, ...]  # the request's own, told apart from a template's stop
+    tools_left_out: tuple[str, ...] = ()  # "name (why)" of each tool the prompt does not offer
 
 
 def is_anthropic(path: str) -> bool:
@@ -47,21 +54,25 @@ def is_anthropic(path: str) -> bool:
 
 
 def parse_messages(body: dict, loaded, base_config) -> MessagesRequest:
-    messages, tools = _conversation(body)
+    messages, tools, left_out = _conversation(body)
     if body.get("max_tokens") is None:
         raise ApiError(400, "'max_tokens' is required", param="max_tokens")
     stops = _stop_sequences(body.get("stop_sequences"))
     options = {name: body[name] for name in SHARED_FIELDS if name in body}
-    return MessagesRequest(chat_request(options, messages, tools, loaded, base_config, stops=stops), stops)
+    if left_out:
+        log.info("/v1/messages: tools left out of the prompt: %s", ", ".join(left_out))
+    return MessagesRequest(chat_request(options, messages, tools, loaded, base_config, stops=stops), stops, left_out)
 
 
 def count_tokens(body: dict, loaded) -> int:
-    """The prompt tokens the same request to /v1/messages would have."""
-    return len(chat_prompt_ids(*_conversation(body), loaded))
+    """The prompt tokens the same request to /v1/messages would have, also past the model's context: clients ask
+    to learn whether they must compact."""
+    messages, tools, _ = _conversation(body)
+    return len(chat_prompt_ids(messages, tools, loaded))
 
 
-def _conversation(body: dict) -> tuple[list[dict], ToolRequest | None]:
-    """The messages as the OpenAI routes read them (system first) and the tools offered."""
+def _conversation(body: dict) -> tuple[list[dict], ToolRequest | None, tuple[str, ...]]:
+    """The messages as the OpenAI routes read them (system first), the tools offered and those left out."""
     check_text(body)
     for name, changes_meaning in UNSUPPORTED.items():
         if body.get(name) is not None and changes_meaning(body[name]):
@@ -69,10 +80,10 @@ def _conversation(body: dict) -> tuple[list[dict], ToolRequest | None]:
     output = body.get("output_config")
     if isinstance(output, dict) and output.get("format") is not None:
         raise ApiError(400, "'output_config.format' is not supported by this server", param="output_config.format")
-    tools = _tools(body.get("tools"), body.get("tool_choice"))
+    tools, left_out = _tools(body.get("tools"), body.get("tool_choice"))
     system = body.get("system")
     system = [{"role": "system", "content": _text(system, "system")}] if system else []
-    return [*system, *_history(body.get("messages"))], tools
+    return [*system, *_history(body.get("messages"))], tools, left_out
 
 
 # --- messages ------------------------------------------------------------------------------------
@@ -81,21 +92,29 @@ def _conversation(body: dict) -> tuple[list[dict], ToolRequest | None]:
 def _history(messages) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
-    history = []
+    history, call_ids = [], set()
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
-        if role not in ("user", "assistant"):
-            raise ApiError(400, f"messages[{i}].role must be user or assistant", param=f"messages[{i}].role")
+        if role not in ("user", "assistant", "system"):
+            raise ApiError(400, f"messages[{i}].role must be user, assistant or system", param=f"messages[{i}].role")
+        if role == "system":  # Claude Code's mid-conversation system turns; the template places them
+            history.append({"role": "system", "content": _text(message.get("content"), f"messages[{i}].content")})
+            continue
         blocks = _blocks(message.get("content"), f"messages[{i}].content")
-        history += _user_turn(blocks, i) if role == "user" else [_assistant_turn(blocks, i)]
+        if role == "user":
+            history += _user_turn(blocks, i, call_ids)
+            continue
+        history.append(_assistant_turn(blocks, i))
+        call_ids.update(call["id"] for call in history[-1].get("tool_calls", ()))
     if messages[-1]["role"] == "assistant":  # Anthropic continues such a message; a chat template closes it
         last = f"messages[{len(messages) - 1}]"
         raise ApiError(400, f"{last}: a final assistant message (prefill) is not supported", param=last)
     return history
 
 
-def _user_turn(blocks: list[dict], i: int) -> list[dict]:
-    """Tool results become `tool` messages, text a user message, in the order the blocks come."""
+def _user_turn(blocks: list[dict], i: int, call_ids: set[str]) -> list[dict]:
+    """Tool results become `tool` messages, text a user message, in the order the blocks come; a result
+    answers a tool_use of an earlier message (`call_ids`)."""
     turn, text = [], []
     for j, block in enumerate(blocks):
         at = f"messages[{i}].content[{j}]"
@@ -106,6 +125,10 @@ def _user_turn(blocks: list[dict], i: int) -> list[dict]:
             turn.append({"role": "user", "content": "\n\n".join(text)})
             text = []
         turn.append(_tool_result(block, at))
+        if turn[-1]["tool_call_id"] not in call_ids:
+            raise ApiError(400, f"{at}: unexpected `tool_use_id` found in `tool_result` blocks: "
+                           f"{turn[-1]['tool_call_id'][:80]}. Each `tool_result` block must have a corresponding "
+                           "`tool_use` block in an earlier message.", param=f"{at}.tool_use_id")  # fmt: skip
     return [*turn, {"role": "user", "content": "\n\n".join(text)}] if text or not turn else turn
 
 
@@ -189,23 +212,37 @@ def _stop_sequences(stops) -> tuple[str, ...]:
 # --- tools ---------------------------------------------------------------------------------------
 
 
-def _tools(tools, choice) -> ToolRequest | None:
+def _tools(tools, choice) -> tuple[ToolRequest | None, tuple[str, ...]]:
     """The tools as a ToolRequest (None without tools or with tool_choice none), so calls are forced and read
-    as on the OpenAI routes."""
+    as on the OpenAI routes; and "name (why)" of each tool left out."""
     kind, name, parallel = _tool_choice(choice)
-    if tools is None or tools == []:
+    if tools is not None and not isinstance(tools, list):
+        raise ApiError(400, "'tools' must be a list of {name, description, input_schema}", param="tools")
+    offered = [(i, tool) for i, tool in enumerate(tools or ()) if _left_out(tool) is None]
+    left_out = tuple(_left_out(tool) for tool in tools or () if _left_out(tool) is not None)
+    if not offered:
         if kind in ("any", "tool"):
             raise ApiError(400, "tool_choice needs tools", param="tool_choice")
-        return None
-    if not isinstance(tools, list):
-        raise ApiError(400, "'tools' must be a list of {name, description, input_schema}", param="tools")
-    functions = [_function(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+        return None, left_out
+    functions = [_function(tool, f"tools[{i}]") for i, tool in offered]
     names = [function["name"] for function in functions]
     if len(set(names)) < len(names):
         raise ApiError(400, "tool names must be unique", param="tools")
     if kind == "tool" and name not in names:
         raise ApiError(400, f"tool_choice.name '{name}' is none of the tools", param="tool_choice.name")
-    return None if kind == "none" else ToolRequest(functions, CHOICES[kind], name, parallel=parallel)
+    tool_request = None if kind == "none" else ToolRequest(functions, CHOICES[kind], name, parallel=parallel)
+    return tool_request, left_out
+
+
+def _left_out(tool) -> str | None:
+    """Why the prompt leaves this tool out ("name (why)"), None when it offers it."""
+    if not isinstance(tool, dict):
+        return None
+    if tool.get("type") not in (None, "custom"):
+        return f"{tool.get('name', '?')} ({tool['type']}: a server tool, which this server does not run)"
+    if tool.get("defer_loading") is True:
+        return f"{tool.get('name', '?')} (defer_loading: shown only once a tool search finds it)"
+    return None
 
 
 def _tool_choice(choice) -> tuple[str, str | None, bool]:
@@ -254,7 +291,7 @@ def message_body(
     blocks = ([_text_block(text)] if text and text.strip() else []) + [_tool_use_block(call) for call in calls]
     return {
         **_message(message_id, model, blocks, reason, sequence, usage(finished.stats)),
-        "akunu": akunu_stats(finished.stats),
+        "akunu": akunu_stats(finished.stats, request.tools_left_out),
     }
 
 
@@ -282,6 +319,8 @@ def error_answer(error: ApiError) -> tuple[int, dict]:
     """The status and body Anthropic answers this error with; a full queue is its 529 overloaded_error."""
     status = OVERLOADED if error.status == 429 else error.status
     kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    if isinstance(error, ContextTooLong):  # the words Claude Code reads to know it must compact
+        return status, error_body(kind, f"prompt is too long: {error.tokens} tokens > {error.context} maximum")
     return status, error_body(kind, error.message, error.param)
 
 
@@ -332,7 +371,7 @@ async def message_events(request: MessagesRequest, answer, message_id: str, mode
                 yield line
             reason, sequence = stop_reason(request, event, answer.sent_calls > 0)
             yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                         usage=usage(event.stats), akunu=akunu_stats(event.stats))  # fmt: skip
+                         usage=usage(event.stats), akunu=akunu_stats(event.stats, request.tools_left_out))  # fmt: skip
             yield _event("message_stop")
         else:
             kind = "invalid_request_error" if event.client_error else "api_error"

@@ -31,6 +31,18 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+class ContextTooLong(ApiError):
+    """A prompt of `tokens` (at least, when counted from its `size` in bytes before tokenizing) that leaves no
+    room in a context of `context` tokens, in OpenAI's words; anthropic_api words it as Anthropic does."""
+
+    def __init__(self, tokens: int, context: int, param: str, *, size: int | None = None) -> None:
+        self.tokens, self.context = tokens, context
+        counted = f"{size:,} bytes of text, at least {tokens}" if size is not None else f"{tokens}"
+        message = (f"This model's maximum context length is {context} tokens. However, your {param} resulted in "
+                   f"{counted} tokens. Please reduce the length of the {param}.")  # fmt: skip
+        super().__init__(400, message, param=param, code="context_length_exceeded")
+
+
 @dataclass(frozen=True)
 class ParsedRequest:
     kind: str  # CHAT or COMPLETION
@@ -80,6 +92,7 @@ def chat_request(body: dict, messages: list[dict], tools: ToolRequest | None, lo
     from akunu.cli.conversation import PLAIN_USER_PREFIX
 
     tokenizer = loaded.tokenizer
+    _check_fits([m["content"] for m in messages], loaded.context_length, "messages")
     prompt_ids = chat_prompt_ids(messages, tools, loaded)
     # Without a chat template the conversation is a transcript: stop where the user's next line would begin.
     extra_stop = () if tokenizer.has_chat_template else (PLAIN_USER_PREFIX,)
@@ -101,20 +114,24 @@ def chat_request(body: dict, messages: list[dict], tools: ToolRequest | None, lo
 
 
 def chat_prompt_ids(messages: list[dict], tools: ToolRequest | None, loaded) -> list[int]:
-    """The prompt the model's chat template makes of these messages and tools; a 400 when it cannot."""
+    """The prompt the model's chat template makes of these messages and tools (however long: count_tokens
+    counts past the context); a 400 when it cannot."""
     from akunu.cli.conversation import Conversation
+    from akunu.models.chat_encoding import placed_system_messages
 
-    _check_fits([m["content"] for m in messages], loaded.context_length, "messages")
     tokenizer = loaded.tokenizer
     if tools and not tokenizer.has_chat_template:
         raise ApiError(400, "this model has no chat template to offer tools through", param="tools")
-    system = "\n\n".join(m["content"] for m in messages if m["role"] == "system") or None
-    conversation = Conversation(system=system, turns=[m for m in messages if m["role"] != "system"])
+    first_turn = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    system = "\n\n".join(m["content"] for m in messages[:first_turn]) or None
+    conversation = Conversation(system=system, turns=messages[first_turn:])
     try:
+        if not tokenizer.has_chat_template:
+            return conversation.prompt_ids(tokenizer)
+        placed = placed_system_messages(tokenizer, conversation.messages())
         if tools:
-            _check_template_takes_tools(tokenizer, conversation.messages(), tools)
-            return tokenizer.encode_chat(conversation.messages(), tools=tools.template_tools())
-        return conversation.prompt_ids(tokenizer)
+            _check_template_takes_tools(tokenizer, placed, tools)
+        return tokenizer.encode_chat(placed, tools=tools.template_tools() if tools else None)
     except ApiError:
         raise
     except Exception as error:  # noqa: BLE001  (a chat template may reject a message order)
@@ -190,17 +207,20 @@ def _check_fits(texts: list[str], context: int | None, param: str) -> None:
 
     size = sum(len(text.encode("utf-8")) for text in texts)
     if context and size > text_limit(context):
-        message = (
-            f"'{param}' holds {size:,} bytes of text, more than the model's context of {context} tokens can take"
-            f" (at most {BYTES_PER_TOKEN} bytes a token)"
-        )
-        raise ApiError(400, message, param=param, code="context_length_exceeded")
+        raise ContextTooLong(size // BYTES_PER_TOKEN, context, param, size=size)
 
 
 def _messages(messages) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
-    return [_message(message, i) for i, message in enumerate(messages)]
+    parsed, call_ids = [], set()
+    for i, message in enumerate(messages):
+        parsed.append(_message(message, i))
+        call_ids.update(call["id"] for call in parsed[-1].get("tool_calls", ()))
+        if parsed[-1]["role"] == "tool" and parsed[-1]["tool_call_id"] not in call_ids:
+            raise ApiError(400, f"messages[{i}].tool_call_id {json.dumps(parsed[-1]['tool_call_id'][:80])} answers "
+                           "no tool call of an earlier assistant message", param=f"messages[{i}].tool_call_id")  # fmt: skip
+    return parsed
 
 
 def _message(message, i: int) -> dict:
@@ -271,11 +291,8 @@ def _parsed(
     kind: str, body: dict, loaded, base_config, prompt_ids: list[int], extra_stop: tuple[str, ...]
 ) -> ParsedRequest:
     context = loaded.context_length
-    if context and len(prompt_ids) >= context:
-        raise ApiError(
-            400, f"the prompt has {len(prompt_ids)} tokens but the model's context is {context} tokens",
-            param="messages" if kind == CHAT else "prompt", code="context_length_exceeded",
-        )  # fmt: skip
+    if context and len(prompt_ids) >= context:  # never cut: the client compacts its history on this error
+        raise ContextTooLong(len(prompt_ids), context, "messages" if kind == CHAT else "prompt")
     for name, changes_meaning in UNSUPPORTED.items():
         if body.get(name) is not None and changes_meaning(body[name]):
             raise ApiError(400, f"'{name}' is not supported by this server", param=name)
@@ -417,11 +434,13 @@ def usage(stats) -> dict:
     }
 
 
-def akunu_stats(stats) -> dict:
-    """The speculative-decoding numbers `akunu chat` shows, plus how much of the prompt was prefilled."""
+def akunu_stats(stats, tools_left_out: tuple[str, ...] = ()) -> dict:
+    """The speculative-decoding numbers `akunu chat` shows, plus how much of the prompt was prefilled, and the
+    request's tools the prompt left out ("name (why)"), if any."""
     numbers = stats.to_dict()
     keys = "forward_passes drafted accepted acceptance_rate tokens_per_pass decode_tps prompt_tokens prefilled_tokens prefill_tps"
-    return {key: numbers[key] for key in keys.split()}
+    left_out = {"tools_left_out": list(tools_left_out)} if tools_left_out else {}
+    return {**{key: numbers[key] for key in keys.split()}, **left_out}
 
 
 def completion_body(kind: str, request_id: str, model: str, text: str | None, finish_reason: str, stats, *,

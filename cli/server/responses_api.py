@@ -3,15 +3,20 @@ become the chat messages the chat route builds (tool calls and their outputs inc
 `response_format`, and the answer and its stream go back as a Response object and Responses events.
 
 Responses are kept in memory (the last MAX_STORED) so that `previous_response_id` continues one. Unknown fields
-are ignored; a known one this server does not implement and that would change the answer (built-in tools,
-`include` beyond reasoning, background mode, stored prompts, conversations) is a 400 naming it. `reasoning` is
-accepted: answers come without reasoning items. Sampling defaults to greedy, as on the chat route.
+are ignored, as are those the model never sees (`prompt_cache_key`, `client_metadata`, `metadata`); a known one
+this server does not implement and that would change the answer (`include` beyond reasoning, background mode,
+stored prompts, conversations) is a 400 naming it. `namespace` tools are groups of function tools: each is
+offered as `namespace.name`, and its calls come back with `name` and `namespace` apart. Built-in tools
+(web_search and the like), which Codex sends with every request, are left out of the prompt and named in the
+answer's `akunu.tools_left_out`. `reasoning` is accepted: answers come without reasoning items. Sampling
+defaults to greedy, as on the chat route.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import threading
 import time
 import uuid
@@ -22,6 +27,7 @@ from akunu.cli.server.openai_api import ApiError, ParsedRequest, akunu_stats, ch
 from akunu.cli.server.tool_calls import TOOL_NAME, ToolRequest
 from akunu.cli.server.worker import Finished, Piece
 
+log = logging.getLogger("akunu.serve")
 MAX_STORED = 256  # responses kept for previous_response_id; the oldest goes first
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text")
@@ -45,6 +51,8 @@ class ResponsesRequest:
     store: bool
     echo: dict  # the request's settings, which a Response object repeats
     created_at: int
+    tools_left_out: tuple[str, ...] = ()  # "name (why)" of each tool the prompt does not offer
+    namespaces: dict = dataclasses.field(default_factory=dict)  # "namespace.name" offered -> (namespace, name)
 
 
 class ResponseStore:
@@ -77,12 +85,12 @@ def parse_responses(body: dict, loaded, base_config, stored: ResponseStore) -> R
     for name in ("store", "stream"):
         if not isinstance(body.get(name, False), bool):
             raise ApiError(400, f"'{name}' must be true or false", param=name)
-    history = [*_previous(body.get("previous_response_id"), stored), *_input(body.get("input"))]
+    history = _input(body.get("input"), _previous(body.get("previous_response_id"), stored))
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise ApiError(400, "'instructions' must be a string", param="instructions")
     system = [{"role": "system", "content": instructions}] if instructions else []
-    tools, response_format = _tools(body), _response_format(body.get("text"))
+    (tools, left_out, namespaces), response_format = _tools(body), _response_format(body.get("text"))
     options = {name: body[name] for name in ("temperature", "top_p", "stream") if name in body}
     options.update(max_tokens=body.get("max_output_tokens"), response_format=response_format)
     try:
@@ -91,7 +99,10 @@ def parse_responses(body: dict, loaded, base_config, stored: ResponseStore) -> R
         raise _in_responses_terms(error) from None
     chat = dataclasses.replace(chat, grammar_param=CHAT_NAMES.get(chat.grammar_param, chat.grammar_param))
     store = body.get("store") is not False
-    return ResponsesRequest(chat, history, store, _echo(body, response_format, store), int(time.time()))
+    if left_out:
+        log.info("/v1/responses: tools left out of the prompt: %s", ", ".join(left_out))
+    echo = _echo(body, response_format, store)
+    return ResponsesRequest(chat, history, store, echo, int(time.time()), left_out, namespaces)
 
 
 def _in_responses_terms(error: ApiError) -> ApiError:
@@ -106,7 +117,9 @@ def _in_responses_terms(error: ApiError) -> ApiError:
 def _previous(response_id, stored: ResponseStore) -> list[dict]:
     if response_id is None:
         return []
-    conversation = stored.get(response_id) if isinstance(response_id, str) else None
+    if not isinstance(response_id, str):
+        raise ApiError(400, "'previous_response_id' must be a string", param="previous_response_id")
+    conversation = stored.get(response_id)
     if conversation is None:
         raise ApiError(400, f"previous_response_id: no stored response has the id {_shown(response_id)} "
                        f"(this server keeps the last {stored.limit} stored responses)",
@@ -136,13 +149,14 @@ def _shown(value) -> str:
 # --- input items ---------------------------------------------------------------------------------
 
 
-def _input(items) -> list[dict]:
-    """The input as chat messages: a string is one user message; function calls join the assistant turn before."""
+def _input(items, earlier: list[dict]) -> list[dict]:
+    """The conversation: the `earlier` one (previous_response_id's) and the input as chat messages. A string is
+    one user message; function calls join the assistant turn before; an output answers an earlier call."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        return [*earlier, {"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise ApiError(400, "'input' must be a string or a non-empty list of items", param="input")
-    messages = []
+    messages = list(earlier)
     for i, item in enumerate(items):
         at = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
@@ -152,10 +166,17 @@ def _input(items) -> list[dict]:
             _add_call(messages, _function_call(item, at))
         elif kind == "function_call_output":
             messages.append(_function_output(item, at))
+            if messages[-1]["tool_call_id"] not in _call_ids(messages):
+                raise ApiError(400, f"No tool call found for function call output with call_id "
+                               f"{messages[-1]['tool_call_id'][:80]}.", param=f"{at}.call_id")  # fmt: skip
         elif kind not in SKIPPED_ITEMS:
             raise ApiError(400, f"{at}.type {_shown(kind)} is not supported here; this server takes message, "
                            "function_call and function_call_output items", param=f"{at}.type")  # fmt: skip
     return messages
+
+
+def _call_ids(messages: list[dict]) -> set[str]:
+    return {call["id"] for message in messages for call in message.get("tool_calls", ())}
 
 
 def _message(item: dict, at: str) -> dict:
@@ -187,6 +208,8 @@ def _text(content, param: str) -> str:
 def _function_call(item: dict, at: str) -> dict:
     """An earlier call, as the chat route reads one: its arguments become an object, for the template's `tojson`."""
     call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+    if isinstance(item.get("namespace"), str) and isinstance(name, str):  # as the namespace's tools are offered
+        name = f"{item['namespace']}.{name}"
     if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(arguments, str)):
         raise ApiError(400, f"{at} must be a function_call item with a call_id, a name and arguments (a JSON string)",
                        param=at)  # fmt: skip
@@ -217,25 +240,61 @@ def _function_output(item: dict, at: str) -> dict:
 # --- tools and text.format -----------------------------------------------------------------------
 
 
-def _tools(body: dict) -> ToolRequest | None:
-    """The function tools as a ToolRequest (None without tools or with tool_choice none), as on the chat route."""
+def _tools(body: dict) -> tuple[ToolRequest | None, tuple[str, ...], dict]:
+    """The function tools as a ToolRequest (None without tools or with tool_choice none), as on the chat route;
+    "name (why)" of each tool left out; and the namespaces' tools by the names they are offered under."""
     tools, parallel = body.get("tools"), body.get("parallel_tool_calls")
     kind, name = _tool_choice(body.get("tool_choice"))
     if parallel is not None and not isinstance(parallel, bool):
         raise ApiError(400, "'parallel_tool_calls' must be true or false", param="parallel_tool_calls")
-    if tools is None or tools == []:
+    if tools is not None and not isinstance(tools, list):
+        raise ApiError(400, "'tools' must be a list of {type: function, name, parameters}", param="tools")
+    functions, left_out, namespaces = [], [], {}
+    for i, tool in enumerate(tools or ()):
+        kind_of_tool = tool.get("type") if isinstance(tool, dict) else None
+        if kind_of_tool == "namespace":
+            for function in _namespace(tool, f"tools[{i}]"):
+                namespaces[function["name"]] = (tool["name"], function["name"].removeprefix(tool["name"] + "."))
+                functions.append(function)
+        elif kind_of_tool in (None, "function"):
+            functions.append(_function(tool, f"tools[{i}]"))
+        else:
+            left_out.append(f"{tool.get('name', kind_of_tool)} ({kind_of_tool}: a built-in tool, which this server "
+                            "does not run)")  # fmt: skip
+    if not functions:
         if kind in ("required", "named"):
             raise ApiError(400, "tool_choice needs tools", param="tool_choice")
-        return None
-    if not isinstance(tools, list):
-        raise ApiError(400, "'tools' must be a list of {type: function, name, parameters}", param="tools")
-    functions = [_function(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+        return None, tuple(left_out), namespaces
     names = [function["name"] for function in functions]
     if len(set(names)) < len(names):
         raise ApiError(400, "tool names must be unique", param="tools")
     if kind == "named" and name not in names:
         raise ApiError(400, f"tool_choice.name {_shown(name)} is none of the tools", param="tool_choice.name")
-    return None if kind == "none" else ToolRequest(functions, kind, name, parallel=parallel is not False and not name)
+    request = (
+        None if kind == "none" else ToolRequest(functions, kind, name, parallel=parallel is not False and not name)
+    )
+    return request, tuple(left_out), namespaces
+
+
+def _namespace(tool: dict, at: str) -> list[dict]:
+    """A namespace's function tools, each named `namespace.name`, the group's description before the first's."""
+    name, members, description = tool.get("name"), tool.get("tools"), tool.get("description")
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise ApiError(400, f"{at}.name must be 1 to 64 letters, digits, '_', '.' or '-'", param=f"{at}.name")
+    if not isinstance(members, list) or not members:
+        raise ApiError(400, f"{at}.tools must be a non-empty list of function tools", param=f"{at}.tools")
+    if description is not None and not isinstance(description, str):
+        raise ApiError(400, f"{at}.description must be a string", param=f"{at}.description")
+    functions = []
+    for j, member in enumerate(members):
+        if not isinstance(member, dict) or member.get("type") != "function":
+            raise ApiError(400, f"{at}.tools[{j}] must be a function tool", param=f"{at}.tools[{j}].type")
+        function = _function(member, f"{at}.tools[{j}]")
+        function["name"] = f"{name}.{function['name']}"
+        if j == 0 and description:
+            function["description"] = f"{description}\n\n{function.get('description', '')}".strip()
+        functions.append(function)
+    return functions
 
 
 def _tool_choice(choice) -> tuple[str, str | None]:
@@ -249,10 +308,8 @@ def _tool_choice(choice) -> tuple[str, str | None]:
 
 def _function(tool, at: str) -> dict:
     """A function tool as the function the chat template is given."""
-    kind = tool.get("type") if isinstance(tool, dict) else None
-    if kind != "function":
-        raise ApiError(400, f"{at}.type {_shown(kind)} is not supported: this server runs no built-in tools, "
-                       "only {type: function, name, parameters}", param=f"{at}.type")  # fmt: skip
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise ApiError(400, f"{at} must be {{type: function, name, parameters}}", param=f"{at}.type")
     name, description, parameters = tool.get("name"), tool.get("description"), tool.get("parameters")
     if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
         raise ApiError(400, f"{at}.name must be 1 to 64 letters, digits, '_', '.' or '-'", param=f"{at}.name")
@@ -291,7 +348,8 @@ def response_body(
     request: ResponsesRequest, response_id: str, model: str, text: str | None, calls, finished: Finished, stored
 ) -> dict:
     items = [_message_item(_new_id("msg"), text)] if text and text.strip() else []
-    return finished_body(request, response_id, model, [*items, *map(_call_item, calls)], finished, stored)
+    calls = [_call_item(call, request.namespaces) for call in calls]
+    return finished_body(request, response_id, model, [*items, *calls], finished, stored)
 
 
 def finished_body(request: ResponsesRequest, response_id: str, model: str, items: list[dict], finished: Finished,
@@ -303,7 +361,8 @@ def finished_body(request: ResponsesRequest, response_id: str, model: str, items
     return {
         **_response(request, response_id, model, "incomplete" if cut else "completed", items),
         "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-        "output_text": _output_text(items), "usage": usage(finished.stats), "akunu": akunu_stats(finished.stats),
+        "output_text": _output_text(items), "usage": usage(finished.stats),
+        "akunu": akunu_stats(finished.stats, request.tools_left_out),
     }  # fmt: skip
 
 
@@ -326,7 +385,7 @@ def _response(request: ResponsesRequest, response_id: str, model: str, status: s
 def _as_chat_message(items: list[dict]) -> dict:
     """The answer as the assistant message a follow-up's conversation holds."""
     calls = [{"id": item["call_id"], "type": "function",
-              "function": {"name": item["name"], "arguments": json.loads(item["arguments"])}}
+              "function": {"name": _offered_name(item), "arguments": json.loads(item["arguments"])}}
              for item in items if item["type"] == "function_call"]  # fmt: skip
     return {"role": "assistant", "content": _output_text(items), **({"tool_calls": calls} if calls else {})}
 
@@ -348,10 +407,18 @@ def _text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": []}
 
 
-def _call_item(call) -> dict:
-    """A tool_calls.ToolCall as a function_call item: its call_id is the chat route's call id."""
-    return {"type": "function_call", "id": _new_id("fc"), "call_id": call.id, "name": call.name,
+def _call_item(call, namespaces: dict) -> dict:
+    """A tool_calls.ToolCall as a function_call item: its call_id is the chat route's call id; a namespace's
+    tool is named apart from its namespace, as the API names it."""
+    item = {"type": "function_call", "id": _new_id("fc"), "call_id": call.id, "name": call.name,
             "arguments": call.arguments, "status": "completed"}  # fmt: skip
+    if call.name in namespaces:
+        item["namespace"], item["name"] = namespaces[call.name]
+    return item
+
+
+def _offered_name(item: dict) -> str:
+    return f"{item['namespace']}.{item['name']}" if item.get("namespace") else item["name"]
 
 
 # --- streaming -----------------------------------------------------------------------------------
@@ -359,7 +426,7 @@ def _call_item(call) -> dict:
 
 async def response_events(request: ResponsesRequest, answer, response_id: str, model: str, events, stored):
     """The Responses events for a job's events; `answer` (app.Answer) splits text from tool calls."""
-    stream = _StreamedItems()
+    stream = _StreamedItems(request.namespaces)
     for kind in ("response.created", "response.in_progress"):
         yield stream.event(kind, response=_response(request, response_id, model, "in_progress", []))
     async for event in events:
@@ -385,8 +452,8 @@ class _StreamedItems:
     """Output items as they stream, every event numbered: text goes to an open message item (whitespace alone
     opens none, as a whole answer has no blank message); each tool call is a whole function_call item."""
 
-    def __init__(self) -> None:
-        self.items, self.sequence_number = [], 0
+    def __init__(self, namespaces: dict) -> None:
+        self.items, self.sequence_number, self.namespaces = [], 0, namespaces
         self.text, self.held, self.message_id = None, "", None  # text: the open message's, None when none is open
 
     def event(self, kind: str, **body) -> str:
@@ -404,7 +471,7 @@ class _StreamedItems:
             self.text += text
             lines.append(self.event("response.output_text.delta", **self._at(), delta=text, logprobs=[]))
         for call in calls:
-            lines += [*self.close_text(), *self._call(_call_item(call))]
+            lines += [*self.close_text(), *self._call(_call_item(call, self.namespaces))]
         return lines
 
     def close_text(self) -> list[str]:

@@ -128,9 +128,13 @@ _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
+_FENCED = re.compile(r"\s*```(?:json)?[ \t]*\n(.*?)\n?[ \t]*```\s*", re.DOTALL)
+
+
 def _hermes(text: str) -> tuple[str, list[ToolCall]]:
-    if _OPEN not in text:  # a tokenizer that hides <tool_call> as a special token leaves the bare JSON
-        return _llama3(text)
+    if _OPEN not in text:  # a tokenizer that hides <tool_call> as a special token leaves the bare JSON;
+        fenced = _FENCED.fullmatch(text)  # small Qwen coders often fence that JSON as a ```json block
+        return _llama3(fenced.group(1) if fenced else text)
     calls, kept = [], []
     for match in _HERMES_CALL.finditer(text):
         call = _call_from_json(match.group(1), "arguments")
@@ -289,7 +293,7 @@ class CallStream:
         body = self.pending.lstrip()
         if self.family == LLAMA3:  # a call is the whole answer: it opens before anything else
             return len(self.pending) - len(body) if not self.started and body.startswith(self._openings()) else -1
-        if self.family == HERMES and not self.started and body.startswith("{"):  # bare JSON: see _hermes
+        if self.family == HERMES and not self.started and body.startswith(("{", "```")):  # bare JSON: see _hermes
             return len(self.pending) - len(body)
         found = [i for i in (self.pending.find(o) for o in self._openings()) if i >= 0]
         return min(found, default=-1)
@@ -300,7 +304,7 @@ class CallStream:
             body = self.pending.lstrip()
             undecided = not self.started and any(o.startswith(body) for o in self._openings())
             return len(self.pending) if undecided else 0
-        if self.family == HERMES and not self.started and not self.pending.strip():
+        if self.family == HERMES and not self.started and "```".startswith(self.pending.strip()):
             return len(self.pending)
         return max((k for o in self._openings() for k in range(1, min(len(o), len(self.pending)) + 1)
                     if self.pending.endswith(o[:k])), default=0)  # fmt: skip
