@@ -337,9 +337,9 @@ void product_blocks(const void* context, int begin, int end) {
 // quad p (4 values, in x's order) of group g of output o0 + n. A row of x then meets it with one broadcast 4 bytes of
 // its own per quad: lane n sums output n's group g as an exact int32, and the float sums take each lane as its
 // output's acc[g % 4] (quantized_core.h), in group order. Rows share the transposition; no row sums across lanes.
-// Rows of x from which products take the transposed path: below, `block_rows` (tiles of 4 rows) reads each weight
-// once with less work; 4 bits' few ops a dot product leave little to save.
-constexpr int wide_from(int bits) { return bits <= 4 ? 12 : bits == 8 ? 8 : 5; }
+// Rows of x from which products take the transposed path: below, `block_rows`' tiles of 4 rows cost less than the
+// transposition; 4 bits' few ops a dot product leave it little to save (even at about 24 rows).
+constexpr int wide_from(int bits) { return bits <= 4 ? 24 : bits == 8 ? 8 : 5; }
 constexpr int WIDE = 8;        // weight rows transposed together: one register's int32 lanes
 
 #ifdef __AVXVNNI__
