@@ -337,16 +337,16 @@ void product_blocks(const void* context, int begin, int end) {
 // quad p (4 values, in x's order) of group g of output o0 + n. A row of x then meets it with one broadcast 4 bytes of
 // its own per quad: lane n sums output n's group g as an exact int32, and the float sums take each lane as its
 // output's acc[g % 4] (quantized_core.h), in group order. Rows share the transposition; no row sums across lanes.
-// Rows of x from which products take the transposed path: below, `block_rows`' tiles of 4 rows cost less than the
-// transposition; 4 bits' few ops a dot product leave it little to save (even at about 24 rows).
-constexpr int wide_from(int bits) { return bits <= 4 ? 24 : bits == 8 ? 8 : 5; }
-constexpr int WIDE = 8;        // weight rows transposed together: one register's int32 lanes
-
 #ifdef __AVXVNNI__
 constexpr bool VNNI = true;
 #else
 constexpr bool VNNI = false;
 #endif
+
+// Rows of x from which products take the transposed path: below, `block_rows`' tiles of 4 rows cost less than the
+// transposition. Without VNNI, 4 bits' few ops a dot product leave it little to save (even at about 24 rows).
+constexpr int wide_from(int bits) { return bits <= 4 ? (VNNI ? 12 : 24) : bits == 8 && !VNNI ? 8 : 5; }
+constexpr int WIDE = 8;        // weight rows transposed together: one register's int32 lanes
 
 // 8 bits without VNNI multiply |w - 128| by x's signs moved over (see chunk_dots), with w - 128 in quads.
 template <int BITS>
@@ -506,13 +506,14 @@ template <int BITS, Scale TYPE>
 void wide_blocks(const void* context, int begin, int end) {
   const ProductCall& call = *static_cast<const ProductCall*>(context);
   const Cut<BITS> cut;
-  thread_local std::unique_ptr<__m256[]> held;  // a thread's sums outlive the call (claimed thousands of times a step)
+  thread_local Aligned<float> held(0);  // a thread's sums outlive the call (claimed thousands of times a step)
   thread_local size_t capacity = 0;
   if (size_t(4 * call.x.rows) > capacity) {
     capacity = size_t(4 * call.x.rows);
-    held.reset(new __m256[capacity]);
+    held = Aligned<float>(8 * capacity);
   }
-  for (int block = begin; block < end; block++) wide_block<BITS, TYPE>(call, cut, WIDE * block, held.get());
+  __m256* acc = reinterpret_cast<__m256*>(held.get());
+  for (int block = begin; block < end; block++) wide_block<BITS, TYPE>(call, cut, WIDE * block, acc);
 }
 
 template <Scale TYPE>
