@@ -331,8 +331,200 @@ void product_blocks(const void* context, int begin, int end) {
   }
 }
 
+// ---- Several rows of x: a chunk's weights transposed once, then every row multiplied without horizontal sums ----
+//
+// Eight weight rows' chunk of groups is unpacked and transposed (8x8 int32) so that lane n of quads[g][p] holds
+// quad p (4 values, in x's order) of group g of output o0 + n. A row of x then meets it with one broadcast 4 bytes of
+// its own per quad: lane n sums output n's group g as an exact int32, and the float sums take each lane as its
+// output's acc[g % 4] (quantized_core.h), in group order. Rows share the transposition; no row sums across lanes.
+#ifdef __AVXVNNI__
+constexpr bool VNNI = true;
+#else
+constexpr bool VNNI = false;
+#endif
+
+// Rows of x from which products take the transposed path: below, `block_rows`' tiles of 4 rows cost less than the
+// transposition. Without VNNI, 4 bits' few ops a dot product leave it little to save (even at about 24 rows).
+constexpr int wide_from(int bits) { return bits <= 4 ? (VNNI ? 12 : 24) : bits == 8 && !VNNI ? 8 : 5; }
+constexpr int WIDE = 8;        // weight rows transposed together: one register's int32 lanes
+
+// 8 bits without VNNI multiply |w - 128| by x's signs moved over (see chunk_dots), with w - 128 in quads.
+template <int BITS>
+constexpr bool signed_eight = BITS == 8 && !VNNI;
+
+struct Transposed {
+  alignas(32) __m256i quads[CHUNK][8];
+  alignas(32) __m256i magnitudes[CHUNK][8];  // |w - 128| for `signed_eight`
+  alignas(32) __m256 scales[CHUNK];          // lane n: output o0 + n's scale of the group (zero past the groups)
+};
+
+// r[n] lane p -> r[p] lane n for 8 registers of 8 int32 lanes.
+AKUNU_INLINE void transpose8(__m256i r[8]) {
+  __m256i t[8], u[8];
+  for (int k = 0; k < 4; k++) {
+    t[2 * k] = _mm256_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm256_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 2; k++) {  // u[4k + j]: quads j and j + 4 of outputs 4k..4k + 3
+    u[4 * k] = _mm256_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 1] = _mm256_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 2] = _mm256_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    u[4 * k + 3] = _mm256_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+  for (int j = 0; j < 4; j++) {
+    r[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
+    r[j + 4] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+  }
+}
+
+// Where quad p of group g of a row of x is, in QuantizedRows' order (4 bits: pairs of groups, even values then odd).
+template <int BITS>
+constexpr int quad_offset(int g, int p) {
+  if constexpr (BITS == 4) return 64 * (g / 2) + 16 * (g % 2) + (p < 4 ? 4 * p : 32 + 4 * (p - 4));
+  return GROUP * g + 4 * p;
+}
+
+// The chunk of groups from `group` of weight rows o0..o0 + 7 (rows past the matrix repeat its last row), transposed.
+template <int BITS, Scale TYPE>
+AKUNU_INLINE void transpose_chunk(const Weights& w, const Cut<BITS>& cut, int o0, int group, Transposed& out) {
+  constexpr int chunk_bytes = CHUNK * group_bytes<BITS>;
+  const int groups = w.groups(), last = w.outputs - 1;
+  const uint8_t *end = w.end(), *last_safe = end - chunk_bytes - 16;
+  const size_t scale_count = size_t(w.outputs) * groups;
+  alignas(32) uint8_t held[chunk_bytes + 32];
+  __m256i values[CHUNK][WIDE];  // [group][output]
+  __m256i scales[WIDE];
+  for (int n = 0; n < WIDE; n++) {
+    const int o = std::min(o0 + n, last);
+    const uint8_t* p = w.packed + size_t(o) * w.row_bytes() + size_t(group / CHUNK) * chunk_bytes;
+    for (int ahead = 0; ahead < chunk_bytes; ahead += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH + ahead, _MM_HINT_T0);
+    if (p > last_safe) p = held_copy(p, end, held, sizeof(held));
+    __m256i r[CHUNK];
+    for (int g = 0; g < CHUNK; g += per_register<BITS>) unpack<BITS>(p + g * group_bytes<BITS>, cut, r + g);
+    for (int g = 0; g < CHUNK; g++) {
+      if constexpr (BITS == 4)  // group g's even values then odd ones, as x's quads
+        values[g][n] = g % 2 ? _mm256_permute2x128_si256(r[g - 1], r[g], 0x31) : _mm256_permute2x128_si256(r[g], r[g + 1], 0x20);
+      else if constexpr (BITS == 8 && VNNI)
+        values[g][n] = _mm256_xor_si256(r[g], _mm256_set1_epi8(char(0x80)));  // back to the stored bytes
+      else
+        values[g][n] = r[g];
+    }
+    scales[n] = _mm256_castps_si256(load8<TYPE>(w.scales, size_t(o) * groups + group, groups - group, scale_count));
+  }
+  for (int g = 0; g < CHUNK; g++) {
+    transpose8(values[g]);
+    for (int p = 0; p < 8; p++) {
+      _mm256_store_si256(&out.quads[g][p], values[g][p]);
+      if constexpr (signed_eight<BITS>) _mm256_store_si256(&out.magnitudes[g][p], _mm256_abs_epi8(values[g][p]));
+    }
+  }
+  transpose8(scales);
+  for (int g = 0; g < CHUNK; g++) out.scales[g] = _mm256_castsi256_ps(scales[g]);
+}
+
+// Lane n: output o0 + n's exact dot product of group g with x's (quads at xq), its zero point not yet taken away.
+template <int BITS>
+AKUNU_INLINE __m256i wide_dot(const Transposed& t, int g, const int8_t* xq) {  // g a constant once unrolled
+  const auto x = [&](int p) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + quad_offset<BITS>(g, p))); };
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (VNNI) {
+    __m256i dot = _mm256_setzero_si256();
+    for (int p = 0; p < 8; p++) dot = _mm256_dpbusd_avx_epi32(dot, t.quads[g][p], x(p));
+    return dot;
+  } else if constexpr (BITS == 8) {  // |w - 128| * 127 * 2 fits int16, two such do not
+    __m256i dot = _mm256_setzero_si256();
+    for (int p = 0; p < 8; p++)
+      dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(t.magnitudes[g][p], _mm256_sign_epi8(x(p), t.quads[g][p])), ones));
+    return dot;
+  } else {  // int16 pair sums added while they fit: (2^BITS - 1) * 127 * 2 per vpmaddubsw
+    constexpr int fit = BITS <= 4 ? 8 : BITS == 5 ? 4 : 2;
+    __m256i dot = _mm256_setzero_si256();
+    for (int p = 0; p < 8; p += fit) {
+      __m256i pairs = _mm256_maddubs_epi16(t.quads[g][p], x(p));
+      for (int k = 1; k < fit; k++) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(t.quads[g][p + k], x(p + k)));
+      dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones));
+    }
+    return dot;
+  }
+}
+
+// acc[j] (lane n: output o0 + n's acc[j]) += G groups of row m of x (a chunk's first G, G = 4 or 8) against `t`.
+// Groups past the matrix's are zeros in x and in the scales: they add nothing.
+template <int BITS, int G>
+AKUNU_INLINE void row_times_transposed(const QuantizedRows& x, int m, int group, const Transposed& t, bool centered,
+                                       __m256* acc) {
+  const int8_t* xq = x.q_row(m) + size_t(group) * GROUP;
+  const float* steps = x.steps_row(m) + group;
+  const int32_t* totals = x.totals_row(m) + group;
+  __m256 a[4] = {acc[0], acc[1], acc[2], acc[3]};
+#pragma GCC unroll 8
+  for (int g = 0; g < G; g++) {
+    __m256i dot = wide_dot<BITS>(t, g, xq);
+    if (centered != signed_eight<BITS>) {  // signed 8 bits' dots are of w - 128: the zero point added back
+      const __m256i term = _mm256_slli_epi32(_mm256_set1_epi32(totals[g]), BITS - 1);
+      dot = signed_eight<BITS> ? _mm256_add_epi32(dot, term) : _mm256_sub_epi32(dot, term);
+    }
+    const __m256 factor = _mm256_mul_ps(_mm256_set1_ps(steps[g]), t.scales[g]);
+    a[g % 4] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), factor, a[g % 4]);
+  }
+  for (int j = 0; j < 4; j++) acc[j] = a[j];
+}
+
+// Weight rows o0..o0 + 7 for every row of x: chunk by chunk, transposed once, then each row's acc (4 a row).
+template <int BITS, Scale TYPE>
+void wide_block(const ProductCall& call, const Cut<BITS>& cut, int o0, __m256* acc) {
+  const QuantizedRows& x = call.x;
+  const Weights w = call.w;
+  const int groups = x.groups, rows = x.rows;
+  const bool centered = w.zero() != 0;
+  alignas(32) Transposed t;
+  for (int m = 0; m < 4 * rows; m++) acc[m] = _mm256_setzero_ps();
+  for (int group = 0; group < groups; group += CHUNK) {
+    transpose_chunk<BITS, TYPE>(w, cut, o0, group, t);
+    if (groups - group > 4)
+      for (int m = 0; m < rows; m++) row_times_transposed<BITS, CHUNK>(x, m, group, t, centered, acc + 4 * m);
+    else
+      for (int m = 0; m < rows; m++) row_times_transposed<BITS, 4>(x, m, group, t, centered, acc + 4 * m);
+  }
+  for (int m = 0; m < rows; m++)
+    for (int half = 0; half < 2; half++) {
+      const int first = o0 + 4 * half;
+      if (first >= w.outputs) break;
+      __m128 out[4];  // out[n] lane j: acc[j] of output first + n
+      for (int j = 0; j < 4; j++)
+        out[j] = half ? _mm256_extractf128_ps(acc[4 * m + j], 1) : _mm256_castps256_ps128(acc[4 * m + j]);
+      _MM_TRANSPOSE4_PS(out[0], out[1], out[2], out[3]);
+      alignas(16) float sums[4];
+      _mm_store_ps(sums, finish4<TYPE>(w, first, x.sums_row(m), out));
+      std::memcpy(call.y + m * call.y_stride + first, sums, sizeof(float) * std::min(4, w.outputs - first));
+    }
+}
+
+// Blocks [begin, end) of 8 weight rows: their outputs for every row of x.
+template <int BITS, Scale TYPE>
+void wide_blocks(const void* context, int begin, int end) {
+  const ProductCall& call = *static_cast<const ProductCall*>(context);
+  const Cut<BITS> cut;
+  thread_local Aligned<float> held(0);  // a thread's sums outlive the call (claimed thousands of times a step)
+  thread_local size_t capacity = 0;
+  if (size_t(4 * call.x.rows) > capacity) {
+    capacity = size_t(4 * call.x.rows);
+    held = Aligned<float>(8 * capacity);
+  }
+  __m256* acc = reinterpret_cast<__m256*>(held.get());
+  for (int block = begin; block < end; block++) wide_block<BITS, TYPE>(call, cut, WIDE * block, acc);
+}
+
 template <Scale TYPE>
-Task by_bits(int bits) {
+Task by_bits(int bits, bool wide) {
+  if (wide)
+    return bits == 2   ? wide_blocks<2, TYPE>
+           : bits == 3 ? wide_blocks<3, TYPE>
+           : bits == 4 ? wide_blocks<4, TYPE>
+           : bits == 5 ? wide_blocks<5, TYPE>
+           : bits == 6 ? wide_blocks<6, TYPE>
+                       : wide_blocks<8, TYPE>;
   return bits == 2   ? product_blocks<2, TYPE>
          : bits == 3 ? product_blocks<3, TYPE>
          : bits == 4 ? product_blocks<4, TYPE>
@@ -344,10 +536,12 @@ Task by_bits(int bits) {
 inline void product(const float* x, int rows, const Weights& w, float* y, int64_t y_stride) {
   const QuantizedRows qx(x, rows, w.columns, w.bits);
   const ProductCall call{qx, w, y, y_stride};
-  const Task task = w.type == Scale::f16 ? by_bits<Scale::f16>(w.bits)
-                    : w.type == Scale::bf16 ? by_bits<Scale::bf16>(w.bits)
-                                            : by_bits<Scale::f32>(w.bits);
-  share_blocks(task, &call, (w.outputs + 3) / 4, w);
+  const bool wide = rows >= wide_from(w.bits);
+  const Task task = w.type == Scale::f16 ? by_bits<Scale::f16>(w.bits, wide)
+                    : w.type == Scale::bf16 ? by_bits<Scale::bf16>(w.bits, wide)
+                                            : by_bits<Scale::f32>(w.bits, wide);
+  const int per_block = wide ? WIDE : 4;
+  share_blocks(task, &call, (w.outputs + per_block - 1) / per_block, w);
 }
 
 // Rows [begin, end) of the weights as float32, scale * q + bias with one rounding (for prefill's float32 product).

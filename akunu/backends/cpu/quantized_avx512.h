@@ -388,6 +388,29 @@ inline __m128 finish(const Weights& w, int first, int count, const float* sums, 
   return sum_each(total);
 }
 
+// `finish` for FINISH_ROWS rows of x from m0 at once: each 16 groups' biases converted once for all of them.
+constexpr int FINISH_ROWS = 4;
+inline void finish_rows(const Weights& w, int first, int count, const QuantizedRows& qx, int m0, const __m512* acc,
+                        __m128* out) {
+  const int groups = w.groups();
+  size_t at[OUT_BLOCK];
+  __m512 total[FINISH_ROWS][OUT_BLOCK];
+  for (int n = 0; n < OUT_BLOCK; n++) {
+    at[n] = size_t(first + std::min(n, count - 1)) * groups;
+    for (int r = 0; r < FINISH_ROWS; r++) total[r][n] = _mm512_maskz_mov_ps(__mmask16(0xf << (4 * n)), acc[r]);
+  }
+  for (int g = 0; g < groups; g += LANES) {
+    const int left = std::min(LANES, groups - g);
+    __m512 biases[OUT_BLOCK];
+    for (int n = 0; n < OUT_BLOCK; n++) biases[n] = load_scales(w.biases, w.type, at[n] + g, left);
+    for (int r = 0; r < FINISH_ROWS; r++) {
+      const __m512 sum = _mm512_loadu_ps(qx.sums_row(m0 + r) + g);
+      for (int n = 0; n < OUT_BLOCK; n++) total[r][n] = _mm512_fmadd_ps(biases[n], sum, total[r][n]);
+    }
+  }
+  for (int r = 0; r < FINISH_ROWS; r++) out[r] = sum_each(total[r]);
+}
+
 // Running sums acc[m] of one block of OUT_BLOCK weight rows: for one row of x against long rows, a weight row at a
 // time; straight from registers for a few rows of x; else unpacked CHUNK blocks of columns at a time into a buffer
 // that stays in L1 with the rows it meets.
@@ -452,7 +475,13 @@ void product_rows(const void* context, int begin, int end) {
     if (row_block + 1 < end) prefetch_scales(w, first + OUT_BLOCK);  // a row block ahead
     row_block_sums(call.qx, w, call.layout, first, count, *buffer, acc);
     const __mmask8 outputs = __mmask8(_bzhi_u32(0xf, unsigned(count)));
-    for (int m = 0; m < rows; m++)
+    int m = 0;
+    for (; w.biases && m + FINISH_ROWS <= rows; m += FINISH_ROWS) {
+      __m128 out[FINISH_ROWS];
+      finish_rows(w, first, count, call.qx, m, acc + m, out);
+      for (int r = 0; r < FINISH_ROWS; r++) _mm_mask_storeu_ps(call.y + (m + r) * call.y_stride + first, outputs, out[r]);
+    }
+    for (; m < rows; m++)
       _mm_mask_storeu_ps(call.y + m * call.y_stride + first, outputs, finish(w, first, count, call.qx.sums_row(m), acc[m]));
   }
 }
