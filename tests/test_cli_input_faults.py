@@ -291,18 +291,19 @@ def test_an_unreadable_ngram_cache_is_a_warning_and_the_run_goes_on(fake_engine,
 def test_a_first_run_shows_the_pass_cost_progress_and_measures_the_quick_curve(fake_engine, monkeypatch):
     monkeypatch.setattr(akunu.cost_curve, "cached", REAL_CACHED_COST_CURVE)
     timed = []
-    real_measure = akunu.cost_curve.measure
+    real_measure = akunu.cost_curve.measure_passes
 
-    def recording_measure(model, max_width, sweeps, context, widths=None, on_pass=None):
+    def recording_measure(model, max_width, sweeps, context, widths=None, on_pass=None, trees=True):
         timed.append((context, sweeps, tuple(akunu.cost_curve.timed_widths(max_width, widths))))
-        return real_measure(model, max_width, sweeps, context, widths, on_pass)
+        return real_measure(model, max_width, sweeps, context, widths, on_pass, trees)
 
-    monkeypatch.setattr(akunu.cost_curve, "measure", recording_measure)
+    monkeypatch.setattr(akunu.cost_curve, "measure_passes", recording_measure)
     first = invoke("generate", "--max-tokens", "3", "--draft-tokens", "10", "hi")
     assert first.exit_code == 0, first.output
     widths = akunu.cost_curve.timed_widths(11, akunu.cost_curve.QUICK_WIDTHS)
     assert widths == [1, 2, 3, 4, 5, 6, 8, 11]
-    total = len(timed) * (akunu.cost_curve.QUICK_SWEEPS + 1) * len(widths)
+    trees = [width for width in widths if width >= akunu.cost_curve.TREE_FROM]  # a tree timed beside its chain
+    total = len(timed) * (akunu.cost_curve.QUICK_SWEEPS + 1) * (len(widths) + len(trees))
     assert all(entry[1:] == (akunu.cost_curve.QUICK_SWEEPS, tuple(widths)) for entry in timed)
     assert f"measuring pass costs for this machine, once: 0/{total}\n" in first.stderr
     assert f"measuring pass costs for this machine, once: {total}/{total}\n" in first.stderr
