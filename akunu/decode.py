@@ -8,7 +8,7 @@ With `share=True` a loop also yields each forward pass it needs as a `Pass`, for
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -157,6 +157,13 @@ def speculative_decode(
     keep(logits)
     yield token, False
     width = PassWidth() if share and not drafter.cost_per_token else None  # a model's drafts cost its own passes
+    seen = None
+    if drafter.top_k:
+
+        def seen(tokens: list[int], pass_logits: mx.array) -> None:
+            with stats.drafting():
+                drafter.recycle(tokens, pass_logits)
+
     while True:
         owed = len(getattr(cache, "owed", ()))
         room = max(budget - produced - 1, 0) if owed < MAX_OWED else 0  # a plain step settles the debt
@@ -170,7 +177,7 @@ def speculative_decode(
         if width is not None:
             width.chosen = owed + 1 + min(chosen, len(draft))
         accepted, token, round_rows = yield from verify_round(
-            model, cache, token, draft, params, constraint, share, draws, width
+            model, cache, token, draft, params, constraint, share, draws, width, seen
         )
         stats.record_round(len(draft), len(accepted))
         draft_length.observe(own, min(len(accepted), own), round_rows[-1])
@@ -210,6 +217,7 @@ def verify_round(
     share: bool = False,
     draws: Draws | None = None,
     width: PassWidth | None = None,
+    seen: Callable[[list[int], mx.array], None] | None = None,
 ):
     """One forward pass over `token` and the draft; the cache keeps only what was accepted (a generator: `yield from`
     it; it yields the pass when `share`, see `forward`; a token tree's pass is always run here).
@@ -220,10 +228,10 @@ def verify_round(
     head of the next pass, which costs that pass width but no pass of its own.
     Returns the accepted drafts, the target's own next token and the logits rows each of them came from (n + 1, V).
     A `constraint` masks the logits the verdict reads (the returned rows stay unmasked); the grammar
-    computes its masks while the pass runs.
+    computes its masks while the pass runs. `seen(fed, rows)` hears every row of the pass, rejected drafts' too.
     """
     if draft and draft.parents is not None:
-        return verify_tree_round(model, cache, token, draft, params, draws)
+        return verify_tree_round(model, cache, token, draft, params, draws, seen)
     owed = getattr(cache, "owed", [])
     inputs = [*owed, token, *draft.tokens]
     snapshot = Snapshot(cache) if draft and has_state(cache) else None
@@ -238,6 +246,8 @@ def verify_round(
         verdict = verify_greedy(scored, draft.tokens)
     else:
         verdict = verify_sampled(target_logprobs(scored, params), draft.tokens, draft.probs, draws)
+    if seen is not None:
+        seen([token, *draft.tokens], logits)
     kept = len(inputs) - len(draft) + verdict.accepted
     if snapshot is None or kept == len(inputs):
         rewind(cache, len(inputs) - kept)  # drop rejected drafts' KV entries

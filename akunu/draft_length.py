@@ -48,6 +48,20 @@ def best_length(
     return best_chain_length([acceptance] * max_draft, costs, draft_cost, refeed)
 
 
+# A token-tree pass over a chain pass as wide, where none was measured: about 2.8x on the CPU today (issue 68),
+# since the tree's mask leaves akunu's attention kernel for MLX's generic path.
+TREE_COST = 2.8
+
+
+def expected_tokens(acceptances: Sequence[float]) -> float:
+    """Tokens one verification of a chain yields: the target's own plus the drafts that land."""
+    expected, reach = 1.0, 1.0
+    for acceptance in acceptances:
+        reach *= acceptance
+        expected += reach
+    return expected
+
+
 # The prior acceptance of a draft backed by e tokens of evidence is (e + 1) / (e + PRIOR_SLACK);
 # 2.5 replayed best of 1.4, 1.8 and 2.5 on the shipped workloads' answers.
 PRIOR_SLACK = 2.5
@@ -82,6 +96,7 @@ class DraftLength:
         prior_weight: float = 2.0,
         draft_cost: float = 0.0,
         refeed: bool = False,
+        tree_costs: Sequence[float] | None = None,
     ) -> None:
         self.max_draft = max_draft
         self.draft_cost = draft_cost  # drafting one token, in 1-token passes (0 for table lookups)
@@ -89,6 +104,8 @@ class DraftLength:
         # costs[k-1]: relative cost of a k-token pass. Without a measurement assume the shape
         # measured on this CPU (about 2.2x for 17 tokens); a real curve should be passed in.
         self.costs = list(costs) if costs else [1.0 + 0.075 * k for k in range(max_draft + 1)]
+        # tree_costs[k-1]: a tree pass of k tokens (the root and k - 1 nodes), relative to a 1-token pass
+        self.tree_costs = list(tree_costs) if tree_costs else [c * TREE_COST for c in self.costs]
         self.adaptive = adaptive
         self.decay = decay
         self.prior_weight = prior_weight
@@ -126,8 +143,33 @@ class DraftLength:
         self.kinds, self.fill_kind = [guess.kind for guess in guesses], guesses[0].kind
         if not self.adaptive or not draft:
             return draft
+        if draft.parents is not None and draft.guesses is not None and len(draft.guesses) == len(draft):
+            return self._tree_or_chain(draft)
         acceptances = [self._estimate(guess) for guess in guesses[:depth]]
         return draft.truncated(best_chain_length(acceptances, self.costs, self.draft_cost, self.refeed))
+
+    def _tree_or_chain(self, draft: Draft) -> Draft:
+        """A tree whose nodes each bring a guess: its likeliest nodes (as many as pay), or its leading chain cut to
+        what pays, whichever yields more tokens per unit of time under the chain and tree pass costs."""
+        tree, guesses = draft.tree, draft.guesses
+        lead = min(tree.chain_length(), self.max_draft, len(self.costs) - 1)
+        chain = [self._estimate(guess) for guess in guesses[:lead]]
+        n = best_chain_length(chain, self.costs, self.draft_cost, self.refeed)
+        best_rate = expected_tokens(chain[:n]) / (self.costs[n] + n * self.draft_cost)
+        reach: list[float] = []  # each node's chance that it and all its ancestors land
+        for parent, guess in zip(tree.parents, guesses):
+            reach.append((reach[parent] if parent >= 0 else 1.0) * self._estimate(guess))
+        likeliest = sorted(range(len(tree)), key=lambda i: -reach[i])  # stable: a parent before its equal child
+        kept, tokens = 0, 1.0
+        for m, node in enumerate(likeliest[: len(self.tree_costs) - 1], start=1):
+            tokens += reach[node]
+            rate = tokens / (self.tree_costs[m] + m * self.draft_cost)
+            if rate > best_rate:
+                kept, best_rate = m, rate
+        if kept:
+            return draft.subtree(sorted(likeliest[:kept]))
+        self.kinds = [guess.kind for guess in guesses[:n]]
+        return Draft(draft.tokens[:n], match=draft.match, guesses=guesses[:n])
 
     def observe(self, drafted: int, accepted: int, logits: mx.array | None = None) -> None:
         # Each class of evidence the round offered learns its tokens' outcomes. Old evidence
@@ -178,6 +220,7 @@ def make_draft_length(
     *,
     draft_cost: float = 0.0,
     refeed: bool = False,
+    tree_costs: Sequence[float] | None = None,
 ) -> DraftLength | EntropyDraftLength:
     """The policy's draft length: adaptive (evidence against the cost curve), entropy (EGAG) or fixed.
 
@@ -192,4 +235,4 @@ def make_draft_length(
         max_draft = min(max_draft, widest_paying(costs, max_draft))
     if policy is DraftLengthPolicy.entropy:
         return EntropyDraftLength(max_draft)
-    return DraftLength(max_draft, costs, adaptive=varies, draft_cost=draft_cost, refeed=refeed)
+    return DraftLength(max_draft, costs, adaptive=varies, draft_cost=draft_cost, refeed=refeed, tree_costs=tree_costs)

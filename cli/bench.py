@@ -92,8 +92,8 @@ Drafters = Annotated[
     typer.Option(
         "--drafter",
         rich_help_panel=RUN_PANEL,
-        help="Also run speculation with this drafter (repeatable): ngram, lookup, layer-skip:N, hybrid:SPEC, A+B,"
-        " model:NAME, tree:N. Each gets a row in a drafter table, against plain and the default drafter.",
+        help="Also run speculation with this drafter (repeatable): ngram, lookup, recycle, recycle:N, layer-skip:N,"
+        " hybrid:SPEC, A+B, model:NAME, tree:N. Each gets a row in a drafter table, against plain and the default drafter.",
     ),
 ]
 Exact = Annotated[

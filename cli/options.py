@@ -178,7 +178,8 @@ Draft = Annotated[
     typer.Option(
         rich_help_panel=SPEC_PANEL,
         help="The drafter: ngram (n-gram tables), lookup (continue the longest earlier 4-16 token run), suffix (the"
-        " likeliest continuation of the longest earlier match), model:NAME|PATH,"
+        " likeliest continuation of the longest earlier match), recycle (the model's own earlier top-k after each"
+        " token; recycle:N as trees of N nodes), model:NAME|PATH,"
         " layer-skip:N (the model's first N layers), A+B (A where it has a draft, else B) or hybrid:SPEC (ngram+SPEC).",
     ),
 ]

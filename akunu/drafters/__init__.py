@@ -2,12 +2,13 @@
 
 `base`: the Drafter protocol, drafts and token trees, and the plain n-gram drafter (over `ngram`'s
 predictor); `ngram_cache`: its tables kept on disk; `tree`: n-gram token trees and their verification;
-`lookup`, `suffix`, `draft_model`, `layer_skip`, `hybrid`: the other draft sources; `specs`: the spec
+`lookup`, `suffix`, `recycle`, `draft_model`, `layer_skip`, `hybrid`: the other draft sources; `specs`: the spec
 strings, light enough for the CLI's help.
 
 Specs (the CLI's `--draft`): `ngram` (the FNV n-gram tables), `lookup` (prompt lookup: the
 continuation of the longest recurring run of 4-16 tokens), `suffix` (a suffix automaton: the
-likeliest continuation of the longest earlier match, of any length), `model:NAME|PATH` (a draft model with
+likeliest continuation of the longest earlier match, of any length), `recycle` (Token Recycling: the target's
+own earlier top-k after each token, as a chain; `recycle:N` as trees of up to N nodes), `model:NAME|PATH` (a draft model with
 the same tokenizer), `layer-skip:N` (the target's first N layers), `A+B` (A where it has a
 draft, otherwise B), `hybrid:SPEC` (short for `ngram+SPEC`, e.g. `hybrid:layer-skip:8`) and
 `tree:N` (n-gram drafts verified as token trees of up to N nodes, the CLI's `--tree N`).

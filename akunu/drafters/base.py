@@ -6,7 +6,8 @@ set. A drafter that samples from a distribution returns it as `probs`, and sampl
 verification then uses the general min(1, p/q) rule; a deterministic drafter leaves it None
 (one-hot q). What a drafter offers is declared on the class, never probed for:
 `cost_per_token` (a drafter that runs a model; table lookups cost nothing), `tree_nodes`
-(it may return token trees of up to that many nodes) and `save()` (state kept across runs).
+(it may return token trees of up to that many nodes), `top_k` (it learns each verification
+pass's top-k next tokens at every row, through `recycle`) and `save()` (state kept across runs).
 """
 
 from __future__ import annotations
@@ -86,10 +87,14 @@ class Draft:
         if self.parents is None:
             probs = None if self.probs is None else self.probs[:n]
             return Draft(self.tokens[:n], probs, None, self.match, None if self.guesses is None else self.guesses[:n])
-        kept = [i for i, depth in enumerate(self.tree.depths()) if depth <= n]  # ancestors come first
+        return self.subtree([i for i, depth in enumerate(self.tree.depths()) if depth <= n])
+
+    def subtree(self, kept: list[int]) -> Draft:
+        """The tree cut to the nodes `kept` (ascending, each node's parent among them), with their guesses."""
         index = {old: new for new, old in enumerate(kept)}
         parents = [index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in kept]
-        return Draft([self.tokens[i] for i in kept], None, parents, self.match)
+        guesses = [self.guesses[i] for i in kept] if self.guesses and len(self.guesses) == len(self) else None
+        return Draft([self.tokens[i] for i in kept], None, parents, self.match, guesses)
 
 
 class Drafter:
@@ -97,6 +102,7 @@ class Drafter:
 
     cost_per_token: float = 0.0  # drafting one token, in 1-token target passes (0 for table lookups)
     tree_nodes: int = 0  # > 0: drafts may be token trees of up to this many nodes
+    top_k: int = 0  # > 0: `recycle` hears every pass's rows (Token Recycling)
 
     def start(self, context: Sequence[int]) -> None:
         """Learn from the prompt (the whole conversation so far), forgetting any earlier generation."""
@@ -109,6 +115,10 @@ class Drafter:
     def draft(self, n: int) -> Draft:
         """Propose up to `n` tokens (a tree: up to `n` deep) to follow the committed sequence."""
         raise NotImplementedError
+
+    def recycle(self, tokens: Sequence[int], logits: mx.array) -> None:
+        """A verification pass fed `tokens` (the last committed token, then the drafts) and gave `logits`
+        (len(tokens), V) after each; only a drafter with `top_k` is told."""
 
     def save(self) -> None:
         """Write what is kept across runs (the persistent n-gram cache); most drafters keep nothing."""

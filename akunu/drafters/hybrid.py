@@ -25,6 +25,8 @@ class HybridDrafter(Drafter):
     def __init__(self, first: Drafter, fallback: Drafter) -> None:
         self.first = first
         self.fallback = fallback
+        self.top_k = max(first.top_k, fallback.top_k)
+        self.tree_nodes = max(first.tree_nodes, fallback.tree_nodes)
         self.fallback_rounds = 0  # rounds the fallback drafted, for statistics
         cost = fallback.cost_per_token
         self.fallback_length = DraftLength(MAX_FALLBACK_DRAFT, draft_cost=cost) if cost else None
@@ -42,6 +44,11 @@ class HybridDrafter(Drafter):
             self.fallback_draft = None
         self.first.update(tokens)
         self.fallback.update(tokens)
+
+    def recycle(self, tokens: Sequence[int], logits) -> None:
+        for part in (self.first, self.fallback):
+            if part.top_k:
+                part.recycle(tokens, logits)
 
     def draft(self, n: int) -> Draft:
         draft = self.first.draft(n)

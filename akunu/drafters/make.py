@@ -55,6 +55,8 @@ def make_drafter(
         return LookupDrafter()
     if kind == "suffix" and not argument:
         return SuffixDrafter()
+    if kind == "recycle":
+        return _recycle(argument)
     if kind == "hybrid" and argument:
         return make_drafter(f"ngram+{argument}", target, **same)
     if target is None:
@@ -68,6 +70,16 @@ def make_drafter(
     if kind == "model" and argument:
         return _draft_model(argument, target, params, load)
     raise OptionsError(f"unknown drafter {spec!r}; expected {SPEC_HELP}")
+
+
+def _recycle(argument: str) -> Drafter:
+    from akunu.drafters.recycle import TEMPLATE, RecycleDrafter
+
+    if not argument:
+        return RecycleDrafter()
+    if not argument.isdigit() or not 1 <= int(argument) <= len(TEMPLATE):
+        raise OptionsError(f"recycle:N needs a tree of N = 1..{len(TEMPLATE)} nodes, got {argument!r}")
+    return RecycleDrafter(tree_nodes=int(argument))
 
 
 def _ngram(order: int, window: int, cache_file: Path | None) -> Drafter:

@@ -4,7 +4,7 @@ in a module light enough for the CLI to show them in its help without loading ML
 from enum import Enum
 
 DEFAULT_SPEC = "suffix+ngram"
-SPEC_HELP = "ngram, lookup, suffix, model:NAME|PATH, layer-skip:N, A+B, hybrid:SPEC or tree:N"
+SPEC_HELP = "ngram, lookup, suffix, recycle, recycle:N, model:NAME|PATH, layer-skip:N, A+B, hybrid:SPEC or tree:N"
 
 
 def draft_model_names(spec: str) -> list[str]:

@@ -19,6 +19,7 @@ each node by its own position.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import mlx.core as mx
@@ -266,9 +267,15 @@ def verify_tree_sampled(logprobs: mx.array, tree: TokenTree, draws: Draws | None
 
 
 def verify_tree_round(
-    model: nn.Module, cache: list, root: int, draft: Draft, params: SamplingParams, draws: Draws | None = None
+    model: nn.Module,
+    cache: list,
+    root: int,
+    draft: Draft,
+    params: SamplingParams,
+    draws: Draws | None = None,
+    seen: Callable[[list[int], mx.array], None] | None = None,
 ):
-    """Run a token-tree draft after `root`, keep the accepted path in the cache.
+    """Run a token-tree draft after `root`, keep the accepted path in the cache; `seen(fed, rows)` hears every row.
 
     Returns the accepted tokens, the target's next token and the logits rows each of them came from.
     """
@@ -279,5 +286,7 @@ def verify_tree_round(
         path, token = verify_tree_greedy(logits, tree)
     else:
         path, token = verify_tree_sampled(target_logprobs(logits, params), tree, draws)
+    if seen is not None:
+        seen([root, *tree.tokens], logits)
     keep_path(cache, prefix, len(tree) + 1, path)
     return [tree.tokens[i - 1] for i in path[1:]], token, logits[mx.array(path)]
