@@ -222,6 +222,13 @@ def costs_at(costs: CostCurves | Sequence[float] | None, context: int) -> list[f
     return list(costs) if costs else None
 
 
+def tree_costs_at(costs: CostCurves | Sequence[float] | None, context: int) -> list[float] | None:
+    """The relative costs of tree passes at `context`, where trees were measured (else None: the policy assumes)."""
+    if isinstance(costs, CostCurves) and costs.has_trees:
+        return costs.tree_at(context)
+    return None
+
+
 def contexts_within(context_length: int | None) -> tuple[int, ...]:
     """The measured contexts that leave room for the widest pass in a model's context."""
     fitting = tuple(c for c in CONTEXTS if not context_length or c + MAX_WIDTH <= context_length)

@@ -49,6 +49,22 @@ def test_a_generation_drafts_against_the_curve_at_its_own_context(monkeypatch):
     assert seen == [pytest.approx(CURVES.at(100 + 20))]  # the prompt and half the answer's budget
 
 
+def test_a_generation_weighs_trees_by_the_measured_tree_passes(monkeypatch):
+    seen = []
+
+    def spy(policy, max_draft, costs, **kwargs):
+        seen.append(kwargs["tree_costs"])
+        return make_draft_length(policy, max_draft, costs, **kwargs)
+
+    monkeypatch.setattr(akunu.generate, "make_draft_length", spy)
+    model, prompt = tiny_llama(seed=1), [3, 4, 5, 6] * 25
+    config = GenerationConfig(max_tokens=40, spec=SpecConfig(draft_tokens=2))
+    trees = CostCurves(CURVES.seconds, {c: [2 * s for s in seconds] for c, seconds in CURVES.seconds.items()})
+    for curves in (CURVES, trees):  # without measured trees the policy assumes their cost itself
+        generate(model, FakeTokenizer(), prompt, config, costs=curves)
+    assert seen == [None, pytest.approx(trees.tree_at(100 + 20))]
+
+
 def test_the_contexts_measured_are_those_a_model_has_room_for():
     assert contexts_within(None) == contexts_within(8192) == CONTEXTS
     assert contexts_within(1024) == (64, 512) and contexts_within(512) == (64,)

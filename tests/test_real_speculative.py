@@ -107,3 +107,21 @@ def test_gemma3_sliding_window_layers_roll_back_exactly_past_the_window():
     _, fast, stats = run(SpecConfig(draft_length="fixed", draft_tokens=6))
     assert_same_or_near_tie(gemma.model, ids, plain, fast)
     assert stats.accepted > 0
+
+
+def test_recycled_token_trees_on_an_open_ended_prompt_are_identical():
+    # Recycled trees branch at every level (Token Recycling's template), unlike copy-heavy n-gram trees: each node's
+    # position and ancestors must reach attention on the real model's quantized CPU path.
+    from akunu.drafters import make_drafter
+
+    smollm2 = load_smollm2("quantized")
+    ids = chat_ids(smollm2, "Tell me about the history of tea in three sentences.")
+    run = lambda spec, **kw: generate(
+        smollm2.model, smollm2.tokenizer, ids, GenerationConfig(max_tokens=48, spec=spec), **kw
+    )
+    _, plain, _ = run(SpecConfig(enabled=False))
+    drafter = make_drafter("recycle:8")
+    run(SpecConfig(draft_length="fixed", draft_tokens=8), drafter=drafter)  # fills the table with this answer's top-k
+    _, fast, stats = run(SpecConfig(draft_length="fixed", draft_tokens=8), drafter=drafter)
+    assert_same_or_near_tie(smollm2.model, ids, plain, fast)
+    assert stats.accepted > 0, stats.to_dict()
