@@ -58,9 +58,11 @@ def test_claude_code_reads_the_file_with_its_tool_and_answers(server, tmp_path):
     (tmp_path / "calc.py").write_text(CALC)
     env = {**os.environ, "CLAUDE_CONFIG_DIR": str(tmp_path / "config"), "ANTHROPIC_BASE_URL": server.base_url,
            "ANTHROPIC_API_KEY": "none", "ANTHROPIC_MODEL": MODEL, "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,
-           "DISABLE_TELEMETRY": "1",
+           "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256",  # a 0.5B model's loop ends there
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}  # fmt: skip
-    ask = f"Use the Read tool to read {tmp_path / 'calc.py'}, then tell me what the function add returns."
+    # the arguments spelled out, as for Codex: else the 0.5B model may invent a `limit` Claude Code refuses
+    ask = (f'Call the Read tool with {{"file_path": "{tmp_path / "calc.py"}"}} and no other argument, '
+           "then tell me what the function add returns.")  # fmt: skip
     command = [claude, "-p", ask, "--bare", "--system-prompt", "You are a coding agent. Call the Read tool to read files.",
                "--tools", "Read", "--max-turns", "4", "--output-format", "stream-json", "--verbose"]  # fmt: skip
     failed, answered = (
