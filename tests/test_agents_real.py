@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,9 @@ def server(model_home):
     with pytest.MonkeyPatch.context() as monkeypatch, contextlib.ExitStack() as stack:
         monkeypatch.setenv("AKUNU_HOME", str(model_home))
         try:  # drafts of a fixed length: no pass costs to measure first; answers capped for a 0.5B model's loops
-            yield start(stack, monkeypatch, "--model", MODEL, "--max-tokens", "256", "--draft-length", "fixed")
+            # exact mode: drafts never move an answer's bits, so a session depends on its requests alone
+            yield start(stack, monkeypatch, "--model", MODEL, "--max-tokens", "256", "--draft-length", "fixed",
+                        "--draft-tokens", "4", "--exact")  # fmt: skip
         except AssertionError as error:
             pytest.skip(f"{MODEL} does not load: {str(error).splitlines()[0] if str(error) else error!r}")
 
@@ -53,15 +56,26 @@ def requests(server, endpoint: str, outcomes: str) -> int:
     return int(sum(float(count) for count in re.findall(pattern, raw.decode())))
 
 
-def test_claude_code_reads_the_file_with_its_tool_and_answers(server, tmp_path):
+@pytest.fixture
+def task():
+    """The one-file project, at a path that is the same at every run (it is in the prompt), and an empty home for
+    the client's shell (a user's shell start-up files would print into the tool's output)."""
+    folder = Path(tempfile.gettempdir()) / "akunu-agent-task"
+    shutil.rmtree(folder, ignore_errors=True)
+    (folder / "home").mkdir(parents=True)
+    (folder / "calc.py").write_text(CALC)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_claude_code_reads_the_file_with_its_tool_and_answers(server, task, tmp_path):
     claude = agent("claude")
-    (tmp_path / "calc.py").write_text(CALC)
-    env = {**os.environ, "CLAUDE_CONFIG_DIR": str(tmp_path / "config"), "ANTHROPIC_BASE_URL": server.base_url,
+    env = {**os.environ, "HOME": str(task / "home"), "CLAUDE_CONFIG_DIR": str(tmp_path / "config"), "ANTHROPIC_BASE_URL": server.base_url,
            "ANTHROPIC_API_KEY": "none", "ANTHROPIC_MODEL": MODEL, "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,
            "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256",  # a 0.5B model's loop ends there
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}  # fmt: skip
     # the arguments spelled out, as for Codex: else the 0.5B model may invent a `limit` Claude Code refuses
-    ask = (f'Call the Read tool with {{"file_path": "{tmp_path / "calc.py"}"}} and no other argument, '
+    ask = (f'Call the Read tool with {{"file_path": "{task / "calc.py"}"}} and no other argument, '
            "then tell me what the function add returns.")  # fmt: skip
     command = [claude, "-p", ask, "--bare", "--system-prompt", "You are a coding agent. Call the Read tool to read files.",
                "--tools", "Read", "--max-turns", "4", "--output-format", "stream-json", "--verbose"]  # fmt: skip
@@ -69,7 +83,7 @@ def test_claude_code_reads_the_file_with_its_tool_and_answers(server, tmp_path):
         requests(server, "/v1/messages", "client_error|server_error"),
         requests(server, "/v1/messages", "ok"),
     )
-    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(command, cwd=task, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     results = [block for event in events if event.get("type") == "user"
@@ -80,9 +94,8 @@ def test_claude_code_reads_the_file_with_its_tool_and_answers(server, tmp_path):
     assert requests(server, "/v1/messages", "ok") >= answered + 2  # the call, and an answer after its result
 
 
-def test_codex_runs_a_command_to_read_the_file_and_answers(server, tmp_path):
+def test_codex_runs_a_command_to_read_the_file_and_answers(server, task, tmp_path):
     codex = agent("codex")
-    (tmp_path / "calc.py").write_text(CALC)
     home = tmp_path / "codex-home"
     home.mkdir()
     (home / "config.toml").write_text(f'model = "{MODEL}"\nmodel_provider = "akunu"\n[model_providers.akunu]\n'
@@ -94,14 +107,19 @@ def test_codex_runs_a_command_to_read_the_file_and_answers(server, tmp_path):
              "-c", "features.view_image=false", "-c", "tools.experimental_request_user_input.enabled=false",
              "-c", "include_environment_context=false", "-c", "model_context_window=32768"]  # fmt: skip
     # the arguments spelled out: else the 0.5B model copies the schema's descriptions in as values
-    ask = 'Call exec_command with {"cmd": "cat calc.py"} and no other argument, then tell me what the function add returns.'
+    ask = (
+        'Call exec_command with {"cmd": "cat calc.py"} and no other argument. Once you have its output, call no '
+        "more tools: answer in one sentence what the function add returns."
+    )
     command = [codex, "exec", "--skip-git-repo-check", "--ephemeral", "--json", *small, ask]
     failed, answered = (
         requests(server, "/v1/responses", "client_error|server_error"),
         requests(server, "/v1/responses", "ok"),
     )
-    run = subprocess.run(command, cwd=tmp_path, env={**os.environ, "CODEX_HOME": str(home)}, capture_output=True,
-                         text=True, timeout=600, stdin=subprocess.DEVNULL)  # fmt: skip
+    env = {**os.environ, "HOME": str(task / "home"), "CODEX_HOME": str(home)}
+    run = subprocess.run(
+        command, cwd=task, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL
+    )
     events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert any(e.get("type") == "item.completed" for e in events), run.stdout[-2000:] + run.stderr[-2000:]
     assert requests(server, "/v1/responses", "client_error|server_error") == failed
