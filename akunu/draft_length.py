@@ -48,8 +48,8 @@ def best_length(
     return best_chain_length([acceptance] * max_draft, costs, draft_cost, refeed)
 
 
-# A token-tree pass over a chain pass as wide, where none was measured: about 2.8x on the CPU today (issue 68),
-# since the tree's mask leaves akunu's attention kernel for MLX's generic path.
+# A token-tree pass over a chain pass as wide, where none was measured: assume the slow case, a tree's mask through
+# mlx-lm's attention (up to about 2.8x on the CPU); measured curves hold the kernel's cost (about 1.05x).
 TREE_COST = 2.8
 
 
