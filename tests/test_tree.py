@@ -6,32 +6,14 @@ import mlx.core as mx
 import pytest
 
 import akunu.drafters.tree
-from akunu.decode import plain_decode, speculative_decode
-from akunu.draft_length import DraftLength
-from akunu.drafters.tree import NGramTreeDrafter, TokenTree, keep_path, tree_forward
-from akunu.forward import prefill
+from akunu.drafters.tree import NGramTreeDrafter, keep_path, tree_forward
 from akunu.kv_cache import make_cache
-from akunu.sampling import SamplingParams
-from akunu.stats import GenerationStats
 from tests.greedy_checks import assert_same_or_near_tie
 from tests.tiny import tiny_gemma3, tiny_llama, tiny_qwen2
+from tests.trees import TREE, paths, run_plain, run_tree
 
-# root -> 5 -> 6 -> 7, root -> 5 -> 9, root -> 8 -> 2   (depth-first packing)
-TREE = TokenTree(tokens=[5, 6, 7, 9, 8, 2], parents=[-1, 0, 1, 0, -1, 4])
 MODELS = {"llama": lambda: tiny_llama(seed=1), "gemma3-sliding": lambda: tiny_gemma3(seed=1, window=8)}
 WITH_QWEN2 = {**MODELS, "qwen2": lambda: tiny_qwen2(seed=1)}  # mlx-lm's model, unpatched: the tree mask's path
-
-
-def paths(tree):
-    """Packed indices (root 0 first) of the path to every node."""
-    result = []
-    for node in range(len(tree)):
-        path, i = [], node
-        while i >= 0:
-            path.append(i + 1)
-            i = tree.parents[i]
-        result.append([0, *reversed(path)])
-    return result
 
 
 @pytest.mark.parametrize("name", WITH_QWEN2)
@@ -75,25 +57,6 @@ def test_trees_are_packed_depth_first_with_the_likeliest_chain_leading():
     assert 4 in tree.tokens  # the less likely branch is in the tree too
     assert all(p < i for i, p in enumerate(tree.parents))
     assert max(tree.depths()) <= 3 and len(tree) <= 6
-
-
-def run_tree(model, prompt, max_tokens, params=SamplingParams(), max_nodes=8, depth=4, adaptive=True):
-    cache = make_cache(model)
-    drafter = NGramTreeDrafter(max_nodes=max_nodes)
-    drafter.start(prompt)
-    stats = GenerationStats()
-    logits = prefill(model, cache, prompt)
-    policy = DraftLength(depth, adaptive=adaptive)
-    loop = speculative_decode(
-        model, cache, logits, params=params, stats=stats, drafter=drafter, draft_length=policy, budget=max_tokens
-    )
-    return [t for t, _ in (next(loop) for _ in range(max_tokens))], stats
-
-
-def run_plain(model, prompt, max_tokens):
-    cache = make_cache(model)
-    loop = plain_decode(model, cache, prefill(model, cache, prompt), params=SamplingParams(), stats=GenerationStats())
-    return [t for t, _ in (next(loop) for _ in range(max_tokens))]
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -9,8 +9,8 @@ from akunu.backends.cpu import compiled_pass, kernels, quantized
 from akunu.drafters.base import TokenTree
 from akunu.drafters.tree import pass_parents, tree_forward, tree_mask
 from akunu.kv_cache import make_cache
-from tests.test_tree import TREE, paths, run_plain, run_tree
 from tests.tiny import quantize, tiny_llama, tiny_qwen2
+from tests.trees import TREE, paths, run_plain, run_tree
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="tree passes run on akunu's CPU kernels")
 
