@@ -174,6 +174,13 @@ def speculative_decode(
             own = draft.depth
             if constraint is not None:
                 draft, own = grammar_draft(constraint, draft, min(draft_length.max_draft, room))
+        if not draft and streams_plain_steps(model, draft_length, owed, width, constraint):
+            steps = plain_steps(model, cache, token, params, draws, stats, drafter, draft_length, budget - produced, seen)
+            for token, row in steps:
+                produced += 1
+                keep(row)
+                yield token, False
+            continue
         if width is not None:
             width.chosen = owed + 1 + min(chosen, len(draft))
         accepted, token, round_rows = yield from verify_round(
@@ -191,6 +198,63 @@ def speculative_decode(
             yield t, True
         keep(round_rows[-1])
         yield token, False
+
+
+def streams_plain_steps(model: nn.Module, draft_length, owed: int, width: PassWidth | None, constraint) -> bool:
+    """Whether rounds that draft nothing run as `plain_steps`: under the adaptive policy, on a pass of this loop's own
+    (not shared, not fixed-width as in exact mode, where a pass costs as much whatever it drafts), unconstrained and
+    owing no tokens to state layers."""
+    adaptive = isinstance(draft_length, DraftLength) and draft_length.adaptive
+    return adaptive and not owed and width is None and constraint is None and not hasattr(model, "draft_room")
+
+
+def plain_steps(
+    model: nn.Module,
+    cache: list,
+    token: int,
+    params: SamplingParams,
+    draws: Draws | None,
+    stats: GenerationStats,
+    drafter: Drafter,
+    draft_length: DraftLength | EntropyDraftLength,
+    wanted: int,
+    seen: Callable[[list[int], mx.array], None] | None = None,
+) -> Iterator[tuple[int, mx.array]]:
+    """Plain steps from `token`, whose round drafted nothing, for as long as rounds would draft nothing: each step's
+    pass is queued before the token it feeds is read (as in `plain_decode`), so drafting and graph building overlap
+    the passes instead of adding to them. Yields each token with its logits row; `wanted`: tokens the generation
+    still wants. A draft that pays after a token costs one plain pass already queued, which the next round follows."""
+    logits = forward_now(model, token, cache)
+    y = pick_token(logits[-1], params, draws)
+    mx.async_eval(y)
+    fed, late = token, Draft([])  # late: the draft a round after the token before y would verify (y its guess)
+    while True:
+        wanted -= 1
+        queued = not late and wanted > 0
+        if queued:  # y's pass, queued before y is read
+            next_logits = forward_now(model, y, cache)
+            next_y = pick_token(next_logits[-1], params, draws)
+            mx.async_eval(next_y)
+        token = y.item()
+        stats.record_round(0, 0)
+        if seen is not None:
+            seen([fed], logits)
+        # A late draft's first token meets y here, so the policy still learns how drafts land.
+        draft_length.observe(min(late.depth, 1), int(bool(late) and late.tokens[0] == token), logits[-1])
+        with stats.drafting():
+            drafter.update([token])
+        yield token, logits[-1]
+        if not queued:
+            return
+        with stats.drafting():
+            late = propose(drafter, draft_length, wanted - 1)[0]
+        fed, logits, y = token, next_logits, next_y
+
+
+def forward_now(model: nn.Module, token: int | mx.array, cache) -> mx.array:
+    """The logits (1, V) of one token's pass, queued (the token may be a lazy array)."""
+    inputs = token.reshape(1, 1) if isinstance(token, mx.array) else mx.array([[token]], mx.uint32)
+    return run(model, inputs, cache)[0]
 
 
 def propose(

@@ -6,6 +6,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
+from akunu import decode
+from akunu.drafters.base import Draft, Drafter
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from akunu.kv_cache import cache_length, make_cache
 from akunu.prompt_cache import PromptCache
@@ -114,3 +116,48 @@ def test_a_wide_pass_computes_the_logits_of_one_token_steps(model_fn):
         cache = make_cache(model)
         wide = mx.concatenate([model(mx.array([tokens[i : i + width]]), cache=cache)[0] for i in range(0, 24, width)])
         assert mx.allclose(wide, steps[: wide.shape[0]], rtol=1e-4, atol=1e-4).item(), f"width {width}"
+
+
+class ScriptedDrafter(Drafter):
+    """Drafts `script[i]` after the i-th committed token of the generation (nothing where absent), and notes how
+    many passes had been queued when each token was committed."""
+
+    def __init__(self, script: dict[int, list[int]], passes: list) -> None:
+        self.script, self.passes, self.committed, self.queued_at = script, passes, 0, []
+
+    def start(self, context):
+        self.committed = 0
+
+    def update(self, tokens):
+        for _ in tokens:
+            self.queued_at.append(len(self.passes))
+            self.committed += 1
+
+    def draft(self, n):
+        return Draft(self.script.get(self.committed, [])[:n])
+
+
+def test_rounds_that_draft_nothing_queue_each_pass_before_reading_the_token_it_feeds(monkeypatch):
+    passes: list = []
+    counted = decode.run
+
+    def counting_run(model, inputs, cache):
+        passes.append(inputs.shape[1])
+        return counted(model, inputs, cache)
+
+    monkeypatch.setattr(decode, "run", counting_run)
+    model = tiny_llama(seed=1)
+    prompt = [3, 9, 4, 1]
+    _, plain, _ = run(model, prompt, SpecConfig(enabled=False), max_tokens=12)
+    drafts = {5: plain[5:8], 6: plain[6:9]}  # from the 5th token on the right next three, as a copy would give
+    for policy, ahead in (("adaptive", True), ("fixed", False)):
+        drafter = ScriptedDrafter(drafts, passes)
+        passes.clear()
+        _, fast, stats = run(model, prompt, SpecConfig(draft_tokens=3, draft_length=policy), max_tokens=12, drafter=drafter)
+        assert fast == plain
+        first = drafter.queued_at[0]  # the first token came from the prefill's pass
+        # Streaming: token i's own pass is queued when it is committed (its round would draft nothing).
+        assert [q - first for q in drafter.queued_at[1:5]] == ([2, 3, 4, 5] if ahead else [1, 2, 3, 4]), policy
+        # Streaming, the draft after token 5 comes once its pass is queued: token 6 is read, and the next round
+        # verifies the draft after it. Either way 3 drafts land in one 4-wide pass.
+        assert 4 in passes and stats.accepted == 3 and stats.forward_passes < len(fast) - 1, policy
