@@ -32,7 +32,7 @@
 
 #include "pool.h"
 
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -59,13 +59,29 @@ typedef int32_t vi __attribute__((vector_size(W * 4), aligned(4)));
 
 inline vf splat(float x) { return vf{} + x; }
 
+// Intrinsics where there are some: GCC tuned for 256-bit moves copies a memcpy'd zmm through the stack in two
+// halves, and the whole-register reload then stalls on store forwarding.
 inline vf load(const float* p) {
+#if defined(__AVX512F__)
+  return _mm512_loadu_ps(p);
+#elif defined(__AVX__)
+  return _mm256_loadu_ps(p);
+#else
   vf v;
   std::memcpy(&v, p, sizeof v);
   return v;
+#endif
 }
 
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline void store(float* p, vf v) {
+#if defined(__AVX512F__)
+  _mm512_storeu_ps(p, v);
+#elif defined(__AVX__)
+  _mm256_storeu_ps(p, v);
+#else
+  std::memcpy(p, &v, sizeof v);
+#endif
+}
 
 // KV caches hold float16 (half the bytes a step reads): W of them widened to float32. Elsewhere MLX's float16_t
 // converts (aarch64's __fp16).
