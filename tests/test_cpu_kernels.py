@@ -66,6 +66,26 @@ def test_attention_row_is_independent_of_the_pass(kernels, S):
         assert mx.array_equal(wide[:, :, j : j + 1], alone).item(), j
 
 
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
+@pytest.mark.parametrize("S", [16, 41, 529])
+def test_grouped_rows_of_a_wide_pass_have_the_bits_of_each_row_alone(kernels, dtype, S):
+    """Seven query heads per KV head and 16 positions share each block of keys and values (a float16 cache's widened
+    once for all of them): each row still gets the bits it gets alone, causal or not."""
+    L = 16
+    q = mx.random.normal((1, 14, L, 64), key=mx.random.key(11))
+    k, v = (mx.random.normal((1, 2, S + 5, 64), key=mx.random.key(12 + i)).astype(dtype) for i in range(2))
+    wide = kernels.attention(q, k, v, 0.125, True, S)
+    unmasked = kernels.attention(q, k, v, 0.125, False, S)
+    for j in range(L):
+        end = S - L + j + 1
+        alone = kernels.attention(q[:, :, j : j + 1], k, v, 0.125, True, end)
+        assert mx.array_equal(wide[:, :, j : j + 1], alone).item(), j
+        for head in (0, 6, 13):
+            kv = slice(head // 7, head // 7 + 1)
+            single = kernels.attention(q[:, head : head + 1, j : j + 1], k[:, kv], v[:, kv], 0.125, False, S)
+            assert mx.array_equal(unmasked[:, head : head + 1, j : j + 1], single).item(), (j, head)
+
+
 def test_attention_reads_a_cache_buffer_up_to_its_fill_into_projection_rows(kernels):
     """The fused attention layer hands the kernel the cache's whole buffers and how far they are filled, and
     takes (B * L, H * Dv) rows for the output projection: the same bits as slicing, then transposing."""

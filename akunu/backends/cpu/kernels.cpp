@@ -21,6 +21,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -28,11 +29,12 @@
 #include <memory>
 #include <optional>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include "pool.h"
 
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -59,13 +61,40 @@ typedef int32_t vi __attribute__((vector_size(W * 4), aligned(4)));
 
 inline vf splat(float x) { return vf{} + x; }
 
+// x in every lane without splat's 0 + x, which GCC keeps as a scalar add before each broadcast (it differs for -0).
+inline vf broadcast(float x) {
+#if defined(__AVX512F__)
+  return _mm512_set1_ps(x);
+#elif defined(__AVX__)
+  return _mm256_set1_ps(x);
+#else
+  return splat(x);
+#endif
+}
+
+// Intrinsics where there are some: GCC tuned for 256-bit moves copies a memcpy'd zmm through the stack in two
+// halves, and the whole-register reload then stalls on store forwarding.
 inline vf load(const float* p) {
+#if defined(__AVX512F__)
+  return _mm512_loadu_ps(p);
+#elif defined(__AVX__)
+  return _mm256_loadu_ps(p);
+#else
   vf v;
   std::memcpy(&v, p, sizeof v);
   return v;
+#endif
 }
 
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline void store(float* p, vf v) {
+#if defined(__AVX512F__)
+  _mm512_storeu_ps(p, v);
+#elif defined(__AVX__)
+  _mm256_storeu_ps(p, v);
+#else
+  std::memcpy(p, &v, sizeof v);
+#endif
+}
 
 // KV caches hold float16 (half the bytes a step reads): W of them widened to float32. Elsewhere MLX's float16_t
 // converts (aarch64's __fp16).
@@ -289,14 +318,30 @@ inline void score_block(const float* q, const KV* keys, int64_t step, int dims, 
   store(scores, lane_sums(acc) * scale);
 }
 
-// The same for the last `count` < W keys, read from a zero-padded copy (never past the cache's end).
+// A thread's scratch floats, from a cache line on (a vector load across two lines costs two), kept between calls.
+struct Scratch {
+  std::vector<float> buffer;
+  float* get(size_t n) {
+    buffer.resize(n + 16);
+    return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+  }
+};
+
+// `count` <= W keys `step` apart as float32 rows of `dims` (the same values), zero-padded to W rows: every row of
+// a block scores them from this one copy, not converting the float16 again. Float32 caches' whole blocks are read
+// in place.
 template <typename KV>
-void score_tail(const float* q, const KV* keys, int64_t step, int count, int dims, float scale, float* scores) {
-  std::vector<KV> padded(size_t(W) * dims, KV(0.0f));
-  for (int j = 0; j < count; j++) std::memcpy(padded.data() + j * dims, keys + j * step, dims * sizeof(KV));
-  float block[W];
-  score_block(q, padded.data(), dims, dims, scale, block);
-  std::memcpy(scores, block, count * sizeof(float));
+const float* keys_as_float(const KV* keys, int64_t step, int count, int dims, Scratch& scratch, int64_t& copy_step) {
+  if (std::is_same_v<KV, float> && count == W) {
+    copy_step = step;
+    return reinterpret_cast<const float*>(keys);
+  }
+  float* copy = scratch.get(size_t(W) * dims);
+  for (int j = 0; j < count; j++)
+    for (int d = 0; d < dims; d += W) store(copy + j * dims + d, load(keys + j * step + d));
+  std::fill(copy + size_t(count) * dims, copy + size_t(W) * dims, 0.0f);
+  copy_step = dims;
+  return copy;
 }
 
 // For R rows: out_r[d0, d0 + T * W) = sum over j < n_r of weights_r[j] * the value at slot j of row r, added in order
@@ -323,13 +368,13 @@ inline void weigh_tile(float* const* weights, const RowKeys* rows, const KV* val
     vf v[T];
     for (int t = 0; t < T; t++) v[t] = load(row + t * W);
     for (int r = 0; r < R; r++) {
-      const vf w = splat(weights[r][j]);
+      const vf w = broadcast(weights[r][j]);  // weights are exponentials: never -0
       for (int t = 0; t < T; t++) acc[r][t] += w * v[t];
     }
   }
   for (int r = 0; r < R; r++) {
     for (int j = shared; j < rows[r].n; j++) {
-      const vf w = splat(weights[r][j]);
+      const vf w = broadcast(weights[r][j]);  // weights are exponentials: never -0
       const KV* row = values + rows[r].slot(j) * step + d0;
       for (int t = 0; t < T; t++) acc[r][t] += w * load(row + t * W);
     }
@@ -340,21 +385,26 @@ inline void weigh_tile(float* const* weights, const RowKeys* rows, const KV* val
 template <int R, typename KV>
 void weigh_rows(float* const* weights, const RowKeys* rows, const KV* values, int64_t step, int dims, float* const* outs) {
   int d0 = 0;
-  constexpr int tiles = W == 16 ? 4 : 2;  // R x tiles accumulators and the tiles' values fit the 32 or 16 registers
+  // R x tiles accumulators and the tiles' values fit the 32 or 16 registers
+  constexpr int tiles = W == 16 ? (R > 4 ? 2 : 4) : (R > 4 ? 1 : 2);
   for (; d0 + tiles * W <= dims; d0 += tiles * W) weigh_tile<R, tiles>(weights, rows, values, step, d0, outs);
   for (; d0 < dims; d0 += W) weigh_tile<R, 1>(weights, rows, values, step, d0, outs);
 }
 
-// weights[i] @ values for `count` rows, up to 4 at a time.
+// weights[i] @ values for `count` rows, up to 8 at a time: each value is loaded (and widened) once per group.
 template <typename KV>
 void weigh_values(float* const* weights, const RowKeys* rows, int count, const KV* values, int64_t step, int dims,
                   float* const* outs) {
-  for (int i = 0; i < count; i += 4) {
-    switch (count - i < 4 ? count - i : 4) {
+  for (int i = 0; i < count; i += 8) {
+    switch (count - i < 8 ? count - i : 8) {
       case 1: weigh_rows<1>(weights + i, rows + i, values, step, dims, outs + i); break;
       case 2: weigh_rows<2>(weights + i, rows + i, values, step, dims, outs + i); break;
       case 3: weigh_rows<3>(weights + i, rows + i, values, step, dims, outs + i); break;
-      default: weigh_rows<4>(weights + i, rows + i, values, step, dims, outs + i);
+      case 4: weigh_rows<4>(weights + i, rows + i, values, step, dims, outs + i); break;
+      case 5: weigh_rows<5>(weights + i, rows + i, values, step, dims, outs + i); break;
+      case 6: weigh_rows<6>(weights + i, rows + i, values, step, dims, outs + i); break;
+      case 7: weigh_rows<7>(weights + i, rows + i, values, step, dims, outs + i); break;
+      default: weigh_rows<8>(weights + i, rows + i, values, step, dims, outs + i);
     }
   }
 }
@@ -410,7 +460,10 @@ void attention_block(const View<>& q, const View<KV>& k, const View<KV>& v, floa
   const int repeats = s.heads / s.kv_heads, count = last - first, prefix = s.keys - s.queries;
   const KV* keys = k.data + b * k.strides[0] + kv * k.strides[1];
   const KV* values = v.data + b * v.strides[0] + kv * v.strides[1];
-  std::vector<float> rows(count * s.dims), scores(size_t(count) * s.keys);
+  thread_local Scratch row_scratch, score_scratch, key_scratch;  // every task of every layer: no allocation each time
+  const size_t row_keys = (size_t(s.keys) + W - 1) / W * W;  // each row's scores from a cache line
+  float* const rows = row_scratch.get(size_t(count) * s.dims);
+  float* const scores = score_scratch.get(count * row_keys);
   RowKeys seen[ROW_BLOCK];
   int widest = 0;
   float* outs[ROW_BLOCK];
@@ -429,27 +482,32 @@ void attention_block(const View<>& q, const View<KV>& k, const View<KV>& v, floa
     outs[i] = out + (s.rows ? (int64_t(b) * s.queries + position) * s.heads + head
                             : (int64_t(b) * s.heads + head) * s.queries + position) * s.value_dims;
   }
-  for (int j = 0; j < widest; j += W)  // a block of W keys sits in L1 while every row reads it
+  for (int j = 0; j < widest; j += W) {  // a block of W keys sits in L1 while every row reads it
+    int64_t step;
+    const float* block = keys_as_float(keys + j * k.strides[2], k.strides[2], widest - j < W ? widest - j : W, s.dims,
+                                       key_scratch, step);
     for (int i = 0; i < count; i++)
-      if (j + W <= seen[i].contiguous)
-        score_block(rows.data() + i * s.dims, keys + j * k.strides[2], k.strides[2], s.dims, scale,
-                    scores.data() + size_t(i) * s.keys + j);
-      else if (j < seen[i].contiguous)
-        score_tail(rows.data() + i * s.dims, keys + j * k.strides[2], k.strides[2], seen[i].contiguous - j, s.dims,
-                   scale, scores.data() + size_t(i) * s.keys + j);
+      if (j + W <= seen[i].contiguous) {
+        score_block(rows + i * s.dims, block, step, s.dims, scale, scores + i * row_keys + j);
+      } else if (j < seen[i].contiguous) {  // a score depends on its own key alone: the block's others are dropped
+        float tail[W];
+        score_block(rows + i * s.dims, block, step, s.dims, scale, tail);
+        std::memcpy(scores + i * row_keys + j, tail, (seen[i].contiguous - j) * sizeof(float));
+      }
+  }
   for (int i = 0; i < count; i++)
     if (seen[i].n > seen[i].contiguous)
-      score_extra(rows.data() + i * s.dims, keys, k.strides[2], prefix, seen[i].extra, seen[i].n - seen[i].contiguous,
-                  s.dims, scale, scores.data() + size_t(i) * s.keys + seen[i].contiguous);
+      score_extra(rows + i * s.dims, keys, k.strides[2], prefix, seen[i].extra, seen[i].n - seen[i].contiguous,
+                  s.dims, scale, scores + i * row_keys + seen[i].contiguous);
   float* weights[ROW_BLOCK];
   float totals[ROW_BLOCK];
   for (int i = 0; i < count; i++) {
-    weights[i] = scores.data() + size_t(i) * s.keys;
+    weights[i] = scores + i * row_keys;
     totals[i] = exponentiate(weights[i], seen[i].n);
   }
   weigh_values(weights, seen, count, values, v.strides[2], s.value_dims, outs);
   for (int i = 0; i < count; i++)
-    for (int d = 0; d < s.value_dims; d++) outs[i][d] /= totals[i];
+    for (int d = 0; d < s.value_dims; d += W) store(outs[i] + d, load(outs[i] + d) / splat(totals[i]));
 }
 
 // Pool::run for akunu's other kernel modules (quantized.cpp, _matvec.c), which share the pool through this address.
