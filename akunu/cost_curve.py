@@ -222,6 +222,18 @@ def costs_at(costs: CostCurves | Sequence[float] | None, context: int) -> list[f
     return list(costs) if costs else None
 
 
+# The host work of a verification round (building its graph, drafting, reading the verdict) that a streamed plain step
+# hides behind the pass before it (`akunu.decode.plain_steps`): 0.8-1.5 ms on a 2-core Xeon.
+ROUND_HOST_SECONDS = 1e-3
+
+
+def round_cost_at(costs: CostCurves | Sequence[float] | None, context: int) -> float:
+    """ROUND_HOST_SECONDS in units of a 1-token pass at `context` (0 where no pass was timed in seconds)."""
+    if not isinstance(costs, CostCurves):
+        return 0.0
+    return ROUND_HOST_SECONDS / _seconds_at(costs.seconds, context, 1)[0]
+
+
 def tree_costs_at(costs: CostCurves | Sequence[float] | None, context: int) -> list[float] | None:
     """The relative costs of tree passes at `context`, where trees were measured (else None: the policy assumes)."""
     if isinstance(costs, CostCurves) and costs.has_trees:

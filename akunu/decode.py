@@ -175,7 +175,9 @@ def speculative_decode(
             if constraint is not None:
                 draft, own = grammar_draft(constraint, draft, min(draft_length.max_draft, room))
         if not draft and streams_plain_steps(model, draft_length, owed, width, constraint):
-            steps = plain_steps(model, cache, token, params, draws, stats, drafter, draft_length, budget - produced, seen)
+            steps = plain_steps(
+                model, cache, token, params, draws, stats, drafter, draft_length, budget - produced, seen
+            )
             for token, row in steps:
                 produced += 1
                 keep(row)
@@ -252,7 +254,7 @@ def plain_steps(
 
 
 def forward_now(model: nn.Module, token: int | mx.array, cache) -> mx.array:
-    """The logits (1, V) of one token's pass, queued (the token may be a lazy array)."""
+    """The logits (1, V) of one token's pass (the token may be a lazy array, the step's own pick)."""
     inputs = token.reshape(1, 1) if isinstance(token, mx.array) else mx.array([[token]], mx.uint32)
     return run(model, inputs, cache)[0]
 

@@ -21,13 +21,18 @@ from akunu.errors import OptionsError
 
 
 def best_chain_length(
-    acceptances: Sequence[float], costs: Sequence[float], draft_cost: float = 0.0, refeed: bool = False
+    acceptances: Sequence[float],
+    costs: Sequence[float],
+    draft_cost: float = 0.0,
+    refeed: bool = False,
+    round_cost: float = 0.0,
 ) -> int:
     """The draft length with the most tokens per unit of time, draft token i landing with probability
     acceptances[i] once all before it have; costs[k-1] is a k-token pass and `draft_cost` the
     time to draft one token, both in units of a 1-token pass. With `refeed` (a model with state
     layers, `akunu.decode.verify_round`) a draft rejected after j tokens makes the next pass j + 1
-    tokens wider, which the round is charged for."""
+    tokens wider, which the round is charged for. `round_cost`: the host time a verification round adds
+    that a plain step hides (plain steps stream, `akunu.decode.plain_steps`)."""
     best, best_rate = 0, 1.0 / costs[0]
     expected, reach, penalty = 1.0, 1.0, 0.0  # tokens one verification yields: the target's own, plus accepted drafts
     for n, acceptance in enumerate(acceptances[: len(costs) - 1], start=1):
@@ -35,17 +40,22 @@ def best_chain_length(
             penalty += reach * (1 - acceptance) * (costs[n] - costs[0])
         reach *= acceptance
         expected += reach
-        rate = expected / (costs[n] + n * draft_cost + penalty)
+        rate = expected / (costs[n] + n * draft_cost + penalty + round_cost)
         if rate > best_rate:
             best, best_rate = n, rate
     return best
 
 
 def best_length(
-    acceptance: float, costs: Sequence[float], max_draft: int, draft_cost: float = 0.0, refeed: bool = False
+    acceptance: float,
+    costs: Sequence[float],
+    max_draft: int,
+    draft_cost: float = 0.0,
+    refeed: bool = False,
+    round_cost: float = 0.0,
 ) -> int:
     """The best length for drafts whose every token lands with the same probability."""
-    return best_chain_length([acceptance] * max_draft, costs, draft_cost, refeed)
+    return best_chain_length([acceptance] * max_draft, costs, draft_cost, refeed, round_cost)
 
 
 # A token-tree pass over a chain pass as wide, where none was measured: assume the slow case, a tree's mask through
@@ -97,8 +107,10 @@ class DraftLength:
         draft_cost: float = 0.0,
         refeed: bool = False,
         tree_costs: Sequence[float] | None = None,
+        round_cost: float = 0.0,
     ) -> None:
         self.max_draft = max_draft
+        self.round_cost = round_cost  # a verification round's host time that plain steps hide, in 1-token passes
         self.draft_cost = draft_cost  # drafting one token, in 1-token passes (0 for table lookups)
         self.refeed = refeed  # a rejection costs the next pass the kept tokens again (state layers)
         # costs[k-1]: relative cost of a k-token pass. Without a measurement assume the shape
@@ -134,7 +146,7 @@ class DraftLength:
         self.kinds, self.fill_kind = [], self._match_guess(0).kind
         if not self.adaptive or not self.draft_cost:
             return self.max_draft
-        return best_length(self.acceptance(), self.costs, self.max_draft, self.draft_cost, self.refeed)
+        return best_length(self.acceptance(), self.costs, self.max_draft, self.draft_cost, self.refeed, self.round_cost)
 
     def cut(self, draft: Draft) -> Draft:
         """The draft cut to the length its evidence pays for (a token tree: to that depth)."""
@@ -146,7 +158,9 @@ class DraftLength:
         if draft.parents is not None and draft.guesses is not None and len(draft.guesses) == len(draft):
             return self._tree_or_chain(draft)
         acceptances = [self._estimate(guess) for guess in guesses[:depth]]
-        return draft.truncated(best_chain_length(acceptances, self.costs, self.draft_cost, self.refeed))
+        return draft.truncated(
+            best_chain_length(acceptances, self.costs, self.draft_cost, self.refeed, self.round_cost)
+        )
 
     def _tree_or_chain(self, draft: Draft) -> Draft:
         """A tree whose nodes each bring a guess: its likeliest nodes (as many as pay), or its leading chain cut to
@@ -154,8 +168,9 @@ class DraftLength:
         tree, guesses = draft.tree, draft.guesses
         lead = min(tree.chain_length(), self.max_draft, len(self.costs) - 1)
         chain = [self._estimate(guess) for guess in guesses[:lead]]
-        n = best_chain_length(chain, self.costs, self.draft_cost, self.refeed)
-        best_rate = expected_tokens(chain[:n]) / (self.costs[n] + n * self.draft_cost)
+        n = best_chain_length(chain, self.costs, self.draft_cost, self.refeed, self.round_cost)
+        overhead = self.round_cost if n else 0.0
+        best_rate = expected_tokens(chain[:n]) / (self.costs[n] + n * self.draft_cost + overhead)
         reach: list[float] = []  # each node's chance that it and all its ancestors land
         for parent, guess in zip(tree.parents, guesses):
             reach.append((reach[parent] if parent >= 0 else 1.0) * self._estimate(guess))
@@ -163,7 +178,7 @@ class DraftLength:
         kept, tokens = 0, 1.0
         for m, node in enumerate(likeliest[: len(self.tree_costs) - 1], start=1):
             tokens += reach[node]
-            rate = tokens / (self.tree_costs[m] + m * self.draft_cost)
+            rate = tokens / (self.tree_costs[m] + m * self.draft_cost + self.round_cost)
             if rate > best_rate:
                 kept, best_rate = m, rate
         if kept:
@@ -221,6 +236,7 @@ def make_draft_length(
     draft_cost: float = 0.0,
     refeed: bool = False,
     tree_costs: Sequence[float] | None = None,
+    round_cost: float = 0.0,
 ) -> DraftLength | EntropyDraftLength:
     """The policy's draft length: adaptive (evidence against the cost curve), entropy (EGAG) or fixed.
 
@@ -235,4 +251,7 @@ def make_draft_length(
         max_draft = min(max_draft, widest_paying(costs, max_draft))
     if policy is DraftLengthPolicy.entropy:
         return EntropyDraftLength(max_draft)
-    return DraftLength(max_draft, costs, adaptive=varies, draft_cost=draft_cost, refeed=refeed, tree_costs=tree_costs)
+    return DraftLength(
+        max_draft, costs, adaptive=varies, draft_cost=draft_cost, refeed=refeed, tree_costs=tree_costs,
+        round_cost=round_cost,
+    )  # fmt: skip

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 import mlx.nn as nn
 
-from akunu.cost_curve import CostCurves, costs_at, tree_costs_at
+from akunu.cost_curve import CostCurves, costs_at, round_cost_at, tree_costs_at
 from akunu.decode import Pass, constrained_decode, plain_decode, speculative_decode
 from akunu.draft_length import make_draft_length
 from akunu.drafters.base import Drafter
@@ -231,9 +231,11 @@ def _decode_loop(
         check_tree_support(model)
     drafter.start(prompt)
     halfway = len(prompt) + budget // 2  # the context the answer's passes run at, on average
+    streams = not share and constraint is None and not speculation.exact  # plain steps stream (`plain_steps`)
     draft_length = make_draft_length(
         speculation.draft_length, speculation.draft_tokens, costs_at(costs, halfway), draft_cost=drafter.cost_per_token,
         refeed=has_state(cache), tree_costs=tree_costs_at(costs, halfway),
+        round_cost=round_cost_at(costs, halfway) if streams else 0.0,
     )  # fmt: skip
     return speculative_decode(
         model, cache, logits, params=params, stats=stats, drafter=drafter, draft_length=draft_length, budget=budget,

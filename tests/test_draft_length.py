@@ -57,6 +57,15 @@ def test_a_drafter_that_costs_a_forward_pass_drafts_only_when_drafts_land_often(
     assert policy.limit() == 0  # at the prior's acceptance
 
 
+def test_a_rounds_host_time_that_plain_steps_hide_makes_marginal_drafts_plain_steps():
+    # At 30% a one-token draft yields 1.3 tokens for 1.17 passes; plus 0.15 of a pass of host time it no longer pays.
+    assert best_length(0.3, CPU_LIKE, 4) > 0 and best_length(0.3, CPU_LIKE, 4, round_cost=0.15) == 0
+    assert best_length(0.9, CPU_LIKE, 4, round_cost=0.15) == 4  # drafts that land still pay it many times over
+    tree = Draft([1, 2, 3], parents=[-1, -1, 0], guesses=[Guess(("g",), 0.2)] * 3)
+    assert make_draft_length("adaptive", 4, CPU_LIKE, tree_costs=CPU_LIKE).cut(tree).tokens
+    assert not make_draft_length("adaptive", 4, CPU_LIKE, tree_costs=CPU_LIKE, round_cost=0.15).cut(tree).tokens
+
+
 def test_the_chain_rule_reduces_to_the_closed_form_for_one_acceptance():
     for a in (0.2, 0.5, 0.8, 0.95):
         chosen = best_chain_length([a] * 32, CPU_WIDE)

@@ -41,3 +41,19 @@ def test_the_llama_cpp_recorder_reproduces_a_committed_fixture(tmp_path, monkeyp
     with np.load(tmp_path / "llama.npz") as new, np.load(committed / "llama.npz") as old:
         assert new["tokens"].tolist() == old["tokens"].tolist(), "llama.cpp changed: record the fixtures again"
         assert np.abs(new["logits"].astype(np.float32) - old["logits"].astype(np.float32)).max() < 5e-3
+
+
+def test_the_prefill_comparison_times_both_engines_on_the_same_ids(isolated_home, tmp_path):
+    pytest.importorskip("llama_cpp")  # llama-cpp-python is an extra: pip install -e '.[llama-cpp]'
+    from tests import llama_cpp_tiny as tiny
+
+    model = tiny.write(tiny.ARCHS["llama"], tmp_path / "tiny.gguf")  # a file both engines load
+    command = [sys.executable, str(SCRIPTS / "prefill_vs_llama_cpp.py"), "--model", str(model), "--lengths", "24,40",
+               "--reps", "1"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["tokens"] for r in records] == [24, 40]
+    for r in records:
+        assert r["akunu tok/s"] > 0 and r["llama.cpp tok/s"] > 0
+        assert r["akunu / llama.cpp"] == pytest.approx(r["akunu tok/s"] / r["llama.cpp tok/s"], rel=0.01)

@@ -153,7 +153,9 @@ def test_rounds_that_draft_nothing_queue_each_pass_before_reading_the_token_it_f
     for policy, ahead in (("adaptive", True), ("fixed", False)):
         drafter = ScriptedDrafter(drafts, passes)
         passes.clear()
-        _, fast, stats = run(model, prompt, SpecConfig(draft_tokens=3, draft_length=policy), max_tokens=12, drafter=drafter)
+        _, fast, stats = run(
+            model, prompt, SpecConfig(draft_tokens=3, draft_length=policy), max_tokens=12, drafter=drafter
+        )
         assert fast == plain
         first = drafter.queued_at[0]  # the first token came from the prefill's pass
         # Streaming: token i's own pass is queued when it is committed (its round would draft nothing).
