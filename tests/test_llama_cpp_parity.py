@@ -61,7 +61,9 @@ def test_greedy_speculative_equals_plain(case, exact):
     arch, _, loaded = case
     rng = random.Random(0)
     motif = [rng.randrange(tiny.VOCAB) for _ in range(5)]
-    spec, plain_spec = SpecConfig(draft_tokens=6, exact=exact), SpecConfig(enabled=False, exact=exact)
+    # A fixed draft length verifies every round's drafts: adaptive rounds stream plain steps past a random model's misses.
+    spec = SpecConfig(draft_tokens=6, draft_length="fixed", exact=exact)
+    plain_spec = SpecConfig(enabled=False, exact=exact)
     prompt = motif * 4  # repeated, so n-gram drafts are proposed from the first step
     plain = generate(loaded.model, FakeTokenizer(), prompt, GenerationConfig(max_tokens=24, spec=plain_spec))[1]
     # A random delta-net model never repeats the motif, so an oracle drafts its plain run with planted errors.
