@@ -223,7 +223,7 @@ def costs_at(costs: CostCurves | Sequence[float] | None, context: int) -> list[f
 
 
 # The host work of a verification round (building its graph, drafting, reading the verdict) that a streamed plain step
-# hides behind the pass before it (`akunu.decode.plain_steps`): 0.8-1.5 ms on a 2-core Xeon.
+# hides behind the pass before it (`akunu.decode.plain_steps`); BENCHMARKS.md has what it measured on the CPU.
 ROUND_HOST_SECONDS = 1e-3
 
 
