@@ -40,19 +40,6 @@ CONTEXT = 512  # a middling context: a prompt plus part of its answer
 CONTEXTS = (64, CONTEXT, 2048)  # tokens already in the cache while timing; generation reads between them
 
 
-def measure(
-    model: nn.Module,
-    max_width: int = MAX_WIDTH,
-    sweeps: int = 7,
-    context: int = CONTEXT,
-    widths: Sequence[int] | None = None,
-    on_pass: Callable[[], None] | None = None,
-) -> list[float]:
-    """Seconds of a k-token pass, k = 1..max_width, after `context` tokens (only `widths` timed, if given;
-    the rest read off straight lines between them). `on_pass` is called after each timed pass."""
-    return measure_passes(model, max_width, sweeps, context, widths, on_pass, trees=False)[0]
-
-
 def measure_passes(
     model: nn.Module,
     max_width: int = MAX_WIDTH,
@@ -62,8 +49,9 @@ def measure_passes(
     on_pass: Callable[[], None] | None = None,
     trees: bool = True,
 ) -> tuple[list[float], list[float] | None]:
-    """`measure`'s seconds for chains, and for tree passes of the same widths (None unless `trees`), each tree timed
-    right after the chain of its width.
+    """Seconds of a k-token pass, k = 1..max_width, after `context` tokens (only `widths` timed, if given; the rest
+    read off straight lines between them), for chains and for tree passes of the same widths (None unless `trees`),
+    each tree timed right after the chain of its width. `on_pass` is called after each timed pass.
 
     Each sweep times every width once, alternating direction, so a burst of load from another
     process lands on all widths alike; the fastest sample of each width is kept, since load
@@ -255,7 +243,7 @@ def measure_curves(
     widths: Sequence[int] | None = None,
     progress: Progress | None = None,
 ) -> CostCurves:
-    """`measure` after each of `contexts`; `progress(done, total)` hears of every timed pass."""
+    """`measure_passes` after each of `contexts`; `progress(done, total)` hears of every timed pass."""
     timed = timed_widths(max_width, widths)
     total = len(contexts) * (sweeps + 1) * (len(timed) + sum(w >= TREE_FROM for w in timed))
     done = 0

@@ -298,7 +298,7 @@ def test_a_saved_curve_too_short_for_the_draft_length_is_measured_again(tmp_path
 def test_interleaved_measurement_times_every_width_on_a_tiny_model():
     from tests.tiny import tiny_llama
 
-    seconds = akunu.cost_curve.measure(tiny_llama(), max_width=5, sweeps=2)
+    seconds, _ = akunu.cost_curve.measure_passes(tiny_llama(), max_width=5, sweeps=2, trees=False)
     assert len(seconds) == 5 and all(s > 0 for s in seconds)
 
 

@@ -315,8 +315,8 @@ def test_a_first_run_shows_the_pass_cost_progress_and_measures_the_quick_curve(f
 
 def test_the_quick_curve_reads_untimed_widths_off_straight_lines():
     passes = []
-    seconds = akunu.cost_curve.measure(tiny_llama(), max_width=9, sweeps=1, context=8, widths=(1, 5, 9),
-                                       on_pass=lambda: passes.append(1))  # fmt: skip
+    seconds, _ = akunu.cost_curve.measure_passes(tiny_llama(), max_width=9, sweeps=1, context=8, widths=(1, 5, 9),
+                                                 on_pass=lambda: passes.append(1), trees=False)  # fmt: skip
     assert len(passes) == 2 * 3 and len(seconds) == 9
     for width in (2, 3, 4):
         assert seconds[width - 1] == pytest.approx(seconds[0] + (width - 1) / 4 * (seconds[4] - seconds[0]))

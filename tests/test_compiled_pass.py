@@ -5,40 +5,23 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from akunu import backends
-from akunu.backends.cpu import compiled_pass, kernels, quantized
+from akunu.backends.cpu import compiled_pass, kernels
 from akunu.kv_cache import make_cache, rewind
-from tests.tiny import quantize, tiny_llama, tiny_qwen2
+from tests.kernel_models import MODELS, applied
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="compiled passes run on akunu's CPU kernels")
 
 PROMPT = [(5 * i + 1) % 64 for i in range(250)]  # fills the first 256-position buffers within a few steps
 
 
-MODELS = {
-    "llama": lambda: tiny_llama(hidden=64, seed=4),  # heads of 16 dimensions, as the kernels require
-    "qwen2 quantized, with biases": lambda: quantize(tiny_qwen2(seed=4)),  # v at 8 bits, q and k at 4
-    "qwen2 with biases": lambda: tiny_qwen2(seed=4),
-}
-
-
 @pytest.fixture
 def model():
-    return _applied("llama")
+    return applied("llama")
 
 
 @pytest.fixture(params=MODELS)
 def each_model(request):
-    return _applied(request.param)
-
-
-def _applied(name: str):
-    """The model with akunu's CPU backend, as the loader applies it: fused layers, quantized layers on the kernel."""
-    if "quantized" in name and quantized.load() is None:
-        pytest.skip(f"no quantized kernel here: {quantized.unavailable()}")
-    model = MODELS[name]()
-    backends.apply(model)
-    return model
+    return applied(request.param)
 
 
 @pytest.fixture
@@ -83,7 +66,7 @@ def test_compiled_passes_give_the_eager_passes_bits_and_cache(each_model, eager,
 def test_one_layer_stack_serves_every_width_and_capacity(name, monkeypatch):
     """Where every half-layer is one node, passes of widths 1-5 across a grown cache are each one layer-stack node
     over the same halves, made once, and nothing is traced (speculation's passes come in dozens of widths)."""
-    model = _applied(name)
+    model = applied(name)
     traces, stacks = [], []
     monkeypatch.setattr(compiled_pass, "_traced", _counting(compiled_pass._traced, traces))
 
@@ -132,14 +115,14 @@ def test_a_projection_replaced_between_passes_is_used_at_once(name):
         k_proj.update({name: array * 1.5 for name, array in k_proj.parameters().items() if array.dtype != mx.uint32})
         layers[0].mlp.down_proj = layers[1].mlp.down_proj
 
-    model, reference = _applied(name), _applied(name)
+    model, reference = applied(name), applied(name)
     decode(model, passes=3)
     replace_projections(model)
     replace_projections(reference)  # before its first pass
     replaced, _ = decode(model, passes=3)
     expected, _ = decode(reference, passes=3)
     assert all(mx.array_equal(a, b).item() for a, b in zip(replaced, expected))
-    first, _ = decode(_applied(name), passes=3)
+    first, _ = decode(applied(name), passes=3)
     assert not mx.array_equal(first[0], expected[0]).item()
 
 

@@ -5,21 +5,16 @@ import mlx.core as mx
 import pytest
 
 from akunu import backends
-from akunu.backends.cpu import compiled_pass, kernels, quantized
+from akunu.backends.cpu import compiled_pass, kernels
 from akunu.drafters.base import TokenTree
 from akunu.drafters.tree import pass_parents, tree_forward, tree_mask
 from akunu.kv_cache import make_cache
-from tests.tiny import quantize, tiny_llama, tiny_qwen2
+from tests.kernel_models import MODELS, applied
 from tests.trees import TREE, paths, run_plain, run_tree
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="tree passes run on akunu's CPU kernels")
 
 PARENTS = [-1, 0, 1, 0, 3, -1, 5, 2, 7, 7]  # two roots under the prefix; a node with two children (7)
-MODELS = {
-    "llama": lambda: tiny_llama(hidden=64, seed=4),  # one layer stack of float32 products
-    "qwen2 quantized, with biases": lambda: quantize(tiny_qwen2(seed=4)),  # a layer stack of quantized products
-    "qwen2 with biases": lambda: tiny_qwen2(seed=4),  # a traced pass around attention nodes
-}
 
 
 def ancestors(parents: list[int], row: int) -> list[int]:
@@ -74,17 +69,9 @@ def test_a_malformed_tree_gives_nan_rows_not_a_crash():
         kernels.load().attention(q, k, v, 0.125, True, -1, False, mx.array([-1, 0], mx.int32))
 
 
-def _applied(name: str):
-    if "quantized" in name and quantized.load() is None:
-        pytest.skip(f"no quantized kernel here: {quantized.unavailable()}")
-    model = MODELS[name]()
-    backends.apply(model)
-    return model
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_a_tree_pass_on_the_kernels_gives_each_path_the_bits_of_its_chain_pass(name, monkeypatch):
-    model = _applied(name)
+    model = applied(name)
     trees = []
     run = compiled_pass.run
     monkeypatch.setattr(compiled_pass, "run", lambda *a, **k: (trees.append(a[4:] or k), run(*a, **k))[1])
@@ -113,7 +100,7 @@ def test_tree_mask_and_parents_describe_the_same_tree():
 
 
 def test_greedy_tree_decoding_on_the_kernels_equals_plain_decoding(monkeypatch):
-    model = _applied("qwen2 quantized, with biases")
+    model = applied("qwen2 quantized, with biases")
     kernel_passes = []
     original = backends.tree_pass
     monkeypatch.setattr(backends, "tree_pass", lambda *a: kernel_passes.append(r := original(*a)) or r)
