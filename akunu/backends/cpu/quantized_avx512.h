@@ -19,6 +19,10 @@ namespace akunu::quantized::avx512 {
 // 4 groups in one register's 16 lanes), so the float work is one convert, multiply and add per 16 such pairs:
 //   acc[lane 4n + g] += float(dot) * (dx_g * scale_ng)
 // in block order whatever the path, and a row's result does not depend on the rows beside it.
+// From a few rows of x on (`fours_from`), the products take fours of rows instead (`fours_tile`): a weight row's block
+// is unpacked straight into quad order (16 bytes per quad k, groups 0..3), each weight quad is broadcast to a
+// register of 4 rows of x, and lane 4m + g of a sum holds row m's group g: no regrouping per tile, and each
+// lane's float steps are the ones above, so the bits are the same.
 constexpr int BLOCK = 128;
 constexpr int LANES = 16;
 constexpr int OUT_BLOCK = 4;   // weight rows taken together: 4 rows x a block's 4 groups fill 16 lanes
@@ -34,7 +38,27 @@ struct Layout {
   int bits;
   bool centered;  // the weights' zero point is taken away from each group's dot product (`Weights::zero`)
   __m512i x_pick[2], w_pick[2], shifts, mask, nibble, quad_major, pair_rows[2], pair_quads[2];
+  __m512i quad_pick[2], quad_shifts[2];  // `unpack_quads`: a weight row's block in quad order
+  __m512i four_pick[2];                   // the same order for a row of x's int8 block (`QuantizedRows`)
   explicit Layout(int b, bool centered_ = false) : bits(b), centered(centered_) {
+    // Byte 8L + 4s + t of quad register h holds value t of quad k = 4h + L / 2 of group 2 (L % 2) + s: each 64-bit
+    // lane gathers the (at most 4) stream bytes of its two quads, which vpmultishiftqb then cuts the values out of.
+    alignas(64) uint8_t quad_picks[2][64], quad_shift[2][64];
+    for (int h = 0; h < 2; h++)
+      for (int i = 0; i < 64; i++) {
+        const int lane = i / 8, slot = (i % 8) / 4, t = i % 4, k = 4 * h + lane / 2, g = 2 * (lane % 2) + slot;
+        const int start = (GROUP * g + 4 * k) * b;  // the quad's first bit in the block's stream
+        quad_picks[h][i] = uint8_t(std::min(start / 8 + t, 16 * b - 1));  // bytes past the quad's are never used
+        quad_shift[h][i] = uint8_t(32 * slot + start % 8 + t * b);
+      }
+    alignas(64) int32_t four_picks[2][16];
+    for (int h = 0; h < 2; h++)
+      for (int lane = 0; lane < 16; lane++) four_picks[h][lane] = 8 * (lane % 4) + 4 * h + lane / 4;
+    for (int h = 0; h < 2; h++) {
+      four_pick[h] = _mm512_load_si512(four_picks[h]);
+      quad_pick[h] = _mm512_load_si512(quad_picks[h]);
+      quad_shifts[h] = _mm512_load_si512(quad_shift[h]);
+    }
     alignas(64) uint8_t x_picks[2][64], w_picks[2][64], shift[64];
     for (int half = 0; half < 2; half++)
       for (int lane = 0; lane < 8; lane++) {
@@ -89,6 +113,25 @@ struct Layout {
     second = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, second), mask);
   }
 
+  // The block of `bytes_left` (or more) stream bytes at p as 8 quads of its 4 groups (16 bytes per quad k: groups
+  // 0..3's values 4k..4k + 3), k = 0..3 in the first register: each quad is broadcast as one load (`fours_tile`).
+  inline void unpack_quads(const uint8_t* p, int64_t bytes_left, __m512i& first, __m512i& second) const {
+    const int64_t bytes = std::min<int64_t>(bytes_left, 16 * bits);
+    const __m512i low = _mm512_maskz_loadu_epi8(_bzhi_u64(~0ull, unsigned(std::min<int64_t>(bytes, 64))), p);
+    if (bits <= 4) {  // the block fits one register
+      first = _mm512_permutexvar_epi8(quad_pick[0], low);
+      second = _mm512_permutexvar_epi8(quad_pick[1], low);
+    } else {
+      const __m512i high = bytes > 64 ? _mm512_maskz_loadu_epi8(_bzhi_u64(~0ull, unsigned(bytes - 64)), p + 64)
+                                      : _mm512_setzero_si512();
+      first = _mm512_permutex2var_epi8(low, quad_pick[0], high);
+      second = _mm512_permutex2var_epi8(low, quad_pick[1], high);
+    }
+    if (bits == 8) return;
+    first = _mm512_and_si512(_mm512_multishift_epi64_epi8(quad_shifts[0], first), mask);
+    second = _mm512_and_si512(_mm512_multishift_epi64_epi8(quad_shifts[1], second), mask);
+  }
+
   // quads[4h + j] lane 4n + g = rows[n][h] lane 4g + j: quad j of half h of every (row, group) in one register.
   inline void to_quads(const __m512i rows[OUT_BLOCK][2], __m512i* quads) const {
     for (int h = 0; h < 2; h++) {
@@ -135,20 +178,28 @@ inline __m512 block_scales(const Weights& w, int first, int count, int block) {
 
 // x's rows quantized per group, in the blocks' two orders (`q`: as the weights' registers; `quads`: quad k of
 // the block's 4 groups at 16 k, broadcast to every row's lanes), each group's step, sum(qx) and dx * sum(qx).
+// From this many rows of x, products run through `fours_tile`: for 4-bit weights (a single load each block row,
+// split in two) the other paths are faster up to 4 rows.
+inline int fours_from(int bits) { return bits > 4 ? 3 : DIRECT_ROWS + 1; }
+
 struct QuantizedRows {
-  int rows, blocks, sum_stride;
-  Aligned<int8_t> q, quads;
-  Aligned<int32_t> totals;
-  Aligned<float> steps, sums;
+  int rows, blocks, sum_stride, fours;
+  Aligned<int8_t> q, quads, four_quads;
+  Aligned<int32_t> totals, four_zeros;
+  Aligned<float> steps, sums, four_steps;
   QuantizedRows(const float* x, int rows_, int columns, const Layout& layout)
       : rows(rows_),
         blocks((columns + BLOCK - 1) / BLOCK),
         sum_stride(blocks * 4 + LANES),
+        fours(rows_ >= fours_from(layout.bits) ? (rows_ + 3) / 4 : 0),
         q(size_t(rows_) * blocks * BLOCK),
         quads(size_t(rows_) * blocks * BLOCK),
+        four_quads(size_t(fours) * blocks * 4 * BLOCK),
         totals(size_t(rows_) * blocks * 4),
+        four_zeros(size_t(fours) * blocks * LANES),
         steps(size_t(rows_) * blocks * 4),
-        sums(size_t(rows_) * sum_stride) {
+        sums(size_t(rows_) * sum_stride),
+        four_steps(size_t(fours) * blocks * LANES) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int m = 0; m < rows; m++)
       for (int b = 0; b < blocks; b++) {
@@ -180,9 +231,39 @@ struct QuantizedRows {
           const __m512i ordered = _mm512_permutex2var_epi8(low, layout.x_pick[h], high);
           _mm512_store_si512(q.get() + offset + 64 * h, ordered);
           _mm512_store_si512(quads.get() + offset + 64 * h, _mm512_permutexvar_epi32(layout.quad_major, ordered));
+          if (!fours) continue;
+          // quads k = 4h..4h + 3 of the row's 4 groups (int32 lane 4k + g <- the natural order's 8g + k), each
+          // 16 bytes to its place beside the other rows of its four
+          const __m512i by_quad = _mm512_permutex2var_epi32(low, layout.four_pick[h], high);
+          int8_t* four = four_quads.get() + ((size_t(m / 4) * blocks + b) * 4 * BLOCK) + 16 * (m % 4) + 4 * 64 * h;
+          _mm_store_si128(reinterpret_cast<__m128i*>(four), _mm512_castsi512_si128(by_quad));
+          _mm_store_si128(reinterpret_cast<__m128i*>(four + 64), _mm512_extracti32x4_epi32(by_quad, 1));
+          _mm_store_si128(reinterpret_cast<__m128i*>(four + 128), _mm512_extracti32x4_epi32(by_quad, 2));
+          _mm_store_si128(reinterpret_cast<__m128i*>(four + 192), _mm512_extracti32x4_epi32(by_quad, 3));
+        }
+      }
+    set_fours(layout);
+  }
+
+  // In lane 4m + g of each block of each four of rows (`four_quads` holds their quads, quad k at 64 k): the step and
+  // -zero * sum(qx) of row 4r + m's group g (where its dot products start), zero past x's rows.
+  void set_fours(const Layout& layout) {
+    const int zero = layout.centered ? 1 << (layout.bits - 1) : 0;
+    for (int r = 0; r < fours; r++)
+      for (int b = 0; b < blocks; b++) {
+        const size_t at = size_t(r) * blocks + b;
+        for (int m = 0; m < 4 && 4 * r + m < rows; m++) {
+          const size_t row = size_t(4 * r + m) * blocks + b;
+          for (int g = 0; g < 4; g++) {
+            four_steps.get()[at * LANES + 4 * m + g] = steps.get()[row * 4 + g];
+            four_zeros.get()[at * LANES + 4 * m + g] = -zero * totals.get()[row * 4 + g];
+          }
         }
       }
   }
+  const int8_t* four_quads_at(int r, int block) const { return four_quads.get() + (size_t(r) * blocks + block) * 4 * BLOCK; }
+  const float* four_steps_at(int r, int block) const { return four_steps.get() + (size_t(r) * blocks + block) * LANES; }
+  const int32_t* four_zeros_at(int r, int block) const { return four_zeros.get() + (size_t(r) * blocks + block) * LANES; }
   const int8_t* q_row(int m) const { return q.get() + size_t(m) * blocks * BLOCK; }
   const int8_t* quads_row(int m) const { return quads.get() + size_t(m) * blocks * BLOCK; }
   const float* steps_row(int m) const { return steps.get() + size_t(m) * blocks * 4; }
@@ -298,6 +379,120 @@ void rows_times_chunk(const QuantizedRows& x, const Unpacked& w, const Layout& l
   int m = 0;
   for (; m + ROW_TILE <= x.rows; m += ROW_TILE) tile<ROW_TILE>(x, m, w, layout, block, blocks, acc);
   last_rows<ROW_TILE - 1>(x, m, x.rows - m, w, layout, block, blocks, acc);
+}
+
+// One chunk of blocks of OUT_BLOCK weight rows in quad order (`unpack_quads`), and their scales 4 groups at a time.
+struct QuadsUnpacked {
+  alignas(64) __m512i rows[CHUNK][OUT_BLOCK][2];
+  alignas(64) float scales[CHUNK][OUT_BLOCK][4];
+};
+
+void unpack_quads_chunk(const Weights& w, const Layout& layout, int first, int block, int blocks, QuadsUnpacked& out) {
+  const int64_t row_bytes = int64_t(w.row_bytes());
+  const int64_t ahead = std::max<int64_t>(PREFETCH, OUT_BLOCK * row_bytes);  // short rows: the next row block
+  const int groups = w.groups();
+  for (int n = 0; n < OUT_BLOCK; n++) {
+    const int row = first + n;
+    for (int b = 0; b < blocks; b++) {
+      if (row >= w.outputs) {
+        out.rows[b][n][0] = out.rows[b][n][1] = _mm512_setzero_si512();
+        _mm_store_ps(out.scales[b][n], _mm_setzero_ps());
+        continue;
+      }
+      const int64_t offset = int64_t(block + b) * 16 * w.bits;
+      const uint8_t* p = w.packed + row * row_bytes + offset;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + ahead, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p) + ahead + 64, _MM_HINT_T0);
+      layout.unpack_quads(p, row_bytes - offset, out.rows[b][n][0], out.rows[b][n][1]);
+      const int group = 4 * (block + b);
+      _mm_store_ps(out.scales[b][n],
+                   _mm512_castps512_ps128(load_scales(w.scales, w.type, size_t(row) * groups + group, std::min(4, groups - group))));
+    }
+  }
+}
+
+// acc[4r + n] (lane 4m + g: row 4(r0 + r) + m of x, weight row n, group g of each block) += the chunk's products
+// for MF fours of rows of x: each weight quad is broadcast once to 4 rows of x, and each row-quad of x meets the
+// block's 4 weight rows, with no regrouping. A lane's steps are `row_times_block`'s, so a row's bits are the same.
+template <int MF>
+void fours_tile(const QuantizedRows& x, int r0, const QuadsUnpacked& w, int block, int blocks, __m512* acc) {
+  __m512 a[MF][OUT_BLOCK];
+  for (int r = 0; r < MF; r++)
+    for (int n = 0; n < OUT_BLOCK; n++) a[r][n] = acc[4 * (r0 + r) + n];
+  for (int b = 0; b < blocks; b++) {
+    __m512i dots[MF][OUT_BLOCK];
+    const int8_t* q[MF];
+    for (int r = 0; r < MF; r++) {
+      q[r] = x.four_quads_at(r0 + r, block + b);
+      const __m512i start = _mm512_load_si512(x.four_zeros_at(r0 + r, block + b));
+      for (int n = 0; n < OUT_BLOCK; n++) dots[r][n] = start;
+    }
+#pragma GCC unroll 8
+    for (int k = 0; k < QUADS; k++) {
+      __m512i rows[MF];
+      for (int r = 0; r < MF; r++) rows[r] = _mm512_load_si512(q[r] + 64 * k);
+      for (int n = 0; n < OUT_BLOCK; n++) {
+        const __m512i quad =
+            _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(&w.rows[b][n][0]) + k));
+        for (int r = 0; r < MF; r++) dots[r][n] = _mm512_dpbusd_epi32(dots[r][n], quad, rows[r]);
+      }
+    }
+    for (int r = 0; r < MF; r++) {
+      const __m512 steps = _mm512_load_ps(x.four_steps_at(r0 + r, block + b));
+      for (int n = 0; n < OUT_BLOCK; n++) {
+        const __m512 scales = _mm512_broadcast_f32x4(_mm_load_ps(w.scales[b][n]));
+        a[r][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r][n]), _mm512_mul_ps(steps, scales), a[r][n]);
+      }
+    }
+  }
+  for (int r = 0; r < MF; r++)
+    for (int n = 0; n < OUT_BLOCK; n++) acc[4 * (r0 + r) + n] = a[r][n];
+}
+
+// The running sums of every row of x against OUT_BLOCK weight rows from `first`, through `fours_tile`: 4 per four
+// of rows, sums[4r + n] lane 4m + g for row 4r + m of x and weight row first + n.
+void fours_sums(const QuantizedRows& qx, const Weights& w, const Layout& layout, int first, QuadsUnpacked& buffer,
+                __m512* sums) {
+  for (int i = 0; i < 4 * qx.fours; i++) sums[i] = _mm512_setzero_ps();
+  for (int block = 0; block < qx.blocks; block += CHUNK) {
+    const int blocks = std::min(CHUNK, qx.blocks - block);
+    unpack_quads_chunk(w, layout, first, block, blocks, buffer);
+    int r = 0;
+    for (; r + 2 <= qx.fours; r += 2) fours_tile<2>(qx, r, buffer, block, blocks, sums);
+    if (r < qx.fours) fours_tile<1>(qx, r, buffer, block, blocks, sums);
+  }
+}
+
+// Outputs first..first + count - 1 of every row of x from `fours_sums`, for weights without biases: `finish` adds an
+// output's 4 lanes as (a0 + a2) + (a1 + a3), then only zeros, which leave every sum but -0 as it is.
+inline void finish_fours(const QuantizedRows& qx, int first, int count, const __m512* sums, float* y, int64_t y_stride) {
+  const __mmask8 outputs = __mmask8(_bzhi_u32(0xf, unsigned(count)));
+  for (int r = 0; r < qx.fours; r++) {
+    __m512 q[OUT_BLOCK];  // lane 4m: the output of row 4r + m and weight row n
+    for (int n = 0; n < OUT_BLOCK; n++) {
+      const __m512 a = sums[4 * r + n];
+      const __m512 pairs = _mm512_add_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(1, 0, 3, 2)));
+      q[n] = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, _MM_SHUFFLE(2, 3, 0, 1)));
+    }
+    const __m512 low = _mm512_unpacklo_ps(q[0], q[1]), high = _mm512_unpacklo_ps(q[2], q[3]);
+    const __m512 out = _mm512_add_ps(_mm512_shuffle_ps(low, high, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_setzero_ps());
+    alignas(64) float rows[LANES];
+    _mm512_store_ps(rows, out);
+    for (int m = 0; m < 4 && 4 * r + m < qx.rows; m++)
+      _mm_mask_storeu_ps(y + (4 * r + m) * y_stride + first, outputs, _mm_load_ps(rows + 4 * m));
+  }
+}
+
+// `fours_sums` in `row_block_sums`' lanes, for `finish`: acc[m] lane 4n + g for row m of x.
+inline void fours_to_rows(const QuantizedRows& qx, const __m512* sums, __m512* acc) {
+  for (int r = 0; r < qx.fours; r++) {  // a 4 x 4 transpose of 128-bit lanes
+    const __m512* s = sums + 4 * r;
+    const __m512 t0 = _mm512_shuffle_f32x4(s[0], s[1], 0x44), t1 = _mm512_shuffle_f32x4(s[0], s[1], 0xee);
+    const __m512 t2 = _mm512_shuffle_f32x4(s[2], s[3], 0x44), t3 = _mm512_shuffle_f32x4(s[2], s[3], 0xee);
+    const __m512 rows[4] = {_mm512_shuffle_f32x4(t0, t2, 0x88), _mm512_shuffle_f32x4(t0, t2, 0xdd),
+                            _mm512_shuffle_f32x4(t1, t3, 0x88), _mm512_shuffle_f32x4(t1, t3, 0xdd)};
+    for (int m = 0; m < 4 && 4 * r + m < qx.rows; m++) acc[4 * r + m] = rows[m];
+  }
 }
 
 // For a few rows of x: each block of the OUT_BLOCK weight rows is unpacked into registers and used at once,
@@ -462,18 +657,29 @@ void product_rows(const void* context, int begin, int end) {
   const int rows = call.qx.rows;
   // A thread's buffers outlive the call: a step claims shares of rows thousands of times (malloc showed in profiles).
   thread_local std::unique_ptr<Unpacked> buffer(new Unpacked);  // not value-initialized: every use writes it first
+  thread_local std::unique_ptr<QuadsUnpacked> quads_buffer(new QuadsUnpacked);
   thread_local Aligned<__m512> acc_held(0);
   thread_local size_t acc_capacity = 0;
-  if (size_t(rows) > acc_capacity) {
-    acc_capacity = size_t(rows);
+  if (size_t(rows + 3) * 2 > acc_capacity) {  // acc, then four_sums' 4 per four of rows
+    acc_capacity = size_t(rows + 3) * 2;
     acc_held = Aligned<__m512>(acc_capacity);
   }
   __m512* acc = acc_held.get();
+  __m512* four_sums = acc + rows + 3;
   prefetch_scales(w, begin * OUT_BLOCK);
   for (int row_block = begin; row_block < end; row_block++) {
     const int first = row_block * OUT_BLOCK, count = std::min(OUT_BLOCK, w.outputs - first);
     if (row_block + 1 < end) prefetch_scales(w, first + OUT_BLOCK);  // a row block ahead
-    row_block_sums(call.qx, w, call.layout, first, count, *buffer, acc);
+    if (!call.qx.fours) {
+      row_block_sums(call.qx, w, call.layout, first, count, *buffer, acc);
+    } else {
+      fours_sums(call.qx, w, call.layout, first, *quads_buffer, four_sums);
+      if (!w.biases) {
+        finish_fours(call.qx, first, count, four_sums, call.y, call.y_stride);
+        continue;
+      }
+      fours_to_rows(call.qx, four_sums, acc);
+    }
     const __mmask8 outputs = __mmask8(_bzhi_u32(0xf, unsigned(count)));
     int m = 0;
     for (; w.biases && m + FINISH_ROWS <= rows; m += FINISH_ROWS) {
