@@ -176,12 +176,13 @@ inline __m512 block_scales(const Weights& w, int first, int count, int block) {
   return scales;
 }
 
-// x's rows quantized per group, in the blocks' two orders (`q`: as the weights' registers; `quads`: quad k of
-// the block's 4 groups at 16 k, broadcast to every row's lanes), each group's step, sum(qx) and dx * sum(qx).
 // From this many rows of x, products run through `fours_tile`: for 4-bit weights (a single load each block row,
 // split in two) the other paths are faster up to 4 rows.
 inline int fours_from(int bits) { return bits > 4 ? 3 : DIRECT_ROWS + 1; }
 
+// x's rows quantized per group, each group's step, sum(qx) and dx * sum(qx), and the int8 values in the order of the
+// path that will take them: fours of rows side by side (`four_quads`), or the blocks' two orders (`q`: as the
+// weights' registers; `quads`: quad k of the block's 4 groups at 16 k, broadcast to every row's lanes).
 struct QuantizedRows {
   int rows, blocks, sum_stride, fours;
   Aligned<int8_t> q, quads, four_quads;
@@ -192,8 +193,8 @@ struct QuantizedRows {
         blocks((columns + BLOCK - 1) / BLOCK),
         sum_stride(blocks * 4 + LANES),
         fours(rows_ >= fours_from(layout.bits) ? (rows_ + 3) / 4 : 0),
-        q(size_t(rows_) * blocks * BLOCK),
-        quads(size_t(rows_) * blocks * BLOCK),
+        q(fours ? 0 : size_t(rows_) * blocks * BLOCK),  // the other paths' orders: fours of rows need neither
+        quads(fours ? 0 : size_t(rows_) * blocks * BLOCK),
         four_quads(size_t(fours) * blocks * 4 * BLOCK),
         totals(size_t(rows_) * blocks * 4),
         four_zeros(size_t(fours) * blocks * LANES),
@@ -228,10 +229,12 @@ struct QuantizedRows {
         const __m512i low = _mm512_load_si512(natural), high = _mm512_load_si512(natural + 64);
         const size_t offset = (size_t(m) * blocks + b) * BLOCK;
         for (int h = 0; h < 2; h++) {
-          const __m512i ordered = _mm512_permutex2var_epi8(low, layout.x_pick[h], high);
-          _mm512_store_si512(q.get() + offset + 64 * h, ordered);
-          _mm512_store_si512(quads.get() + offset + 64 * h, _mm512_permutexvar_epi32(layout.quad_major, ordered));
-          if (!fours) continue;
+          if (!fours) {
+            const __m512i ordered = _mm512_permutex2var_epi8(low, layout.x_pick[h], high);
+            _mm512_store_si512(q.get() + offset + 64 * h, ordered);
+            _mm512_store_si512(quads.get() + offset + 64 * h, _mm512_permutexvar_epi32(layout.quad_major, ordered));
+            continue;
+          }
           // quads k = 4h..4h + 3 of the row's 4 groups (int32 lane 4k + g <- the natural order's 8g + k), each
           // 16 bytes to its place beside the other rows of its four
           const __m512i by_quad = _mm512_permutex2var_epi32(low, layout.four_pick[h], high);
