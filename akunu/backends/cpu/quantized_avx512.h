@@ -264,9 +264,10 @@ struct QuantizedRows {
         }
       }
   }
-  const int8_t* four_quads_at(int r, int block) const { return four_quads.get() + (size_t(r) * blocks + block) * 4 * BLOCK; }
-  const float* four_steps_at(int r, int block) const { return four_steps.get() + (size_t(r) * blocks + block) * LANES; }
-  const int32_t* four_zeros_at(int r, int block) const { return four_zeros.get() + (size_t(r) * blocks + block) * LANES; }
+  size_t four_at(int r, int block) const { return size_t(r) * blocks + block; }
+  const int8_t* four_quads_at(int r, int block) const { return four_quads.get() + four_at(r, block) * 4 * BLOCK; }
+  const float* four_steps_at(int r, int block) const { return four_steps.get() + four_at(r, block) * LANES; }
+  const int32_t* four_zeros_at(int r, int block) const { return four_zeros.get() + four_at(r, block) * LANES; }
   const int8_t* q_row(int m) const { return q.get() + size_t(m) * blocks * BLOCK; }
   const int8_t* quads_row(int m) const { return quads.get() + size_t(m) * blocks * BLOCK; }
   const float* steps_row(int m) const { return steps.get() + size_t(m) * blocks * 4; }
@@ -408,13 +409,13 @@ void unpack_quads_chunk(const Weights& w, const Layout& layout, int first, int b
       _mm_prefetch(reinterpret_cast<const char*>(p) + ahead + 64, _MM_HINT_T0);
       layout.unpack_quads(p, row_bytes - offset, out.rows[b][n][0], out.rows[b][n][1]);
       const int group = 4 * (block + b);
-      _mm_store_ps(out.scales[b][n],
-                   _mm512_castps512_ps128(load_scales(w.scales, w.type, size_t(row) * groups + group, std::min(4, groups - group))));
+      const __m512 scales = load_scales(w.scales, w.type, size_t(row) * groups + group, std::min(4, groups - group));
+      _mm_store_ps(out.scales[b][n], _mm512_castps512_ps128(scales));
     }
   }
 }
 
-// acc[4r + n] (lane 4m + g: row 4(r0 + r) + m of x, weight row n, group g of each block) += the chunk's products
+// acc[4(r0 + r) + n] (lane 4m + g: row 4(r0 + r) + m of x, weight row n, group g) += the chunk's products
 // for MF fours of rows of x: each weight quad is broadcast once to 4 rows of x, and each row-quad of x meets the
 // block's 4 weight rows, with no regrouping. A lane's steps are `row_times_block`'s, so a row's bits are the same.
 template <int MF>
@@ -468,7 +469,8 @@ void fours_sums(const QuantizedRows& qx, const Weights& w, const Layout& layout,
 
 // Outputs first..first + count - 1 of every row of x from `fours_sums`, for weights without biases: `finish` adds an
 // output's 4 lanes as (a0 + a2) + (a1 + a3), then only zeros, which leave every sum but -0 as it is.
-inline void finish_fours(const QuantizedRows& qx, int first, int count, const __m512* sums, float* y, int64_t y_stride) {
+inline void finish_fours(const QuantizedRows& qx, int first, int count, const __m512* sums, float* y,
+                         int64_t y_stride) {
   const __mmask8 outputs = __mmask8(_bzhi_u32(0xf, unsigned(count)));
   for (int r = 0; r < qx.fours; r++) {
     __m512 q[OUT_BLOCK];  // lane 4m: the output of row 4r + m and weight row n
