@@ -27,10 +27,10 @@ constexpr int BLOCK = 128;
 constexpr int LANES = 16;
 constexpr int OUT_BLOCK = 4;   // weight rows taken together: 4 rows x a block's 4 groups fill 16 lanes
 constexpr int QUADS = 8;       // quads in a group: its dot product takes 8 vpdpbusd
-constexpr int ROW_TILE = 8;    // rows of x sharing a block's weights in registers
 constexpr int CHUNK = 8;       // blocks of columns unpacked at a time (stays in L1 with x's rows)
 constexpr int DIRECT_ROWS = 4; // up to this many rows, weights are used straight from registers
 constexpr int DIRECT_BITS = 5; // wider weights (two loads a block) run faster through the buffer
+constexpr int ROW_TILE = DIRECT_ROWS;  // rows of x sharing the buffer's weights: more take fours (`fours_from`)
 constexpr int LONG_ROW = 1024; // bytes: a single row of x reads weight rows this long one after another (`one_row`)
 constexpr int PREFETCH = 1024; // bytes ahead along a weight row that a path asks for
 
