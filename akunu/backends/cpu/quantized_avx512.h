@@ -30,7 +30,7 @@ constexpr int QUADS = 8;       // quads in a group: its dot product takes 8 vpdp
 constexpr int CHUNK = 8;       // blocks of columns unpacked at a time (stays in L1 with x's rows)
 constexpr int DIRECT_ROWS = 4; // up to this many rows, weights are used straight from registers
 constexpr int DIRECT_BITS = 5; // wider weights (two loads a block) run faster through the buffer
-constexpr int ROW_TILE = DIRECT_ROWS;  // rows of x sharing the buffer's weights: more take fours (`fours_from`)
+constexpr int ROW_TILE = DIRECT_ROWS;  // rows of x sharing the buffer's weights (wider weights take fours from 3 rows)
 constexpr int LONG_ROW = 1024; // bytes: a single row of x reads weight rows this long one after another (`one_row`)
 constexpr int PREFETCH = 1024; // bytes ahead along a weight row that a path asks for
 
@@ -176,9 +176,12 @@ inline __m512 block_scales(const Weights& w, int first, int count, int block) {
   return scales;
 }
 
-// From this many rows of x, products run through `fours_tile`: for 4-bit weights (a single load each block row,
-// split in two) the other paths are faster up to 4 rows.
-inline int fours_from(int bits) { return bits > 4 ? 3 : DIRECT_ROWS + 1; }
+// Rows of x up to which `direct` runs: 4-bit weights (a single load each block row, split in two) stay faster there
+// than fours to 5 rows, or 6 with biases, whose fours would be turned back to rows for `finish_rows`.
+inline int direct_rows(const Layout& layout) { return layout.bits != 4 ? DIRECT_ROWS : layout.centered ? 5 : 6; }
+
+// From this many rows of x, products run through `fours_tile`.
+inline int fours_from(const Layout& layout) { return layout.bits > 4 ? 3 : direct_rows(layout) + 1; }
 
 // x's rows quantized per group, each group's step, sum(qx) and dx * sum(qx), and the int8 values in the order of the
 // path that will take them: fours of rows side by side (`four_quads`), or the blocks' two orders (`q`: as the
@@ -192,7 +195,7 @@ struct QuantizedRows {
       : rows(rows_),
         blocks((columns + BLOCK - 1) / BLOCK),
         sum_stride(blocks * 4 + LANES),
-        fours(rows_ >= fours_from(layout.bits) ? (rows_ + 3) / 4 : 0),
+        fours(rows_ >= fours_from(layout) ? (rows_ + 3) / 4 : 0),
         q(fours ? 0 : size_t(rows_) * blocks * BLOCK),  // the other paths' orders: fours of rows need neither
         quads(fours ? 0 : size_t(rows_) * blocks * BLOCK),
         four_quads(size_t(fours) * blocks * 4 * BLOCK),
@@ -617,12 +620,15 @@ inline void finish_rows(const Weights& w, int first, int count, const QuantizedR
 void row_block_sums(const QuantizedRows& qx, const Weights& w, const Layout& layout, int first, int count,
                     Unpacked& buffer, __m512* acc) {
   if (qx.rows == 1 && w.row_bytes() >= LONG_ROW) return one_row(qx, w, layout, first, acc);
-  if (count == OUT_BLOCK && qx.rows <= DIRECT_ROWS && w.bits <= DIRECT_BITS) {
+  if (count == OUT_BLOCK && qx.rows <= direct_rows(layout) && w.bits <= DIRECT_BITS) {
     switch (qx.rows) {
       case 1: return direct<1>(qx, w, layout, first, acc);
       case 2: return direct<2>(qx, w, layout, first, acc);
       case 3: return direct<3>(qx, w, layout, first, acc);
-      default: return direct<4>(qx, w, layout, first, acc);
+      case 4: return direct<4>(qx, w, layout, first, acc);
+      case 5: return direct<5>(qx, w, layout, first, acc);
+      case 6: return direct<6>(qx, w, layout, first, acc);
+      default: break;  // the buffered path below takes any count
     }
   }
   for (int m = 0; m < qx.rows; m++) acc[m] = _mm512_setzero_ps();

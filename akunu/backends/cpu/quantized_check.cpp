@@ -135,7 +135,7 @@ int main(int argc, char** argv) {
     for (Scale type : {Scale::f32, Scale::f16, Scale::bf16})
       for (bool centered : {false, true})
         for (int columns : {32, 288, 896, 4128})
-          for (int rows : {1, 2, 3, 4, 5, 9, 33}) {
+          for (int rows : {1, 2, 3, 4, 5, 6, 7, 9, 33}) {
             const int outputs = columns >= 4096 ? 9 : 37;  // partial blocks of 4 outputs, shapes at the memory's end
             failed += !check(Case{bits, outputs, columns, rows, type, centered}, random);
             cases++;
