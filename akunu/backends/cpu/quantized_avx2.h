@@ -348,9 +348,10 @@ constexpr bool VNNI = true;
 constexpr bool VNNI = false;
 #endif
 
-// Rows of x from which products take the transposed path: below, `block_rows`' tiles of 4 rows cost less than the
-// transposition. Without VNNI, 4 bits' few ops a dot product leave it little to save (even at about 24 rows).
-constexpr int wide_from(int bits) { return bits <= 4 ? (VNNI ? 12 : 24) : bits == 8 && !VNNI ? 8 : 5; }
+// Rows of x from which products take the transposed path: below, `block_rows`' tiles (one for up to 6 rows) cost
+// less than the transposition. Without VNNI, 4 bits' few ops a dot product leave it little to save (even at about 24
+// rows).
+constexpr int wide_from(int bits) { return bits <= 4 ? (VNNI ? 12 : 24) : bits == 8 ? (VNNI ? 5 : 8) : 7; }
 constexpr int WIDE = 8;        // weight rows transposed together: one register's int32 lanes
 
 // 8 bits without VNNI multiply |w - 128| by x's signs moved over (see chunk_dots), with w - 128 in quads.
