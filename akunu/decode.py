@@ -8,7 +8,7 @@ With `share=True` a loop also yields each forward pass it needs as a `Pass`, for
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -16,6 +16,7 @@ import mlx.nn as nn
 from akunu import backends
 from akunu.draft_length import DraftLength, EntropyDraftLength
 from akunu.drafters.base import Draft, Drafter
+from akunu.drafters.recycle import Recycling
 from akunu.drafters.tree import verify_tree_round
 from akunu.forward import run
 from akunu.grammar import Constraint, grammar_draft
@@ -157,12 +158,7 @@ def speculative_decode(
     keep(logits)
     yield token, False
     width = PassWidth() if share and not drafter.cost_per_token else None  # a model's drafts cost its own passes
-    seen = None
-    if drafter.top_k:
-
-        def seen(tokens: list[int], pass_logits: mx.array) -> None:
-            with stats.drafting():
-                drafter.recycle(tokens, pass_logits)
+    recycling = Recycling(drafter, stats) if drafter.top_k else None
 
     while True:
         owed = len(getattr(cache, "owed", ()))
@@ -176,7 +172,7 @@ def speculative_decode(
                 draft, own = grammar_draft(constraint, draft, min(draft_length.max_draft, room))
         if not draft and streams_plain_steps(model, draft_length, owed, width, constraint):
             steps = plain_steps(
-                model, cache, token, params, draws, stats, drafter, draft_length, budget - produced, seen
+                model, cache, token, params, draws, stats, drafter, draft_length, budget - produced, recycling
             )
             for token, row in steps:
                 produced += 1
@@ -186,7 +182,7 @@ def speculative_decode(
         if width is not None:
             width.chosen = owed + 1 + min(chosen, len(draft))
         accepted, token, round_rows = yield from verify_round(
-            model, cache, token, draft, params, constraint, share, draws, width, seen
+            model, cache, token, draft, params, constraint, share, draws, width, recycling
         )
         stats.record_round(len(draft), len(accepted))
         draft_length.observe(own, min(len(accepted), own), round_rows[-1])
@@ -220,7 +216,7 @@ def plain_steps(
     drafter: Drafter,
     draft_length: DraftLength | EntropyDraftLength,
     wanted: int,
-    seen: Callable[[list[int], mx.array], None] | None = None,
+    recycling: Recycling | None = None,
 ) -> Iterator[tuple[int, mx.array]]:
     """Plain steps from `token`, whose round drafted nothing, for as long as rounds would draft nothing: each step's
     pass is queued before the token it feeds is read (as in `plain_decode`), so drafting and graph building overlap
@@ -229,6 +225,7 @@ def plain_steps(
     logits = forward_now(model, token, cache)
     y = pick_token(logits[-1], params, draws)
     mx.async_eval(y)
+    ranked = recycling.rank(logits) if recycling is not None else None
     fed, late = token, Draft([])  # late: the draft a round after the token before y would verify (y its guess)
     while True:
         wanted -= 1
@@ -237,10 +234,11 @@ def plain_steps(
             next_logits = forward_now(model, y, cache)
             next_y = pick_token(next_logits[-1], params, draws)
             mx.async_eval(next_y)
+            next_ranked = recycling.rank(next_logits) if recycling is not None else None
         token = y.item()
         stats.record_round(0, 0)
-        if seen is not None:
-            seen([fed], logits)
+        if recycling is not None:
+            recycling.hear([fed], ranked, logits.shape[-1])
         # A late draft's first token meets y here, so the policy still learns how drafts land.
         draft_length.observe(min(late.depth, 1), int(bool(late) and late.tokens[0] == token), logits[-1])
         with stats.drafting():
@@ -250,7 +248,7 @@ def plain_steps(
             return
         with stats.drafting():
             late = propose(drafter, draft_length, wanted - 1)[0]
-        fed, logits, y = token, next_logits, next_y
+        fed, logits, y, ranked = token, next_logits, next_y, next_ranked
 
 
 def forward_now(model: nn.Module, token: int | mx.array, cache) -> mx.array:
@@ -283,7 +281,7 @@ def verify_round(
     share: bool = False,
     draws: Draws | None = None,
     width: PassWidth | None = None,
-    seen: Callable[[list[int], mx.array], None] | None = None,
+    recycling: Recycling | None = None,
 ):
     """One forward pass over `token` and the draft; the cache keeps only what was accepted (a generator: `yield from`
     it; it yields the pass when `share`, see `forward`; a token tree's pass is always run here).
@@ -294,14 +292,15 @@ def verify_round(
     head of the next pass, which costs that pass width but no pass of its own.
     Returns the accepted drafts, the target's own next token and the logits rows each of them came from (n + 1, V).
     A `constraint` masks the logits the verdict reads (the returned rows stay unmasked); the grammar
-    computes its masks while the pass runs. `seen(fed, rows)` hears every row of the pass, rejected drafts' too.
+    computes its masks while the pass runs. `recycling` hears every row of the pass, rejected drafts' too.
     """
     if draft and draft.parents is not None:
-        return verify_tree_round(model, cache, token, draft, params, draws, seen)
+        return verify_tree_round(model, cache, token, draft, params, draws, recycling)
     owed = getattr(cache, "owed", [])
     inputs = [*owed, token, *draft.tokens]
     snapshot = Snapshot(cache) if draft and has_state(cache) else None
     logits = (yield from forward(model, mx.array([inputs], mx.uint32), cache, share, width))[len(owed) :]  # (n+1, V)
+    ranked = recycling.rank(logits) if recycling is not None else None
     scored = logits
     if constraint is not None:
         mx.async_eval(logits)
@@ -312,8 +311,8 @@ def verify_round(
         verdict = verify_greedy(scored, draft.tokens)
     else:
         verdict = verify_sampled(target_logprobs(scored, params), draft.tokens, draft.probs, draws)
-    if seen is not None:
-        seen([token, *draft.tokens], logits)
+    if recycling is not None:
+        recycling.hear([token, *draft.tokens], ranked, logits.shape[-1])
     kept = len(inputs) - len(draft) + verdict.accepted
     if snapshot is None or kept == len(inputs):
         rewind(cache, len(inputs) - kept)  # drop rejected drafts' KV entries

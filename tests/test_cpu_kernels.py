@@ -151,6 +151,23 @@ def test_argmax_of_long_rows_in_chunks_on_both_threads_is_mlxs(kernels, shape):
         kernels.argmax(x.astype(mx.float16))
 
 
+@pytest.mark.parametrize("shape", [(1, 151936), (5, 49152), (3, 17)])
+@pytest.mark.parametrize("k", [1, 8])
+def test_top_k_is_the_stable_sorts_first_k_among_ties_and_nans(kernels, shape, k):
+    x = mx.round(mx.random.normal(shape, key=mx.random.key(shape[1])) * 3)  # many ties
+    x = mx.where(mx.random.uniform(shape=shape, key=mx.random.key(3)) < 0.01, NAN, x)  # NaNs are never chosen
+    values = np.nan_to_num(np.asarray(x), nan=-np.inf)
+    expected = np.argsort(-values, axis=-1, kind="stable")[:, :k]
+    got = kernels.top_k(x, k)
+    assert got.dtype == mx.int32 and (np.asarray(got) == expected).all()
+    strided = mx.random.normal(shape[::-1], key=mx.random.key(1)).T
+    assert (
+        np.asarray(kernels.top_k(strided, k)) == np.argsort(-np.asarray(strided), axis=-1, kind="stable")[:, :k]
+    ).all()
+    with pytest.raises(ValueError, match="top_k"):
+        kernels.top_k(x, shape[1] + 1)
+
+
 def test_the_backends_argmax_is_mlxs_for_every_dtype():
     from akunu import backends
 

@@ -6,9 +6,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from akunu import backends
 from akunu.draft_length import DraftLength
 from akunu.drafters import make_drafter
-from akunu.drafters.recycle import BLOCK, RecycleDrafter, recycled_guess, top_candidates
+from akunu.drafters.recycle import RecycleDrafter, recycled_guess, top_candidates
 from akunu.errors import OptionsError
 from akunu.generate import GenerationConfig, SpecConfig, generate
 from tests.fakes import FakeTokenizer
@@ -18,13 +19,20 @@ from tests.tiny import tiny_gemma3, tiny_llama, tiny_qwen2
 TOKENIZER = FakeTokenizer()
 
 
-@pytest.mark.parametrize("vocab", [7, BLOCK, 3 * BLOCK + 100])
-def test_top_candidates_are_each_rows_largest_in_order(vocab):
+def hear(drafter, tokens, logits):
+    """A pass that fed `tokens` and gave `logits` after each, as decoding hands it to the drafter."""
+    drafter.recycle(tokens, top_candidates(logits, drafter.top_k), logits.shape[-1])
+
+
+@pytest.mark.parametrize("vocab", [7, 512, 1636])
+def test_top_candidates_are_each_rows_largest_in_order(vocab, monkeypatch):
     logits = mx.random.normal((5, vocab), key=mx.random.key(vocab))
     k = min(8, vocab)
     expected = np.argsort(-np.asarray(logits), axis=-1, kind="stable")[:, :k]
-    assert (top_candidates(logits, 8) == expected).all()
-    assert (top_candidates(logits.astype(mx.bfloat16), 8)[:, 0] == expected[:, 0]).all()
+    assert (np.asarray(top_candidates(logits, 8)) == expected).all()
+    assert (np.asarray(top_candidates(logits.astype(mx.bfloat16), 8))[:, 0] == expected[:, 0]).all()
+    monkeypatch.setattr(backends, "cpu_backend_applies", lambda: False)  # MLX's partition, as on Metal
+    assert (np.asarray(top_candidates(logits, 8)) == expected).all()
 
 
 def test_the_table_keeps_the_latest_top_k_of_every_fed_token_and_drafts_the_favourites():
@@ -33,7 +41,7 @@ def test_the_table_keeps_the_latest_top_k_of_every_fed_token_and_drafts_the_favo
     logits[0, 4], logits[0, 9] = 3.0, 2.0  # after token 1: 4, then 9
     logits[1, 5] = 1.0  # after token 4: 5
     logits[2, 1] = 1.0  # after token 5: 1
-    drafter.recycle([1, 4, 5], logits)
+    hear(drafter, [1, 4, 5], logits)
     assert drafter.candidates(1)[:2] == [4, 9]
     drafter.start([7, 1])
     assert drafter.draft(4).tokens == [4, 5, 1, 4]  # favourite after favourite, from the last committed token
@@ -44,7 +52,7 @@ def test_the_table_keeps_the_latest_top_k_of_every_fed_token_and_drafts_the_favo
 def test_a_recycled_tree_follows_the_template_with_the_favourites_chain_first():
     drafter = RecycleDrafter(tree_nodes=12)
     logits = mx.broadcast_to(-mx.arange(16, dtype=mx.float32), (16, 16)) + mx.eye(16)[::-1] * 100
-    drafter.recycle(list(range(16)), logits)  # after t: 15 - t first, then 0, 1, 2 ...
+    hear(drafter, list(range(16)), logits)  # after t: 15 - t first, then 0, 1, 2 ...
     drafter.start([2])
     draft = drafter.draft(3)
     tree = draft.tree
@@ -60,10 +68,10 @@ class Spy(RecycleDrafter):
         super().__init__(**kwargs)
         self.heard: list[int] = []
 
-    def recycle(self, tokens, logits):
-        assert logits.shape[0] == len(tokens)
+    def recycle(self, tokens, ranked, vocab):
+        assert ranked.shape == (len(tokens), self.top_k)
         self.heard.append(len(tokens))
-        super().recycle(tokens, logits)
+        super().recycle(tokens, ranked, vocab)
 
 
 @pytest.mark.parametrize(
@@ -114,7 +122,7 @@ def test_recycle_specs():
 def test_recycled_drafts_that_never_land_fall_back_to_plain_steps():
     policy = DraftLength(8, [1.0 + 0.2 * k for k in range(9)])
     drafter = RecycleDrafter()
-    drafter.recycle(list(range(8)), mx.eye(8)[[1, 2, 3, 4, 5, 6, 7, 0]] * 10)  # after t: t + 1
+    hear(drafter, list(range(8)), mx.eye(8)[[1, 2, 3, 4, 5, 6, 7, 0]] * 10)  # after t: t + 1
     drafter.start([0])
     assert len(policy.cut(drafter.draft(8))) > 0  # the prior pays for a short draft
     for _ in range(6):
@@ -125,7 +133,7 @@ def test_recycled_drafts_that_never_land_fall_back_to_plain_steps():
 
 def test_the_policy_verifies_a_tree_only_where_its_pass_pays():
     drafter = RecycleDrafter(tree_nodes=12)
-    drafter.recycle(list(range(16)), mx.broadcast_to(-mx.arange(16, dtype=mx.float32), (16, 16)))
+    hear(drafter, list(range(16)), mx.broadcast_to(-mx.arange(16, dtype=mx.float32), (16, 16)))
     drafter.start([5])
     chain_costs = [1.0 + 0.1 * k for k in range(17)]
     dear_trees = DraftLength(8, chain_costs)  # a tree pass costs TREE_COST chains, as on the CPU today

@@ -65,6 +65,25 @@ def argmax(x: Any) -> Any:
     return mx.argmax(x, axis=-1).astype(mx.uint32)
 
 
+def top_k(x: Any, k: int) -> Any:
+    """Each row's k largest values' indices along the last axis (int32, largest first), lazily: on the CPU backend
+    akunu's kernel (ties to the lower index), which skips most of a row at one comparison a vector, else MLX's
+    partition and a sort of the k."""
+    import mlx.core as mx
+
+    if x.dtype != mx.float32:
+        x = x.astype(mx.float32)
+    if x.ndim and 0 < k <= x.shape[-1] and cpu_backend_applies():
+        from akunu.backends.cpu import kernels
+
+        built = kernels.load()
+        if built is not None:
+            return built.top_k(x, k)
+    indices = mx.argpartition(-x, k - 1, axis=-1)[..., :k]
+    order = mx.argsort(-mx.take_along_axis(x, indices, axis=-1), axis=-1)
+    return mx.take_along_axis(indices, order, axis=-1).astype(mx.int32)
+
+
 def tree_pass(model: Any, inputs: Any, cache: list, parents: Any) -> Any | None:
     """A token tree's pass (`drafters.tree.tree_forward`: `inputs` (1, L), `parents` int32 (L,), each row's parent
     row or -1) on the CPU backend's kernels: the model's output, or None where they do not take it (then the caller

@@ -116,9 +116,9 @@ class Drafter:
         """Propose up to `n` tokens (a tree: up to `n` deep) to follow the committed sequence."""
         raise NotImplementedError
 
-    def recycle(self, tokens: Sequence[int], logits: mx.array) -> None:
-        """A verification pass fed `tokens` (the last committed token, then the drafts) and gave `logits`
-        (len(tokens), V) after each; only a drafter with `top_k` is told."""
+    def recycle(self, tokens: Sequence[int], ranked: mx.array, vocab: int) -> None:
+        """A verification pass fed `tokens` (the last committed token, then the drafts) and ranked its `vocab` next
+        tokens after each: `ranked` (len(tokens), top_k) their ids, best first; only a drafter with `top_k` is told."""
 
     def save(self) -> None:
         """Write what is kept across runs (the persistent n-gram cache); most drafters keep nothing."""

@@ -45,10 +45,10 @@ class HybridDrafter(Drafter):
         self.first.update(tokens)
         self.fallback.update(tokens)
 
-    def recycle(self, tokens: Sequence[int], logits) -> None:
+    def recycle(self, tokens: Sequence[int], ranked, vocab: int) -> None:
         for part in (self.first, self.fallback):
             if part.top_k:
-                part.recycle(tokens, logits)
+                part.recycle(tokens, ranked, vocab)
 
     def draft(self, n: int) -> Draft:
         draft = self.first.draft(n)

@@ -17,10 +17,11 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
+from akunu import backends
 from akunu.drafters.base import Draft, Drafter, Guess, TokenTree
+from akunu.stats import GenerationStats
 
 CANDIDATES = 8  # top-k kept per token (Token Recycling's k)
-BLOCK = 512  # the top-k search looks for the k best blocks of this many logits first
 
 # Token Recycling's static tree ("2.2.2" in its repository's tree_template_.py, 80 nodes): each node is the ranks
 # taken from the root down. Its nodes are tried in order of their chance to land, each rank r landing about
@@ -42,30 +43,10 @@ ORDER = sorted(TEMPLATE, key=lambda path: (-np.prod([0.5 / (rank + 1) for rank i
 PRIOR = 0.3  # a recycled favourite's chance before any is verified (measured: 0.25-0.45 by category)
 
 
-def top_candidates(logits: mx.array, k: int = CANDIDATES) -> np.ndarray:
-    """Each row's k largest logits' indices, largest first: (n, V) -> (n, k) int32.
-
-    On the host, over the pass's evaluated logits: the k best of V lie in the k blocks with the best
-    maxima, so one pass of block maxima and a sort of k * BLOCK values replace a partition of all V."""
-    if logits.dtype != mx.float32:
-        logits = logits.astype(mx.float32)
-    rows = np.asarray(logits)
-    n, vocab = rows.shape
-    whole = vocab - vocab % BLOCK
-    maxima = rows[:, :whole].reshape(n, -1, BLOCK).max(axis=-1)
-    if whole < vocab:
-        maxima = np.concatenate([maxima, rows[:, whole:].max(axis=-1, keepdims=True)], axis=1)
-    k = min(k, vocab)
-    blocks = np.argpartition(-maxima, min(k, maxima.shape[1]) - 1, axis=-1)[:, :k]  # (n, k)
-    columns = (blocks[:, :, None] * BLOCK + np.arange(BLOCK)).reshape(n, -1)
-    columns = np.minimum(columns, vocab - 1)  # the last block may be short: its overhang repeats the last logit
-    values = np.take_along_axis(rows, columns, axis=-1)
-    order = np.argsort(-values, axis=-1, kind="stable")
-    ranked = np.take_along_axis(columns, order, axis=-1)
-    out = np.empty((n, k), np.int32)
-    for row in range(n):  # the overhang's repeats of the last column count once
-        out[row] = list(dict.fromkeys(ranked[row].tolist()))[:k]
-    return out
+def top_candidates(logits: mx.array, k: int = CANDIDATES) -> mx.array:
+    """Each row's k largest logits' indices, largest first: (n, V) -> (n, min(k, V)) int32, lazily, so a pass's graph
+    finds them beside its logits and only k ids a row come back to the host."""
+    return backends.top_k(logits, min(k, logits.shape[-1]))
 
 
 class RecycleDrafter(Drafter):
@@ -87,12 +68,13 @@ class RecycleDrafter(Drafter):
         if tokens:
             self.last = tokens[-1]
 
-    def recycle(self, tokens: Sequence[int], logits: mx.array) -> None:
-        """A pass fed `tokens` and gave `logits` (len(tokens), V) after each: keep each one's top-k."""
-        vocab = logits.shape[-1]
+    def recycle(self, tokens: Sequence[int], ranked: mx.array, vocab: int) -> None:
+        """A pass fed `tokens` and ranked its `vocab` next tokens after each: keep each one's top-k (`ranked`,
+        (len(tokens), <= top_k) ids, best first, as `top_candidates` gives them)."""
         if self.table is None or self.table.shape[0] < vocab:
             self.table = np.full((vocab, self.top_k), -1, np.int32)
-        self.table[np.asarray(tokens, np.int64)] = top_candidates(logits, self.top_k)
+        rows = np.asarray(ranked)
+        self.table[np.asarray(tokens, np.int64), : rows.shape[1]] = rows
 
     def candidates(self, token: int) -> list[int]:
         """The ranked next tokens the target last gave after `token` (empty if it has not been fed)."""
@@ -136,6 +118,23 @@ class RecycleDrafter(Drafter):
             kids = sorted((p for p in chosen if len(p) == len(path) + 1 and p[:-1] == path), reverse=True)
             stack.extend((kid, len(tokens) - 1) for kid in kids)
         return TokenTree(tokens, parents), ranks
+
+
+class Recycling:
+    """Hands a drafter with `top_k` every pass's rows: their top-k found beside the pass (`rank`, queued as its graph
+    is built), then kept once the pass has run (`hear`), so the host reads k ids a row, not the logits."""
+
+    def __init__(self, drafter: Drafter, stats: GenerationStats) -> None:
+        self.drafter, self.stats = drafter, stats
+
+    def rank(self, logits: mx.array) -> mx.array:
+        ranked = top_candidates(logits, self.drafter.top_k)
+        mx.async_eval(ranked)
+        return ranked
+
+    def hear(self, tokens: Sequence[int], ranked: mx.array, vocab: int) -> None:
+        with self.stats.drafting():
+            self.drafter.recycle(tokens, ranked, vocab)
 
 
 def recycled_guess(depth: int, rank: int = 0) -> Guess:

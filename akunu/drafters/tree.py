@@ -19,8 +19,8 @@ each node by its own position.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,6 +30,9 @@ from akunu.drafters.base import Draft, NGramDrafter, TokenTree
 from akunu.errors import OptionsError
 from akunu.kv_cache import rewind
 from akunu.sampling import Draws, SamplingParams, target_logprobs
+
+if TYPE_CHECKING:
+    from akunu.drafters.recycle import Recycling
 
 # mlx-lm architectures whose internals akunu reaches into (layers, self_attn.rope, zip(layers, cache)).
 SUPPORTED = ("llama", "qwen2", "gemma3_text")
@@ -273,20 +276,21 @@ def verify_tree_round(
     draft: Draft,
     params: SamplingParams,
     draws: Draws | None = None,
-    seen: Callable[[list[int], mx.array], None] | None = None,
+    recycling: Recycling | None = None,
 ):
-    """Run a token-tree draft after `root`, keep the accepted path in the cache; `seen(fed, rows)` hears every row.
+    """Run a token-tree draft after `root`, keep the accepted path in the cache; `recycling` hears every row.
 
     Returns the accepted tokens, the target's next token and the logits rows each of them came from.
     """
     tree = draft.tree
     prefix = cache[0].offset
     logits = tree_forward(model, cache, root, tree)
+    ranked = recycling.rank(logits) if recycling is not None else None
     if params.greedy:
         path, token = verify_tree_greedy(logits, tree)
     else:
         path, token = verify_tree_sampled(target_logprobs(logits, params), tree, draws)
-    if seen is not None:
-        seen([root, *tree.tokens], logits)
+    if recycling is not None:
+        recycling.hear([root, *tree.tokens], ranked, logits.shape[-1])
     keep_path(cache, prefix, len(tree) + 1, path)
     return [tree.tokens[i - 1] for i in path[1:]], token, logits[mx.array(path)]

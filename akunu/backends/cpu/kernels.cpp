@@ -995,6 +995,54 @@ void argmax_kernel(const array& x, array& out) {
   }
 }
 
+// ---- top k --------------------------------------------------------------------------------------
+
+// Whether any lane of v is greater than t: most blocks of a row's logits are skipped at this one test.
+inline bool any_above(vf v, float t) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask(v, _mm512_set1_ps(t), _CMP_GT_OQ) != 0;
+#elif defined(__AVX__)
+  return _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(t), _CMP_GT_OQ)) != 0;
+#else
+  float b[W];
+  store(b, v);
+  return std::any_of(b, b + W, [t](float x) { return x > t; });
+#endif
+}
+
+// The indices of the k largest of p[0, n), largest first, ties to the lower index (NaNs never chosen while k numbers
+// remain): the top k of the next token that Token Recycling keeps after each token a pass was fed.
+void top_k_row(const float* p, int n, int k, int32_t* out) {
+  std::vector<std::pair<float, int32_t>> best;  // sorted, largest first
+  best.reserve(k + 1);
+  const auto offer = [&](float value, int32_t index) {
+    if (std::isnan(value)) return;
+    if (int(best.size()) == k && !(value > best.back().first)) return;
+    auto at = best.begin();
+    while (at != best.end() && at->first >= value) ++at;  // equal values keep the lower index first
+    best.insert(at, {value, index});
+    if (int(best.size()) > k) best.pop_back();
+  };
+  int i = 0;
+  for (; i + W <= n; i += W)
+    if (int(best.size()) < k || any_above(load(p + i), best.back().first))
+      for (int j = 0; j < W; j++) offer(p[i + j], i + j);
+  for (; i < n; i++) offer(p[i], i);
+  for (int j = 0; j < k; j++) out[j] = j < int(best.size()) ? best[j].second : -1;
+}
+
+void top_k_kernel(const array& x, int k, array& out) {
+  const int n = x.shape(-1);
+  array rows_source = x;
+  if (x.strides().back() != 1) {  // a contiguous copy
+    rows_source = scratch(x.shape());
+    copy_rows(x, rows_source);
+  }
+  const auto rows = row_offsets(rows_source);
+  const float* data = rows_source.data<float>();
+  for (size_t r = 0; r < rows.size(); r++) top_k_row(data + rows[r], n, k, out.data<int32_t>() + r * k);
+}
+
 // ---- MLX primitives -----------------------------------------------------------------------------
 
 using Kernel = std::function<void(const std::vector<array>&, std::vector<array>&)>;
@@ -1081,6 +1129,26 @@ class SwiGLUHalves : public CpuPrimitive {
   Kernel kernel() const override {
     return [](const std::vector<array>& in, std::vector<array>& out) { swiglu_halves_kernel(in[0], out[0]); };
   }
+};
+
+class TopK : public CpuPrimitive {
+ public:
+  TopK(Stream stream, int k) : CpuPrimitive(stream), k_(k) {}
+  const char* name() const override { return "AkunuTopK"; }
+  std::vector<Shape> output_shapes(const std::vector<array>& in) override {
+    Shape shape = in[0].shape();
+    shape.back() = k_;
+    return {shape};
+  }
+  bool is_equivalent(const Primitive& other) const override { return k_ == static_cast<const TopK&>(other).k_; }
+
+ protected:
+  Kernel kernel() const override {
+    return [k = k_](const std::vector<array>& in, std::vector<array>& out) { top_k_kernel(in[0], k, out[0]); };
+  }
+
+ private:
+  int k_;
 };
 
 class Argmax : public CpuPrimitive {
@@ -1286,6 +1354,14 @@ array argmax(const array& x) {
   require_float32(x, "argmax input");
   if (x.ndim() == 0 || x.shape(-1) == 0) throw std::invalid_argument("argmax expects x (..., n) with n > 0");
   return array(Shape(x.shape().begin(), x.shape().end() - 1), uint32, std::make_shared<Argmax>(cpu_stream()), {x});
+}
+
+array top_k(const array& x, int k) {
+  require_float32(x, "top_k input");
+  if (x.ndim() == 0 || k < 1 || k > x.shape(-1)) throw std::invalid_argument("top_k expects x (..., n) and 1 <= k <= n");
+  Shape shape = x.shape();
+  shape.back() = k;
+  return array(shape, int32, std::make_shared<TopK>(cpu_stream(), k), {x});
 }
 
 array rms_norm(const array& x, const array& weight, float eps) {
@@ -1596,5 +1672,7 @@ NB_MODULE(akunu_cpu_kernels, m) {
         "x + swiglu_halves(rms_norm(x) @ wgate_up) @ wdown, one node");
   m.def("has_products", []() { return process_sgemm() != nullptr; }, "whether the layer halves can call cblas_sgemm here");
   m.def("argmax", &argmax, nb::arg("x"), "each row's index of its largest value (or first NaN), as mx.argmax over the last axis");
+  m.def("top_k", &top_k, nb::arg("x"), nb::arg("k"),
+        "each row's k largest values' indices (int32), largest first, ties to the lower index, over the last axis");
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"), "weight * x / sqrt(mean(x^2) + eps)");
 }
