@@ -29,7 +29,6 @@ constexpr int OUT_BLOCK = 4;   // weight rows taken together: 4 rows x a block's
 constexpr int QUADS = 8;       // quads in a group: its dot product takes 8 vpdpbusd
 constexpr int CHUNK = 8;       // blocks of columns unpacked at a time (stays in L1 with x's rows)
 constexpr int DIRECT_ROWS = 4; // up to this many rows, weights are used straight from registers
-constexpr int DIRECT_BITS = 5; // wider weights (two loads a block) run faster through the buffer
 constexpr int ROW_TILE = DIRECT_ROWS;  // rows of x sharing the buffer's weights (wider weights take fours from 3 rows)
 constexpr int LONG_ROW = 1024; // bytes: a single row of x reads weight rows this long one after another (`one_row`)
 constexpr int PREFETCH = 1024; // bytes ahead along a weight row that a path asks for
@@ -615,12 +614,12 @@ inline void finish_rows(const Weights& w, int first, int count, const QuantizedR
 }
 
 // Running sums acc[m] of one block of OUT_BLOCK weight rows: for one row of x against long rows, a weight row at a
-// time; straight from registers for a few rows of x; else unpacked CHUNK blocks of columns at a time into a buffer
-// that stays in L1 with the rows it meets.
+// time; straight from registers for the rows of x that do not take fours; for a matrix's last, partial block,
+// unpacked CHUNK blocks of columns at a time into a buffer that stays in L1 with the rows it meets.
 void row_block_sums(const QuantizedRows& qx, const Weights& w, const Layout& layout, int first, int count,
                     Unpacked& buffer, __m512* acc) {
   if (qx.rows == 1 && w.row_bytes() >= LONG_ROW) return one_row(qx, w, layout, first, acc);
-  if (count == OUT_BLOCK && qx.rows <= direct_rows(layout) && w.bits <= DIRECT_BITS) {
+  if (count == OUT_BLOCK && qx.rows <= direct_rows(layout)) {
     switch (qx.rows) {
       case 1: return direct<1>(qx, w, layout, first, acc);
       case 2: return direct<2>(qx, w, layout, first, acc);
