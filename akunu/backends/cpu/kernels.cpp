@@ -753,6 +753,14 @@ void copy_rows(const array& x, array& out) {
     for (int i = 0; i < n; i++) out.data<float>()[r * n + i] = x.data<float>()[rows[r] + i * x.strides().back()];
 }
 
+// x itself when each row's elements are adjacent, else a contiguous copy of its rows.
+array unit_stride_rows(const array& x) {
+  if (x.strides().back() == 1) return x;
+  array copy = scratch(x.shape());
+  copy_rows(x, copy);
+  return copy;
+}
+
 // quantized.cpp's product into rows y_stride floats apart, handed in by quantized.py (`use_quantized_product`).
 using RowsProduct = void (*)(const float* x, int rows, int columns, const uint8_t* packed, const void* scales,
                              const void* biases, int scale_type, int outputs, int bits, float* y, int64_t y_stride);
@@ -973,11 +981,7 @@ Best chunk_best(const float* p, int n, int64_t first) {
 // Each row's answer as mx.argmax gives it: chunks in order, the first NaN or else the largest value, ties to the first.
 void argmax_kernel(const array& x, array& out) {
   const int n = x.shape(-1);
-  array rows_source = x;
-  if (x.strides().back() != 1) {  // a contiguous copy
-    rows_source = scratch(x.shape());
-    copy_rows(x, rows_source);
-  }
+  const array rows_source = unit_stride_rows(x);
   const auto rows = row_offsets(rows_source);
   const float* data = rows_source.data<float>();
   const int chunks = (n + ARGMAX_CHUNK - 1) / ARGMAX_CHUNK;
@@ -1033,11 +1037,7 @@ void top_k_row(const float* p, int n, int k, int32_t* out) {
 
 void top_k_kernel(const array& x, int k, array& out) {
   const int n = x.shape(-1);
-  array rows_source = x;
-  if (x.strides().back() != 1) {  // a contiguous copy
-    rows_source = scratch(x.shape());
-    copy_rows(x, rows_source);
-  }
+  const array rows_source = unit_stride_rows(x);
   const auto rows = row_offsets(rows_source);
   const float* data = rows_source.data<float>();
   for (size_t r = 0; r < rows.size(); r++) top_k_row(data + rows[r], n, k, out.data<int32_t>() + r * k);

@@ -21,7 +21,7 @@ namespace akunu::quantized::avx2 {
 #define AKUNU_INLINE inline __attribute__((always_inline))  // the hot helpers: GCC left some as calls
 
 constexpr int CHUNK = 8;        // groups whose dot products one tree of vphaddd gives
-constexpr int TILE_ROWS = 4;    // rows of x sharing a chunk's unpacked weights in registers (5 or 6 rows: one tile)
+constexpr int TILE_ROWS = 4;    // rows of x sharing a chunk's unpacked weights in registers
 constexpr int PREFETCH = 512;   // bytes ahead along a weight row
 
 // x's rows quantized per group in the order the weights unpack to, padded to whole chunks (and to 16 groups for the
@@ -313,27 +313,25 @@ void block_rows(const ProductCall& call, const Cut<BITS>& cut, int o0, int m0) {
   }
 }
 
-// Blocks [begin, end) of 4 weight rows: their outputs for every row of x, TILE_ROWS rows of x at a time; 5 or 6 rows
-// in one tile, as a second tile would unpack every chunk again.
+// Blocks [begin, end) of 4 weight rows: their outputs for every row of x, TILE_ROWS rows of x at a time; up to
+// ONE_TILE rows in a single tile, as a second tile would unpack every chunk again.
 template <int BITS, Scale TYPE>
 void product_blocks(const void* context, int begin, int end) {
+  constexpr int ONE_TILE = 6;
   const ProductCall& call = *static_cast<const ProductCall*>(context);
   const Cut<BITS> cut;
-  const int rows = call.x.rows;
-  for (int block = begin; block < end; block++) {
-    if (rows == 5 || rows == 6) {
-      rows == 5 ? block_rows<BITS, TYPE, 5>(call, cut, 4 * block, 0) : block_rows<BITS, TYPE, 6>(call, cut, 4 * block, 0);
-      continue;
+  const int rows = call.x.rows, tile = rows <= ONE_TILE ? rows : TILE_ROWS;
+  for (int block = begin; block < end; block++)
+    for (int m = 0; m < rows; m += tile) {
+      switch (std::min(tile, rows - m)) {
+        case 6: block_rows<BITS, TYPE, 6>(call, cut, 4 * block, m); break;
+        case 5: block_rows<BITS, TYPE, 5>(call, cut, 4 * block, m); break;
+        case 4: block_rows<BITS, TYPE, 4>(call, cut, 4 * block, m); break;
+        case 3: block_rows<BITS, TYPE, 3>(call, cut, 4 * block, m); break;
+        case 2: block_rows<BITS, TYPE, 2>(call, cut, 4 * block, m); break;
+        default: block_rows<BITS, TYPE, 1>(call, cut, 4 * block, m); break;
+      }
     }
-    int m = 0;
-    for (; m + TILE_ROWS <= rows; m += TILE_ROWS) block_rows<BITS, TYPE, TILE_ROWS>(call, cut, 4 * block, m);
-    switch (rows - m) {
-      case 3: block_rows<BITS, TYPE, 3>(call, cut, 4 * block, m); break;
-      case 2: block_rows<BITS, TYPE, 2>(call, cut, 4 * block, m); break;
-      case 1: block_rows<BITS, TYPE, 1>(call, cut, 4 * block, m); break;
-      default: break;
-    }
-  }
 }
 
 // ---- Several rows of x: a chunk's weights transposed once, then every row multiplied without horizontal sums ----
