@@ -121,6 +121,7 @@ def stream_generate(
     constraint: Constraint | None = None,
     between_chunks: Callable[[], None] | None = None,
     share_passes: bool = False,
+    prefill_turns: bool | None = None,
 ) -> Iterator[GenerationResponse | Pass | PrefillChunk]:
     """Generate from token ids, yielding a response per token (and a final flush).
 
@@ -130,8 +131,9 @@ def stream_generate(
     keeps the output inside its grammar, e.g. a JSON schema; without one, `config.grammar` makes one.
     `between_chunks()` runs between the prompt's prefill chunks and may raise to stop the prefill there.
     With `share_passes`, each decode pass is yielded as a `Pass` for the caller to run, maybe beside other
-    generations' (akunu.shared_pass), before it asks for the next response, and each prefill chunk ends with a
-    `PrefillChunk` (akunu.forward), where the caller may run other requests' steps.
+    generations' (akunu.shared_pass), before it asks for the next response. With `prefill_turns` (by default
+    `share_passes`) each prefill chunk ends with a `PrefillChunk` (akunu.forward), where the caller may run other
+    requests' steps.
     """
     _check_prompt(prompt, config, context_length)
     params = config.sampling
@@ -154,7 +156,9 @@ def stream_generate(
     to_feed = prompt_cache.reuse(prompt)
     stats.prefilled_tokens = len(to_feed)
     logits = yield from _prefill(
-        prompt_cache.prefill(model, to_feed, config.prefill_step), between_chunks, share_passes
+        prompt_cache.prefill(model, to_feed, config.prefill_step),
+        between_chunks,
+        share_passes if prefill_turns is None else prefill_turns,
     )
     rows = [] if config.logprobs is not None else None  # each token's logits row, appended as it is yielded
     tokens = _decode_loop(
@@ -194,8 +198,8 @@ def stream_generate(
     yield GenerationResponse(tail, None, False, stats.snapshot(), stats.finish_reason)
 
 
-def _prefill(chunks, between_chunks, share: bool):
-    """Run a prefill's chunks (`yield from`), `between_chunks()` after each; with `share` each PREFILL_CHUNK is
+def _prefill(chunks, between_chunks, turns: bool):
+    """Run a prefill's chunks (`yield from`), `between_chunks()` after each; with `turns` each PREFILL_CHUNK is
     handed on too, so the caller may give other requests a turn there. Returns the logits."""
     while True:
         try:
@@ -204,7 +208,7 @@ def _prefill(chunks, between_chunks, share: bool):
             return done.value
         if between_chunks is not None:
             between_chunks()
-        if share:
+        if turns:
             yield chunk
 
 

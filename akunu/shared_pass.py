@@ -37,6 +37,12 @@ def can_share(shared: Pass) -> bool:
     )
 
 
+def passes_share(model) -> bool:
+    """Whether the model's decode passes may ever carry several requests' rows (else a generation had better run
+    its own passes: `akunu.decode` then queues plain steps ahead)."""
+    return _takes_several_rows(model)
+
+
 def _takes_several_rows(model) -> bool:
     """`backends.takes_several_rows`, worked out once per model (it walks the modules)."""
     known = model.__dict__.get(_SEVERAL_ROWS)

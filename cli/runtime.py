@@ -242,10 +242,10 @@ def costs_for(loaded, config):
 
 
 def stream(loaded, prompt_ids: list[int], config, *, prompt_cache=None, costs=None, drafter=None, constraint=None,
-           between_chunks=None, share_passes=False):  # fmt: skip
+           between_chunks=None, share_passes=False, prefill_turns=None):  # fmt: skip
     """The engine's response stream for one generation (`drafter`: None for the default drafter;
-    `constraint`: the grammar the output follows, akunu.grammar; `between_chunks`, `share_passes`: see
-    stream_generate; passes are not shared across ranks)."""
+    `constraint`: the grammar the output follows, akunu.grammar; `between_chunks`, `share_passes`, `prefill_turns`:
+    see stream_generate; passes are not shared across ranks)."""
     from akunu import distributed
     from akunu.generate import stream_generate
 
@@ -268,6 +268,7 @@ def stream(loaded, prompt_ids: list[int], config, *, prompt_cache=None, costs=No
         constraint=constraint,
         between_chunks=between_chunks,
         share_passes=share_passes,
+        prefill_turns=prefill_turns,
     )
 
 

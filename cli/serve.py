@@ -347,11 +347,16 @@ class Drafting:
         return make_drafter_for(loaded, config, self.draft, self.draft_model, None, self.tree, load=self.load)
 
     def stream(self, loaded, job, prompt_cache, costs):
-        """The engine's response stream for one request (the worker's `run`); a request may turn drafting off."""
+        """The engine's response stream for one request (the worker's `run`); a request may turn drafting off.
+        Its passes are handed to the worker only where they can share a pass with other requests': a model whose
+        step takes one row (the CPU backend's) runs them in its own loop, which queues each plain step ahead."""
+        from akunu.shared_pass import passes_share
+
         drafter = self.drafter(loaded, job.config) if job.config.spec.enabled else None
         return runtime.stream(
             loaded, job.prompt_ids, job.config, prompt_cache=prompt_cache, costs=costs, drafter=drafter,
-            constraint=job.constraint, between_chunks=job.between_chunks, share_passes=True,
+            constraint=job.constraint, between_chunks=job.between_chunks, share_passes=passes_share(loaded.model),
+            prefill_turns=True,
         )  # fmt: skip
 
 

@@ -178,6 +178,20 @@ def test_layers_are_swapped_and_give_mlxs_logits_to_int8_activations_rounding(ke
     assert quantized.disable(model) > 0 and type(model.model.layers[0].self_attn.q_proj) is nn.QuantizedLinear
 
 
+@pytest.mark.parametrize("bits", [2, 4, 6, 8])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_embedding_rows_read_as_bytes_are_mlxs_dequantized_rows(bits, dtype):
+    table = nn.Embedding(300, 128)
+    table.weight = mx.random.normal((300, 128), key=mx.random.key(bits)).astype(dtype)
+    mlx_rows, ours = (nn.QuantizedEmbedding.from_embedding(table, group_size=32, bits=bits) for _ in range(2))
+    ours.__class__ = quantized.CpuQuantizedEmbedding  # as `quantized.enable` swaps it
+    tokens = mx.array([[3, 299, 0, 17], [17, 17, 250, 1]], mx.uint32)
+    want = mlx_rows(tokens)
+    got = ours(tokens)
+    assert got.dtype == want.dtype and got.shape == want.shape == (2, 4, 128)
+    assert mx.array_equal(got, want).item()
+
+
 def test_greedy_speculative_equals_plain_on_the_kernel(kernel):
     model = _tiny_quantized_llama(5)
     quantized.enable(model)

@@ -12,7 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
+from akunu.shared_pass import passes_share
 from tests.fakes import make_loaded
+from tests.kernel_models import applied
 from tests.serve_fixtures import USER, SlowModel
 from tests.tiny import tiny_llama
 from tests.tiny_archs import tiny_model
@@ -176,3 +178,26 @@ def test_requests_wait_for_kv_memory_and_one_that_never_fits_is_refused(fake_eng
         client.chat.completions.create(model="tiny", messages=USER, max_tokens=200)
     assert "--max-kv-memory" in refused.value.body["message"] and refused.value.body["param"] == "max_tokens"
     assert answer(client, {"messages": USER, "max_tokens": 10})[0]  # the server goes on
+
+
+def test_streams_that_run_their_own_passes_take_turns_a_token_each(fake_engine, serve):
+    # The CPU backend's step takes one row, so no pass is shared: each stream runs its own passes (queuing each plain
+    # step ahead), and the worker gives each a turn per token.
+    model = applied("llama")
+    if passes_share(model):
+        pytest.skip("the CPU backend's step is not in use here")
+    fake_engine.loaded = make_loaded(model=SlowModel(model, delay=0.002))
+    server = serve("--parallel", "4")
+    client = server.client()
+    alone = [answer(client, request) for request in REQUESTS[:3]]
+    long_streams = [client.chat.completions.create(model="tiny", messages=USER, max_tokens=300, stream=True)
+                    for _ in range(3)]  # fmt: skip
+    for stream in long_streams:
+        next(iter(stream))  # all three are generating
+    with ThreadPoolExecutor(3) as pool:
+        beside = list(pool.map(lambda request: answer(client, request), REQUESTS[:3]))
+    assert server.worker.running == 3  # answered while the long ones still run
+    assert [found[:3] for found in beside] == [found[:3] for found in alone]
+    assert server.worker.metrics.registry.get_sample_value("akunu_forward_passes_shared_total") == 0
+    for stream in long_streams:
+        stream.close()

@@ -276,7 +276,8 @@ class Worker:
 
     def _step(self, running: _Running) -> None:
         """Run the job's stream up to its next forward pass (`running.pending`) or through one prefill chunk,
-        handing on the responses before it; the job leaves the batch when its stream ends, fails or is cancelled."""
+        handing on the responses before it; a stream that runs its own passes gets a turn of one token. The job
+        leaves the batch when its stream ends, fails or is cancelled."""
         from akunu.decode import Pass
         from akunu.forward import PrefillChunk
 
@@ -296,11 +297,13 @@ class Worker:
                 if job.cancelled.is_set():  # checked per token, so at most the pass in flight is wasted
                     running.finish = "cancelled"
                     break
+                if not running.yields_passes and response.finish_reason is None:
+                    return  # its turn: the other jobs' steps run while its next pass, queued already, runs
         except Exception as error:  # noqa: BLE001  (JobCancelled, a bad request, or a fault: see _end)
             self._end(running, error)
             return
         if isinstance(response, Pass) and not job.cancelled.is_set():
-            running.pending = response
+            running.pending, running.yields_passes = response, True
         elif not isinstance(response, PrefillChunk):
             running.finish = "cancelled" if job.cancelled.is_set() and running.stats else running.finish
             self._end(running)
@@ -371,6 +374,7 @@ class _Running:
     finish: str | None = None
     first_response: float | None = None
     pending: object = None  # the forward pass its stream waits for (akunu.decode.Pass)
+    yields_passes: bool = False  # its stream hands its passes to the worker (else it runs them: a token is a turn)
 
 
 def _mib(size: int) -> str:
