@@ -33,18 +33,14 @@ def can_share(shared: Pass) -> bool:
     return (
         not hasattr(shared.model, "draft_room")  # exact mode's fixed-width model
         and all(type(c) is KVCache for c in shared.cache)
-        and _takes_several_rows(shared.model)
+        and passes_share(shared.model)
     )
 
 
 def passes_share(model) -> bool:
     """Whether the model's decode passes may ever carry several requests' rows (else a generation had better run
-    its own passes: `akunu.decode` then queues plain steps ahead)."""
-    return _takes_several_rows(model)
-
-
-def _takes_several_rows(model) -> bool:
-    """`backends.takes_several_rows`, worked out once per model (it walks the modules)."""
+    its own passes: `akunu.decode` then queues plain steps ahead): `backends.takes_several_rows`, worked out once per
+    model (it walks the modules)."""
     known = model.__dict__.get(_SEVERAL_ROWS)
     if known is None:
         known = model.__dict__[_SEVERAL_ROWS] = backends.takes_several_rows(model)
