@@ -121,7 +121,7 @@ def stream_generate(
     constraint: Constraint | None = None,
     between_chunks: Callable[[], None] | None = None,
     share_passes: bool = False,
-    prefill_turns: bool | None = None,
+    prefill_turns: bool = False,
 ) -> Iterator[GenerationResponse | Pass | PrefillChunk]:
     """Generate from token ids, yielding a response per token (and a final flush).
 
@@ -131,9 +131,8 @@ def stream_generate(
     keeps the output inside its grammar, e.g. a JSON schema; without one, `config.grammar` makes one.
     `between_chunks()` runs between the prompt's prefill chunks and may raise to stop the prefill there.
     With `share_passes`, each decode pass is yielded as a `Pass` for the caller to run, maybe beside other
-    generations' (akunu.shared_pass), before it asks for the next response. With `prefill_turns` (by default
-    `share_passes`) each prefill chunk ends with a `PrefillChunk` (akunu.forward), where the caller may run other
-    requests' steps.
+    generations' (akunu.shared_pass), before it asks for the next response. With `prefill_turns` each prefill chunk
+    ends with a `PrefillChunk` (akunu.forward), where the caller may run other requests' steps.
     """
     _check_prompt(prompt, config, context_length)
     params = config.sampling
@@ -156,9 +155,7 @@ def stream_generate(
     to_feed = prompt_cache.reuse(prompt)
     stats.prefilled_tokens = len(to_feed)
     logits = yield from _prefill(
-        prompt_cache.prefill(model, to_feed, config.prefill_step),
-        between_chunks,
-        share_passes if prefill_turns is None else prefill_turns,
+        prompt_cache.prefill(model, to_feed, config.prefill_step), between_chunks, prefill_turns
     )
     rows = [] if config.logprobs is not None else None  # each token's logits row, appended as it is yielded
     tokens = _decode_loop(

@@ -242,7 +242,7 @@ def costs_for(loaded, config):
 
 
 def stream(loaded, prompt_ids: list[int], config, *, prompt_cache=None, costs=None, drafter=None, constraint=None,
-           between_chunks=None, share_passes=False, prefill_turns=None):  # fmt: skip
+           between_chunks=None, share_passes=False, prefill_turns=False):  # fmt: skip
     """The engine's response stream for one generation (`drafter`: None for the default drafter;
     `constraint`: the grammar the output follows, akunu.grammar; `between_chunks`, `share_passes`, `prefill_turns`:
     see stream_generate; passes are not shared across ranks)."""
